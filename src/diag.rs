@@ -1,0 +1,371 @@
+//! What the kernel says about this process: map counts, `numa_maps`, `smaps`, RSS.
+#![allow(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+
+use numapin_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::node::{KernelMask, Node, NodeSet, possible_node_count};
+use crate::policy::{DegradeReason, MemPolicy, ModeFlags, Observed};
+
+fn read(path: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))
+}
+
+/// Number of mappings (VMAs) this process has: lines of `/proc/self/maps`.
+///
+/// # Errors
+/// `/proc/self/maps` cannot be read.
+pub fn map_count() -> Result<usize> {
+    Ok(read("/proc/self/maps")?.lines().count())
+}
+
+/// Number of mappings that overlap `[start, end)`.
+///
+/// # Errors
+/// `/proc/self/maps` cannot be read.
+pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
+    let maps = read("/proc/self/maps")?;
+    Ok(maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.split_once('-'))
+        .filter_map(|(a, b)| {
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .filter(|&(a, b)| a < end && start < b)
+        .count())
+}
+
+/// `vm.max_map_count`: how many mappings a process may have.
+///
+/// # Errors
+/// The sysctl cannot be read or parsed.
+pub fn max_map_count() -> Result<usize> {
+    let path = "/proc/sys/vm/max_map_count";
+    let text = read(path)?;
+    text.trim()
+        .parse()
+        .map_err(|_| Error::invalid("read", format!("{path}: unparsable {text:?}")))
+}
+
+/// A `kB` field of `/proc/self/status` (`VmLck`, `VmRSS`, ...), in KiB.
+///
+/// # Errors
+/// `/proc/self/status` cannot be read.
+pub fn status_kib(field: &str) -> Result<Option<u64>> {
+    Ok(kib_field(&read("/proc/self/status")?, field))
+}
+
+fn kib_field(text: &str, field: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(field)?.strip_prefix(':')?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Resident bytes of this process (`Rss` of `/proc/self/smaps_rollup`).
+///
+/// # Errors
+/// `smaps_rollup` cannot be read or has no `Rss` line.
+pub fn rss_bytes() -> Result<u64> {
+    let text = read("/proc/self/smaps_rollup")?;
+    kib_field(&text, "Rss")
+        .map(|k| k * 1024)
+        .ok_or_else(|| Error::invalid("read", "/proc/self/smaps_rollup has no Rss line"))
+}
+
+/// The memory figures of one mapping in `/proc/self/smaps`, in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SmapsEntry {
+    /// Start address.
+    pub start: usize,
+    /// End address (exclusive).
+    pub end: usize,
+    /// `Rss`.
+    pub rss: u64,
+    /// `Anonymous`.
+    pub anonymous: u64,
+    /// `AnonHugePages`.
+    pub anon_huge: u64,
+    /// `Shared_Clean + Shared_Dirty`.
+    pub shared: u64,
+    /// `Private_Clean + Private_Dirty`.
+    pub private: u64,
+    /// `Locked`.
+    pub locked: u64,
+}
+
+/// The `smaps` entries of the mappings that overlap `[start, end)`.
+///
+/// # Errors
+/// `/proc/self/smaps` cannot be read.
+pub fn smaps_in_range(start: usize, end: usize) -> Result<Vec<SmapsEntry>> {
+    Ok(parse_smaps(&read("/proc/self/smaps")?)
+        .into_iter()
+        .filter(|e| e.start < end && start < e.end)
+        .collect())
+}
+
+fn parse_smaps(text: &str) -> Vec<SmapsEntry> {
+    let mut out: Vec<SmapsEntry> = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+        {
+            out.push(SmapsEntry {
+                start: a,
+                end: b,
+                ..SmapsEntry::default()
+            });
+            continue;
+        }
+        let (Some(entry), Some(key)) = (out.last_mut(), first.strip_suffix(':')) else {
+            continue;
+        };
+        let bytes = words
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024;
+        match key {
+            "Rss" => entry.rss = bytes,
+            "Anonymous" => entry.anonymous = bytes,
+            "AnonHugePages" => entry.anon_huge = bytes,
+            "Shared_Clean" | "Shared_Dirty" => entry.shared += bytes,
+            "Private_Clean" | "Private_Dirty" => entry.private += bytes,
+            "Locked" => entry.locked = bytes,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One line of `/proc/<pid>/numa_maps`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NumaMapsEntry {
+    /// Start address of the mapping.
+    pub address: usize,
+    /// The policy as the kernel prints it: `default`, `bind:0-1`, `prefer (many):0-1`,
+    /// `interleave=static:0-2`, `weighted interleave:0-2`.
+    pub policy: String,
+    /// Pages per node (`N0=12`), in pages of `kernel_page_kib`.
+    pub pages: BTreeMap<Node, u64>,
+    /// `anon=` pages.
+    pub anon: u64,
+    /// `dirty=` pages.
+    pub dirty: u64,
+    /// `mapped=` pages (file-backed pages mapped).
+    pub mapped: u64,
+    /// The `file=` path, if any.
+    pub file: Option<String>,
+    /// Whether the mapping is hugetlb (`huge`).
+    pub huge: bool,
+    /// `kernelpagesize_kB=`.
+    pub kernel_page_kib: u64,
+}
+
+impl NumaMapsEntry {
+    /// The policy name without flags or nodes (`bind`, `prefer (many)`).
+    pub fn policy_mode(&self) -> &str {
+        let head = self.policy.split(':').next().unwrap_or("");
+        head.split('=').next().unwrap_or(head)
+    }
+
+    /// The mode flags suffix, if any (`static`, `relative`, `balancing`).
+    pub fn policy_flags(&self) -> Option<&str> {
+        let head = self.policy.split(':').next()?;
+        head.split_once('=').map(|(_, f)| f)
+    }
+
+    /// The policy's node list, if it has one.
+    pub fn policy_nodes(&self) -> Option<NodeSet> {
+        crate::node::parse_kernel_list(self.policy.split_once(':')?.1)
+    }
+}
+
+/// Parses `numa_maps` text.
+pub fn parse_numa_maps(text: &str) -> Vec<NumaMapsEntry> {
+    text.lines().filter_map(parse_numa_maps_line).collect()
+}
+
+fn parse_numa_maps_line(line: &str) -> Option<NumaMapsEntry> {
+    let (addr, rest) = line.split_once(' ')?;
+    let address = usize::from_str_radix(addr, 16).ok()?;
+    // Two policy names contain a space; every other name is one word.
+    let (policy, rest) = ["prefer (many)", "weighted interleave"]
+        .iter()
+        .find_map(|name| {
+            let tail = rest.strip_prefix(name)?;
+            let end = tail.find(' ').unwrap_or(tail.len());
+            Some((&rest[..name.len() + end], &tail[end..]))
+        })
+        .unwrap_or_else(|| rest.split_once(' ').unwrap_or((rest, "")));
+    let mut entry = NumaMapsEntry {
+        address,
+        policy: policy.to_string(),
+        ..NumaMapsEntry::default()
+    };
+    let mut in_file = false;
+    for word in rest.split_whitespace() {
+        let (key, value) = word.split_once('=').unwrap_or((word, ""));
+        let number = value.parse::<u64>().ok();
+        match (key, number) {
+            ("file", _) => {
+                entry.file = Some(value.to_string());
+                in_file = true;
+                continue;
+            }
+            ("anon", Some(n)) => entry.anon = n,
+            ("dirty", Some(n)) => entry.dirty = n,
+            ("mapped", Some(n)) => entry.mapped = n,
+            ("kernelpagesize_kB", Some(n)) => entry.kernel_page_kib = n,
+            ("huge", _) => entry.huge = true,
+            (k, Some(n)) if k.len() > 1 && k.starts_with('N') && k[1..].parse::<u16>().is_ok() => {
+                let node = Node(k[1..].parse().ok()?);
+                entry.pages.insert(node, n);
+            }
+            (
+                "heap" | "stack" | "mapmax" | "swapcache" | "active" | "writeback" | "unevictable",
+                _,
+            ) => {}
+            _ if in_file => {
+                // A path with spaces: the words belong to `file=`.
+                if let Some(f) = entry.file.as_mut() {
+                    f.push(' ');
+                    f.push_str(word);
+                }
+                continue;
+            }
+            _ => {}
+        }
+        in_file = false;
+    }
+    Some(entry)
+}
+
+/// This process's `numa_maps`.
+///
+/// # Errors
+/// `/proc/self/numa_maps` cannot be read (kernels without NUMA have no such file).
+pub fn numa_maps() -> Result<Vec<NumaMapsEntry>> {
+    Ok(parse_numa_maps(&read("/proc/self/numa_maps")?))
+}
+
+/// The `numa_maps` entry of the mapping that starts at `addr`.
+///
+/// # Errors
+/// As [`numa_maps`].
+pub fn numa_maps_at(addr: *const u8) -> Result<Option<NumaMapsEntry>> {
+    Ok(numa_maps()?
+        .into_iter()
+        .find(|e| e.address == addr as usize))
+}
+
+/// The policy of the range holding `addr` (`get_mempolicy` with `MPOL_F_ADDR`).
+///
+/// # Safety
+/// `addr` must be an address of this process the caller owns (else the kernel answers
+/// `EFAULT`, which is returned as an error).
+///
+/// # Errors
+/// Any errno but `EPERM`/`ENOSYS`.
+pub(crate) unsafe fn policy_at_addr(addr: *mut c_void) -> Result<Observed<(MemPolicy, ModeFlags)>> {
+    let mut mode = 0;
+    let mut mask = KernelMask::empty(possible_node_count());
+    let maxnode = mask.maxnode();
+    // SAFETY: valid out-pointers sized for `maxnode`; the caller vouches for `addr`.
+    let result = unsafe {
+        sys::get_mempolicy(
+            &mut mode,
+            mask.words_mut().as_mut_ptr(),
+            maxnode,
+            addr,
+            sys::MPOL_F_ADDR,
+        )
+    };
+    match result {
+        Ok(()) => MemPolicy::from_kernel(mode, NodeSet::from_kernel_words(mask.words()))
+            .map(Observed::Known),
+        Err(errno) => match DegradeReason::from_errno(errno) {
+            Some(reason) => Ok(Observed::Degraded(reason)),
+            None => Err(Error::os(
+                "get_mempolicy",
+                errno,
+                format_args!("addr={addr:p} flags=MPOL_F_ADDR maxnode={maxnode}"),
+            )),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numa_maps_lines_parse() {
+        let text = "\
+7f0000000000 interleave:0-2 anon=3 dirty=3 N0=1 N1=1 N2=1 kernelpagesize_kB=4
+7f0000200000 prefer (many):0-1 anon=2 dirty=2 N1=2 kernelpagesize_kB=4
+7f0000400000 bind=static:1 file=/tmp/a b.bin mapped=4 N1=4 kernelpagesize_kB=4
+7f0000600000 weighted interleave=relative:0,2 huge anon=1 N2=1 kernelpagesize_kB=2048
+7f0000800000 default stack anon=1 dirty=1 active=0 N0=1 kernelpagesize_kB=4
+";
+        let e = parse_numa_maps(text);
+        assert_eq!(e.len(), 5);
+        assert_eq!(e[0].address, 0x7f0000000000);
+        assert_eq!(e[0].policy_mode(), "interleave");
+        assert_eq!(e[0].pages.values().sum::<u64>(), 3);
+        assert_eq!(e[0].policy_nodes(), NodeSet::from_nodes([0, 1, 2]).ok());
+        assert_eq!(e[1].policy, "prefer (many):0-1");
+        assert_eq!(e[1].policy_mode(), "prefer (many)");
+        assert_eq!(e[1].pages.get(&Node(1)), Some(&2));
+        assert_eq!(e[2].policy_mode(), "bind");
+        assert_eq!(e[2].policy_flags(), Some("static"));
+        assert_eq!(e[2].file.as_deref(), Some("/tmp/a b.bin"));
+        assert_eq!(e[2].mapped, 4);
+        assert_eq!(e[3].policy_mode(), "weighted interleave");
+        assert_eq!(e[3].policy_flags(), Some("relative"));
+        assert!(e[3].huge);
+        assert_eq!(e[3].kernel_page_kib, 2048);
+        assert_eq!(e[4].policy, "default");
+        assert_eq!((e[4].anon, e[4].dirty), (1, 1));
+    }
+
+    #[test]
+    fn smaps_entries_parse() {
+        let text = "\
+7f0000000000-7f0000200000 rw-p 00000000 00:00 0 
+Size:               2048 kB
+Rss:                 512 kB
+Shared_Clean:          0 kB
+Private_Dirty:       512 kB
+Anonymous:           512 kB
+AnonHugePages:         0 kB
+Locked:                0 kB
+7f0000200000-7f0000201000 r--s 00000000 00:05 7   /memfd:x (deleted)
+Rss:                   4 kB
+Shared_Dirty:          4 kB
+";
+        let e = parse_smaps(text);
+        assert_eq!(e.len(), 2);
+        assert_eq!(
+            (e[0].rss, e[0].private, e[0].anonymous),
+            (512 << 10, 512 << 10, 512 << 10)
+        );
+        assert_eq!((e[1].start, e[1].shared), (0x7f0000200000, 4096));
+    }
+
+    #[test]
+    fn live_figures_are_plausible() {
+        let maps = map_count().unwrap();
+        assert!(maps > 0 && maps < max_map_count().unwrap());
+        assert!(rss_bytes().unwrap() > 0);
+    }
+}

@@ -1,0 +1,155 @@
+//! One error type that keeps the story: which call, which errno, which arguments.
+
+use std::fmt;
+
+pub use rustix::io::Errno;
+
+/// Everything numapin can fail with.
+///
+/// Kernel failures keep the operation name and the errno ([`Error::errno`]) plus the
+/// arguments that explain them; checks done in Rust before any call are
+/// [`Error::InvalidArgument`] and carry no errno. `EPERM` and `ENOSYS` from the policy
+/// calls are not errors at all: they come back as a
+/// [`Placement::Degraded`](crate::Placement::Degraded) value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A syscall failed.
+    #[error("{op}({args}) failed: {errno_name} ({errno_code}): {meaning}", errno_name = errno_name(*.errno), errno_code = .errno.raw_os_error(), meaning = errno_meaning(op, *.errno))]
+    Os {
+        /// The call, as its C name (`"mbind"`).
+        op: &'static str,
+        /// What the kernel answered.
+        errno: Errno,
+        /// The arguments that matter, formatted (`addr=0x7f.. len=4096 policy=bind:1`).
+        args: String,
+    },
+    /// An argument was rejected before any call was made.
+    #[error("{op}: {reason}")]
+    InvalidArgument {
+        /// The operation that refused.
+        op: &'static str,
+        /// Why, quoting the offending value.
+        reason: String,
+    },
+    /// A node string did not parse.
+    #[error("invalid node string {input:?}: {reason} (at {part:?})")]
+    Parse {
+        /// The whole input.
+        input: String,
+        /// The piece that is wrong.
+        part: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Locking would exceed `RLIMIT_MEMLOCK`.
+    #[error(
+        "mlock of {wanted} bytes would exceed RLIMIT_MEMLOCK: {locked} bytes already locked, limit {limit} bytes \
+         (raise it with `ulimit -l`, LimitMEMLOCK= in systemd, or grant CAP_IPC_LOCK)"
+    )]
+    MemlockLimit {
+        /// Bytes this call wanted to lock.
+        wanted: u64,
+        /// Bytes the process had locked already (`VmLck`).
+        locked: u64,
+        /// The soft limit.
+        limit: u64,
+    },
+    /// Reading a file (a procfs/sysfs entry or a data file) failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (`"read"`, `"pread"`).
+        op: &'static str,
+        /// The file.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The kernel's errno, if this error came from a syscall or file operation.
+    pub fn errno(&self) -> Option<Errno> {
+        match self {
+            Error::Os { errno, .. } => Some(*errno),
+            Error::Io { source, .. } => source.raw_os_error().map(Errno::from_raw_os_error),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn os(op: &'static str, errno: Errno, args: impl fmt::Display) -> Self {
+        Error::Os {
+            op,
+            errno,
+            args: args.to_string(),
+        }
+    }
+
+    pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn io(op: &'static str, path: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// `Result` with numapin's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn errno_name(errno: Errno) -> &'static str {
+    match errno {
+        Errno::PERM => "EPERM",
+        Errno::NOENT => "ENOENT",
+        Errno::SRCH => "ESRCH",
+        Errno::IO => "EIO",
+        Errno::NOMEM => "ENOMEM",
+        Errno::ACCESS => "EACCES",
+        Errno::FAULT => "EFAULT",
+        Errno::BUSY => "EBUSY",
+        Errno::XDEV => "EXDEV",
+        Errno::INVAL => "EINVAL",
+        Errno::NOSYS => "ENOSYS",
+        Errno::AGAIN => "EAGAIN",
+        Errno::OVERFLOW => "EOVERFLOW",
+        Errno::NODEV => "ENODEV",
+        _ => "errno",
+    }
+}
+
+/// What an errno means for the NUMA calls, not the generic strerror.
+fn errno_meaning(op: &str, errno: Errno) -> &'static str {
+    match (op, errno) {
+        ("mbind", Errno::INVAL) => {
+            "unaligned address, unknown mode or flags, a mask that is empty after removing \
+             nodes without memory or outside mems_allowed, or mode flags the mode cannot take"
+        }
+        ("mbind", Errno::FAULT) => "part of the range is not mapped",
+        ("mbind", Errno::IO) => "MPOL_MF_STRICT: existing pages are on other nodes",
+        ("mbind" | "munmap" | "mmap" | "madvise", Errno::NOMEM) => {
+            "out of memory or out of mappings: splitting a VMA needs a map slot \
+             (see vm.max_map_count)"
+        }
+        ("set_mempolicy" | "get_mempolicy", Errno::INVAL) => {
+            "unknown mode or flags, a mask empty after removing unusable nodes, or maxnode \
+             below the kernel's possible node count"
+        }
+        ("move_pages", Errno::NODEV) => "a target node is not online",
+        (_, Errno::PERM) => {
+            "not permitted (a seccomp profile, or a missing capability such as CAP_SYS_NICE)"
+        }
+        (_, Errno::NOSYS) => "the kernel does not implement this call (built without CONFIG_NUMA?)",
+        (_, Errno::NOMEM) => "out of memory",
+        (_, Errno::INVAL) => "invalid argument",
+        (_, Errno::FAULT) => "bad address",
+        _ => "see the man page",
+    }
+}

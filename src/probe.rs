@@ -1,0 +1,245 @@
+//! What this process may do here, and the machine it runs on.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::sync::OnceLock;
+
+use numapin_sys as sys;
+
+use crate::diag;
+use crate::error::{Errno, Error, Result};
+use crate::node::{self, Node, NodeSet};
+use crate::policy::DegradeReason;
+
+/// Whether the memory-policy syscalls work in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MempolicySupport {
+    /// `mbind` answered on a page-aligned page.
+    Available,
+    /// `EPERM`: denied (a container's seccomp profile).
+    Denied,
+    /// `ENOSYS`: the kernel has no NUMA support.
+    Unsupported,
+}
+
+impl MempolicySupport {
+    /// The degradation this state implies, if any.
+    pub fn degrade_reason(self) -> Option<DegradeReason> {
+        match self {
+            MempolicySupport::Available => None,
+            MempolicySupport::Denied => Some(DegradeReason::Denied),
+            MempolicySupport::Unsupported => Some(DegradeReason::Unsupported),
+        }
+    }
+}
+
+/// Transparent huge page mode (`/sys/kernel/mm/transparent_hugepage/enabled`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ThpMode {
+    /// Every suitable anonymous mapping.
+    Always,
+    /// Only where `MADV_HUGEPAGE` asks.
+    Madvise,
+    /// Never.
+    Never,
+    /// The file is missing or unknown.
+    Unknown,
+}
+
+/// What [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Support {
+    /// Whether placement works here.
+    pub mempolicy: MempolicySupport,
+    /// Node ids the kernel can have.
+    pub possible_nodes: usize,
+    /// Nodes with memory (`has_memory`); node 0 without NUMA sysfs.
+    pub nodes_with_memory: NodeSet,
+    /// Nodes with CPUs (`has_cpu`).
+    pub nodes_with_cpus: NodeSet,
+    /// This process's `Mems_allowed_list`.
+    pub mems_allowed: NodeSet,
+    /// `distance` rows: for each node with a row, its distance to nodes 0, 1, ...
+    pub distances: Vec<(Node, Vec<u32>)>,
+    /// `MemFree` of each node, bytes.
+    pub free_bytes: Vec<(Node, u64)>,
+    /// `kernel.numa_balancing` (`None` when absent).
+    pub numa_balancing: Option<u32>,
+    /// THP mode.
+    pub thp: ThpMode,
+    /// `vm.max_map_count`.
+    pub max_map_count: usize,
+    /// Mappings this process has now.
+    pub map_count: usize,
+    /// Whether `CAP_SYS_NICE` is effective (needed for `MOVE_ALL` and moving other
+    /// processes' pages; in a child user namespace it does not reach host resources).
+    pub cap_sys_nice: bool,
+    /// Whether `MADV_POPULATE_WRITE` (Linux 5.14) works.
+    pub populate_write: bool,
+}
+
+impl Support {
+    /// Nodes with memory that this process may allocate on.
+    pub fn allowed(&self) -> NodeSet {
+        self.mems_allowed.intersection(&self.nodes_with_memory)
+    }
+}
+
+/// Probes the memory-policy syscalls once per process, with `mbind(MPOL_DEFAULT)` on a
+/// page-aligned page of its own (an unaligned address is `EINVAL`, which must never pass
+/// for "no NUMA").
+///
+/// # Errors
+/// An errno other than `EPERM`/`ENOSYS` from the probe: that is a bug or a kernel
+/// this crate does not understand, not a state.
+pub fn mempolicy_support() -> Result<MempolicySupport> {
+    static SUPPORT: OnceLock<std::result::Result<MempolicySupport, Errno>> = OnceLock::new();
+    match *SUPPORT.get_or_init(probe_mbind) {
+        Ok(s) => Ok(s),
+        Err(errno) => Err(Error::os(
+            "mbind",
+            errno,
+            "probe: one page-aligned anonymous page, MPOL_DEFAULT, no mask, flags 0",
+        )),
+    }
+}
+
+fn probe_mbind() -> std::result::Result<MempolicySupport, Errno> {
+    let page = crate::page_size();
+    // SAFETY: a fresh private page, unmapped below; nothing else refers to it.
+    let ptr = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            page,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
+    }?;
+    // SAFETY: our own page-aligned page; MPOL_DEFAULT with a null mask changes nothing.
+    let result = unsafe { sys::mbind(ptr, page, sys::MPOL_DEFAULT, std::ptr::null(), 0, 0) };
+    // SAFETY: unmapping the page mapped above, referenced by nothing.
+    let _ = unsafe { rustix::mm::munmap(ptr, page) };
+    match result {
+        Ok(()) => Ok(MempolicySupport::Available),
+        Err(Errno::PERM) => Ok(MempolicySupport::Denied),
+        Err(Errno::NOSYS) => Ok(MempolicySupport::Unsupported),
+        Err(e) => Err(e),
+    }
+}
+
+fn populate_write_works() -> bool {
+    static WORKS: OnceLock<bool> = OnceLock::new();
+    *WORKS.get_or_init(|| {
+        crate::Region::anonymous(crate::page_size()).is_ok_and(|r| {
+            // SAFETY: our own fresh page; populating keeps contents.
+            unsafe { sys::madvise(r.as_ptr().cast(), r.len(), sys::MADV_POPULATE_WRITE) }.is_ok()
+        })
+    })
+}
+
+/// Probes everything in [`Support`].
+///
+/// # Errors
+/// As [`mempolicy_support`], or a procfs/sysfs file this needs cannot be read.
+///
+/// # Example
+/// ```
+/// let support = numapin::probe().unwrap();
+/// println!("{support}");
+/// ```
+pub fn probe() -> Result<Support> {
+    let mempolicy = mempolicy_support()?;
+    let nodes_with_memory = node::read_sysfs_nodes("has_memory")?.unwrap_or_else(node0);
+    let nodes_with_cpus = node::read_sysfs_nodes("has_cpu")?.unwrap_or_else(node0);
+    let mut distances = Vec::new();
+    let mut free_bytes = Vec::new();
+    let online = node::read_sysfs_nodes("online")?.unwrap_or_else(node0);
+    for n in online.iter() {
+        let dir = format!("/sys/devices/system/node/node{n}");
+        if let Ok(text) = std::fs::read_to_string(format!("{dir}/distance")) {
+            distances.push((
+                n,
+                text.split_whitespace()
+                    .filter_map(|d| d.parse().ok())
+                    .collect(),
+            ));
+        }
+        if let Ok(text) = std::fs::read_to_string(format!("{dir}/meminfo")) {
+            let free = text
+                .lines()
+                .find(|l| l.contains("MemFree:"))
+                .and_then(|l| l.split_whitespace().rev().nth(1)?.parse::<u64>().ok());
+            if let Some(kib) = free {
+                free_bytes.push((n, kib * 1024));
+            }
+        }
+    }
+    let numa_balancing = std::fs::read_to_string("/proc/sys/kernel/numa_balancing")
+        .ok()
+        .and_then(|t| t.trim().parse().ok());
+    let thp = match std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") {
+        Ok(t) if t.contains("[always]") => ThpMode::Always,
+        Ok(t) if t.contains("[madvise]") => ThpMode::Madvise,
+        Ok(t) if t.contains("[never]") => ThpMode::Never,
+        _ => ThpMode::Unknown,
+    };
+    Ok(Support {
+        mempolicy,
+        possible_nodes: node::possible_node_count(),
+        nodes_with_memory,
+        nodes_with_cpus,
+        mems_allowed: node::mems_allowed()?,
+        distances,
+        free_bytes,
+        numa_balancing,
+        thp,
+        max_map_count: diag::max_map_count()?,
+        map_count: diag::map_count()?,
+        cap_sys_nice: caps::has_cap(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_SYS_NICE,
+        )
+        .unwrap_or(false),
+        populate_write: populate_write_works(),
+    })
+}
+
+fn node0() -> NodeSet {
+    std::iter::once(Node(0)).collect()
+}
+
+impl fmt::Display for Support {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        writeln!(f, "mempolicy           {:?}", self.mempolicy)?;
+        writeln!(f, "possible nodes      {}", self.possible_nodes)?;
+        writeln!(f, "nodes with memory   {}", self.nodes_with_memory)?;
+        writeln!(f, "nodes with CPUs     {}", self.nodes_with_cpus)?;
+        writeln!(f, "mems_allowed        {}", self.mems_allowed)?;
+        writeln!(f, "allowed (usable)    {}", self.allowed())?;
+        for (n, row) in &self.distances {
+            let row: Vec<String> = row.iter().map(u32::to_string).collect();
+            writeln!(f, "distance node {n:<5} {}", row.join(" "))?;
+        }
+        for (n, bytes) in &self.free_bytes {
+            writeln!(
+                f,
+                "free on node {n:<6} {:.1} GiB",
+                *bytes as f64 / (1u64 << 30) as f64
+            )?;
+        }
+        let balancing = self
+            .numa_balancing
+            .map_or("absent".into(), |v| v.to_string());
+        writeln!(f, "numa_balancing      {balancing}")?;
+        writeln!(f, "THP                 {:?}", self.thp)?;
+        writeln!(
+            f,
+            "maps                {} of vm.max_map_count {}",
+            self.map_count, self.max_map_count
+        )?;
+        writeln!(f, "CAP_SYS_NICE        {}", yes(self.cap_sys_nice))?;
+        write!(f, "MADV_POPULATE_WRITE {}", yes(self.populate_write))
+    }
+}

@@ -1,0 +1,720 @@
+//! `Region`: an owned, page-aligned mapping that can be bound, populated, locked,
+//! released and inspected.
+//!
+//! # Safety
+//!
+//! This module owns mappings: it creates them with `mmap`, hands out slices only for the
+//! mapped length, and unmaps them exactly once on drop. Calls that can change contents
+//! (`MADV_DONTNEED`, the page-touch fallback) take `&mut self`, so no slice handed out
+//! by `&self` can observe them.
+#![allow(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::AsFd;
+use std::ptr::NonNull;
+
+use numapin_sys as sys;
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{Errno, Error, Result};
+use crate::policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
+use crate::{diag, page_size};
+
+/// What backs a region.
+#[derive(Debug)]
+enum Backing {
+    /// Private anonymous memory: placed by the region's policy.
+    Anonymous,
+    /// A memfd (shmem): placed by its shared policy, which `mbind` sets.
+    Memfd(memfd::Memfd),
+    /// A read-only shared file mapping: pages live in the page cache wherever they were
+    /// first read; a VMA policy does not move or place them.
+    File,
+}
+
+/// An owned, page-aligned mapping, unmapped on drop.
+///
+/// # Example
+/// ```
+/// use numapin::{MbindFlags, MemPolicy, NodeSet, Placement, Region};
+/// let mut region = Region::anonymous(1 << 20).unwrap();
+/// let nodes = NodeSet::allowed().unwrap();
+/// // Bind before the first touch: the policy steers the page faults to come.
+/// match region.bind(&MemPolicy::Interleave(nodes), MbindFlags::empty()).unwrap() {
+///     Placement::Bound => {}
+///     Placement::Degraded(why) => eprintln!("running unplaced: {why}"),
+/// }
+/// region.populate_write().unwrap();
+/// region.as_mut_slice().unwrap()[0] = 1;
+/// ```
+#[derive(Debug)]
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+}
+
+// SAFETY: a Region exclusively owns its mapping; the raw pointer is not shared with any
+// other owner, and shared access only reads through `&self`.
+unsafe impl Send for Region {}
+// SAFETY: `&self` methods only read the mapping or make syscalls that leave its contents
+// unchanged (mbind without MOVE flags, move_pages queries, harmless madvise); all
+// content-changing operations take `&mut self`.
+unsafe impl Sync for Region {}
+
+/// Harmless advice: nothing here changes the bytes a reader sees. Advice that can zero
+/// memory (`MADV_DONTNEED`) is [`Region::release`], which takes `&mut self`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advice {
+    /// `MADV_NORMAL`.
+    Normal,
+    /// `MADV_RANDOM`: no readahead.
+    Random,
+    /// `MADV_SEQUENTIAL`: aggressive readahead.
+    Sequential,
+    /// `MADV_WILLNEED`: read ahead now.
+    WillNeed,
+    /// `MADV_HUGEPAGE`: back with transparent huge pages where aligned.
+    HugePage,
+    /// `MADV_NOHUGEPAGE`.
+    NoHugePage,
+    /// `MADV_DONTDUMP`: leave out of core dumps.
+    DontDump,
+    /// `MADV_DODUMP`.
+    DoDump,
+}
+
+impl Advice {
+    fn raw(self) -> i32 {
+        match self {
+            Advice::Normal => sys::MADV_NORMAL,
+            Advice::Random => sys::MADV_RANDOM,
+            Advice::Sequential => sys::MADV_SEQUENTIAL,
+            Advice::WillNeed => sys::MADV_WILLNEED,
+            Advice::HugePage => sys::MADV_HUGEPAGE,
+            Advice::NoHugePage => sys::MADV_NOHUGEPAGE,
+            Advice::DontDump => sys::MADV_DONTDUMP,
+            Advice::DoDump => sys::MADV_DODUMP,
+        }
+    }
+}
+
+/// Pages of a range per node, as the kernel reports them (`move_pages` with no target
+/// nodes: nothing is moved or faulted in).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeHistogram {
+    /// Present pages per node.
+    pub pages: BTreeMap<crate::Node, usize>,
+    /// Pages never touched or released (`-ENOENT`).
+    pub not_present: usize,
+    /// Pages the kernel reported another error for (`-EFAULT`, ...).
+    pub other: usize,
+}
+
+impl NodeHistogram {
+    /// Present pages in all.
+    pub fn present(&self) -> usize {
+        self.pages.values().sum()
+    }
+
+    /// Present pages on `node`.
+    pub fn on(&self, node: crate::Node) -> usize {
+        self.pages.get(&node).copied().unwrap_or(0)
+    }
+}
+
+impl Region {
+    /// A private anonymous mapping of `len` bytes rounded up to whole pages.
+    ///
+    /// # Errors
+    /// `len` is 0 or overflows when rounded, or `mmap` fails.
+    #[doc(alias = "mmap")]
+    pub fn anonymous(len: usize) -> Result<Region> {
+        let len = round_len("Region::anonymous", len, page_size())?;
+        // SAFETY: a fresh anonymous mapping aliases nothing.
+        let ptr = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::os("mmap", e, format_args!("len={len} anonymous private")))?;
+        Ok(Region::owned(ptr, len, Backing::Anonymous))
+    }
+
+    /// A private anonymous mapping whose start is a multiple of `align` (a power of two,
+    /// at least the page size), e.g. 2 MiB so transparent huge pages can back it whole.
+    /// Over-maps by `align` and unmaps the excess.
+    ///
+    /// # Errors
+    /// `len` is 0, `align` is not a power of two ≥ the page size, sizes overflow, or `mmap`
+    /// fails.
+    pub fn anonymous_aligned(len: usize, align: usize) -> Result<Region> {
+        const OP: &str = "Region::anonymous_aligned";
+        let page = page_size();
+        if !align.is_power_of_two() || align < page {
+            return Err(Error::invalid(
+                OP,
+                format!("align {align} is not a power of two at least the page size {page}"),
+            ));
+        }
+        let len = round_len(OP, len, page)?;
+        let span = len
+            .checked_add(align)
+            .ok_or_else(|| Error::invalid(OP, format!("len {len} + align {align} overflows")))?;
+        // SAFETY: a fresh anonymous mapping aliases nothing.
+        let base = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                span,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::os("mmap", e, format_args!("len={span} anonymous private")))?;
+        let start = (base as usize).next_multiple_of(align);
+        let head = start - base as usize;
+        let tail = span - head - len;
+        // SAFETY: head and tail are page-aligned pieces of the mapping just made that no
+        // one references; unmapping them leaves exactly [start, start + len).
+        unsafe {
+            if head > 0 {
+                let _ = rustix::mm::munmap(base, head);
+            }
+            if tail > 0 {
+                let _ = rustix::mm::munmap((start + len) as *mut c_void, tail);
+            }
+        }
+        Ok(Region::owned(start as *mut c_void, len, Backing::Anonymous))
+    }
+
+    /// A shared mapping of a new memfd (shmem) of `len` bytes rounded up to pages. Its
+    /// shared policy (set by [`Region::bind`]) places its pages, unlike the page cache
+    /// of a regular file. The memfd allows sealing.
+    ///
+    /// # Errors
+    /// `len` is 0, or creating, sizing or mapping the memfd fails.
+    #[doc(alias = "memfd_create")]
+    pub fn memfd(name: &str, len: usize) -> Result<Region> {
+        let len = round_len("Region::memfd", len, page_size())?;
+        let fd = memfd::MemfdOptions::default()
+            .allow_sealing(true)
+            .close_on_exec(true)
+            .create(name)
+            .map_err(|e| match e {
+                memfd::Error::Create(e) => Error::io("memfd_create", name, e),
+                other => Error::invalid("memfd_create", other.to_string()),
+            })?;
+        fd.as_file()
+            .set_len(len as u64)
+            .map_err(|e| Error::io("ftruncate", name, e))?;
+        // SAFETY: a new mapping of our own memfd; the fd outlives it (kept in Backing).
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd.as_file().as_fd(),
+                0,
+            )
+        }
+        .map_err(|e| Error::os("mmap", e, format_args!("memfd {name:?} len={len} shared")))?;
+        Ok(Region::owned(ptr, len, Backing::Memfd(fd)))
+    }
+
+    /// A read-only shared mapping of `len` bytes of `file` from `offset` (page-aligned).
+    /// Such pages belong to the page cache: [`Region::bind`] refuses them (copy into an
+    /// anonymous or memfd region to place data).
+    ///
+    /// # Errors
+    /// `len` is 0, `offset` is not page-aligned, the range runs past the end of the file
+    /// (touching it would raise SIGBUS), or `mmap` fails.
+    pub fn map_file(file: &File, offset: u64, len: usize) -> Result<Region> {
+        const OP: &str = "Region::map_file";
+        let page = page_size();
+        if !offset.is_multiple_of(page as u64) {
+            return Err(Error::invalid(
+                OP,
+                format!("offset {offset} is not a multiple of the page size {page}"),
+            ));
+        }
+        if len == 0 {
+            return Err(Error::invalid(OP, "length 0"));
+        }
+        let size = file
+            .metadata()
+            .map_err(|e| Error::io("fstat", "mapped file", e))?
+            .len();
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|end| end > size) {
+            return Err(Error::invalid(
+                OP,
+                format!("offset {offset} + len {len} runs past the end of the file ({size} bytes)"),
+            ));
+        }
+        let map_len = round_len(OP, len, page)?;
+        // SAFETY: a new read-only mapping; no slice of it exists yet. Another process
+        // truncating the file could still make access fault, as with any file mapping.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                file.as_fd(),
+                offset,
+            )
+        }
+        .map_err(|e| Error::os("mmap", e, format_args!("file offset={offset} len={len}")))?;
+        let mut region = Region::owned(ptr, map_len, Backing::File);
+        region.len = len;
+        Ok(region)
+    }
+
+    fn owned(ptr: *mut c_void, len: usize, backing: Backing) -> Region {
+        Region {
+            // mmap never returns null on success (MAP_FIXED is never used here).
+            ptr: NonNull::new(ptr.cast()).unwrap_or(NonNull::dangling()),
+            len,
+            backing,
+        }
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes (a whole number of pages, except for file mappings).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: regions have at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd behind a [`Region::memfd`] region.
+    pub fn memfd_file(&self) -> Option<&File> {
+        match &self.backing {
+            Backing::Memfd(fd) => Some(fd.as_file()),
+            _ => None,
+        }
+    }
+
+    /// The bytes. Reading faults pages in (zero pages for untouched anonymous memory).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: [ptr, ptr + len) is mapped readable for the lifetime of `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, writable.
+    ///
+    /// # Errors
+    /// The region is a read-only file mapping.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        self.writable("Region::as_mut_slice")?;
+        // SAFETY: mapped read-write for the lifetime of `self`, and `&mut self` makes
+        // this the only live reference.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
+    }
+
+    fn writable(&self, op: &'static str) -> Result<()> {
+        match self.backing {
+            Backing::File => Err(Error::invalid(op, "the region is a read-only file mapping")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Sets the memory policy of the whole region (`mbind(2)`). Bind before the first
+    /// touch with no flags; `MOVE` is for pages that already exist.
+    ///
+    /// # Errors
+    /// The region is a shared file mapping (the page cache ignores VMA policy), the policy
+    /// has an empty node set, `MOVE_ALL` without `CAP_SYS_NICE` (`EPERM`), or any errno
+    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+    #[doc(alias = "mbind")]
+    pub fn bind(&self, policy: &MemPolicy, flags: MbindFlags) -> Result<Placement> {
+        self.bind_with(policy, ModeFlags::empty(), flags)
+    }
+
+    /// [`Region::bind`] with mode flags (`STATIC_NODES`, ...).
+    ///
+    /// # Errors
+    /// As [`Region::bind`].
+    pub fn bind_with(
+        &self,
+        policy: &MemPolicy,
+        mode_flags: ModeFlags,
+        flags: MbindFlags,
+    ) -> Result<Placement> {
+        if let Backing::File = self.backing {
+            return Err(Error::invalid(
+                "mbind",
+                "a shared file mapping is placed by the page cache, which ignores VMA \
+                 policy: pages stay where they were first read. Copy the data into an \
+                 anonymous or memfd region bound before the copy",
+            ));
+        }
+        // SAFETY: the whole range is this region's own mapping; MOVE flags only migrate
+        // pages, keeping their contents.
+        unsafe { mbind_checked(self.as_ptr().cast(), self.len, policy, mode_flags, flags) }
+    }
+
+    /// Gives the kernel harmless advice about the whole region.
+    ///
+    /// # Errors
+    /// `madvise` fails (`EINVAL` for advice the kernel does not know).
+    pub fn advise(&self, advice: Advice) -> Result<()> {
+        // SAFETY: our own range; none of these advice values changes contents.
+        unsafe { sys::madvise(self.as_ptr().cast(), self.map_len(), advice.raw()) }
+            .map_err(|e| self.madvise_error(e, advice.raw()))
+    }
+
+    /// Faults every page in, writable, under the region's policy (`MADV_POPULATE_WRITE`,
+    /// Linux 5.14); on kernels without it (`EINVAL`), touches each page instead. Contents
+    /// are unchanged.
+    ///
+    /// # Errors
+    /// A read-only file mapping, or the kernel cannot supply the pages (`ENOMEM`:
+    /// the bound nodes are full; `EFAULT`).
+    pub fn populate_write(&mut self) -> Result<()> {
+        self.writable("Region::populate_write")?;
+        // SAFETY: our own range; populating preserves contents.
+        match unsafe {
+            sys::madvise(
+                self.as_ptr().cast(),
+                self.map_len(),
+                sys::MADV_POPULATE_WRITE,
+            )
+        } {
+            Ok(()) => Ok(()),
+            Err(Errno::INVAL) => {
+                let page = page_size();
+                for offset in (0..self.len).step_by(page) {
+                    // SAFETY: offset < len, inside our writable mapping; `&mut self`
+                    // excludes concurrent readers; the byte is written back unchanged.
+                    unsafe {
+                        let p = self.as_ptr().add(offset);
+                        p.write_volatile(p.read_volatile());
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => Err(self.madvise_error(e, sys::MADV_POPULATE_WRITE)),
+        }
+    }
+
+    /// Locks the region in RAM (`mlock(2)`), after checking `RLIMIT_MEMLOCK` against
+    /// what the process has locked already (unless it holds `CAP_IPC_LOCK`).
+    ///
+    /// # Errors
+    /// [`Error::MemlockLimit`] naming the bytes wanted, locked and the limit; or `mlock`
+    /// fails.
+    #[doc(alias = "mlock")]
+    pub fn lock(&self) -> Result<()> {
+        check_memlock(self.map_len() as u64)?;
+        // SAFETY: our own range; locking changes no contents.
+        unsafe { rustix::mm::mlock(self.as_ptr().cast(), self.map_len()) }.map_err(|e| {
+            Error::os(
+                "mlock",
+                e,
+                format_args!("addr={:p} len={}", self.as_ptr(), self.map_len()),
+            )
+        })
+    }
+
+    /// Unlocks the region (`munlock(2)`).
+    ///
+    /// # Errors
+    /// `munlock` fails.
+    pub fn unlock(&self) -> Result<()> {
+        // SAFETY: our own range; unlocking changes no contents.
+        unsafe { rustix::mm::munlock(self.as_ptr().cast(), self.map_len()) }.map_err(|e| {
+            Error::os(
+                "munlock",
+                e,
+                format_args!("addr={:p} len={}", self.as_ptr(), self.map_len()),
+            )
+        })
+    }
+
+    /// Gives the pages of `range` back to the kernel. The address range and its policy
+    /// stay: a later write faults a fresh page under the same policy. Anonymous memory
+    /// reads back as zeroes (`MADV_DONTNEED`); a memfd region's pages are freed from the
+    /// file too (`MADV_REMOVE`).
+    ///
+    /// `range.start` must be page-aligned; `range.end` is rounded up to the page.
+    ///
+    /// # Errors
+    /// The range is outside the region or unaligned, the region is a file mapping, or
+    /// `madvise` fails.
+    pub fn release(&mut self, range: Range<usize>) -> Result<()> {
+        const OP: &str = "Region::release";
+        self.writable(OP)?;
+        let page = page_size();
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "range {range:?} is not inside the region of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        if !range.start.is_multiple_of(page) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "start {} is not a multiple of the page size {page}",
+                    range.start
+                ),
+            ));
+        }
+        let end = range.end.next_multiple_of(page).min(self.map_len());
+        if end == range.start {
+            return Ok(());
+        }
+        let advice = match self.backing {
+            Backing::Memfd(_) => sys::MADV_REMOVE,
+            _ => sys::MADV_DONTNEED,
+        };
+        // SAFETY: inside our own mapping; `&mut self` guarantees no slice observes the
+        // zeroing.
+        unsafe {
+            sys::madvise(
+                self.as_ptr().add(range.start).cast(),
+                end - range.start,
+                advice,
+            )
+        }
+        .map_err(|e| self.madvise_error(e, advice))
+    }
+
+    /// Which node each page of the region is on, without faulting anything in.
+    ///
+    /// # Errors
+    /// Any `move_pages` errno but `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+    #[doc(alias = "move_pages")]
+    pub fn placement(&self) -> Result<Observed<NodeHistogram>> {
+        // SAFETY: the whole range is our own mapping.
+        unsafe { page_histogram(self.as_ptr(), self.map_len()) }
+    }
+
+    fn map_len(&self) -> usize {
+        self.len.next_multiple_of(page_size())
+    }
+
+    fn madvise_error(&self, errno: Errno, advice: i32) -> Error {
+        Error::os(
+            "madvise",
+            errno,
+            format_args!(
+                "addr={:p} len={} advice={advice}",
+                self.as_ptr(),
+                self.map_len()
+            ),
+        )
+    }
+
+    /// The policy the kernel holds for the page at `offset` (`get_mempolicy` with
+    /// `MPOL_F_ADDR`).
+    ///
+    /// # Errors
+    /// `offset` is outside the region, or `get_mempolicy` fails with an errno other than
+    /// `EPERM`/`ENOSYS`.
+    pub fn policy_at(&self, offset: usize) -> Result<Observed<(MemPolicy, ModeFlags)>> {
+        if offset >= self.len {
+            return Err(Error::invalid(
+                "Region::policy_at",
+                format!(
+                    "offset {offset} is outside the region of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        // SAFETY: the address is inside our own mapping.
+        unsafe { diag::policy_at_addr(self.as_ptr().add(offset).cast()) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // munmap of a range we mapped can only fail on arguments we never pass (or
+        // ENOMEM splitting a VMA, impossible when unmapping a whole mapping); a
+        // destructor has no one to report to.
+        // SAFETY: we own the mapping and no borrow of it outlives `self`.
+        let _ = unsafe { rustix::mm::munmap(self.as_ptr().cast(), self.map_len()) };
+    }
+}
+
+/// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
+/// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.
+///
+/// # Safety
+///
+/// `[ptr, ptr + len)` must be memory the caller may re-place: a policy outlives the
+/// caller's use of the memory (an allocator reusing bound pages keeps the policy), and
+/// `MOVE` flags migrate pages that others may be using (contents are preserved).
+///
+/// # Errors
+/// `ptr` is not page-aligned, `len` overflows, the policy has an empty set, or `mbind`
+/// fails with an errno other than `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+#[doc(alias = "mbind")]
+pub unsafe fn bind_range(
+    ptr: *mut u8,
+    len: usize,
+    policy: &MemPolicy,
+    flags: MbindFlags,
+) -> Result<Placement> {
+    let page = page_size();
+    if !(ptr as usize).is_multiple_of(page) {
+        return Err(Error::invalid(
+            "bind_range",
+            format!("address {ptr:p} is not aligned to the page size {page}"),
+        ));
+    }
+    if (ptr as usize).checked_add(len).is_none() {
+        return Err(Error::invalid(
+            "bind_range",
+            format!("address {ptr:p} + len {len} overflows"),
+        ));
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { mbind_checked(ptr.cast(), len, policy, ModeFlags::empty(), flags) }
+}
+
+/// `mbind` with validation and errno handling shared by every binding entry point.
+///
+/// # Safety
+/// As [`bind_range`].
+pub(crate) unsafe fn mbind_checked(
+    addr: *mut c_void,
+    len: usize,
+    policy: &MemPolicy,
+    mode_flags: ModeFlags,
+    flags: MbindFlags,
+) -> Result<Placement> {
+    policy.validate()?;
+    let mask = policy.kernel_mask();
+    let args = || {
+        format!(
+            "addr={addr:p} len={len} policy={policy} mode_flags={mode_flags:?} flags={flags:?} maxnode={}",
+            mask.maxnode()
+        )
+    };
+    // SAFETY: `mask` holds `maxnode / 64` words; the caller vouches for the range.
+    let result = unsafe {
+        sys::mbind(
+            addr,
+            len,
+            policy.mode() | mode_flags.bits(),
+            mask.words().as_ptr(),
+            mask.maxnode(),
+            flags.bits(),
+        )
+    };
+    match result {
+        // With MOVE_ALL, EPERM is the capability check, not a container's denial.
+        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) => Err(Error::invalid(
+            "mbind",
+            format!(
+                "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
+                 answered EPERM ({})",
+                args()
+            ),
+        )),
+        other => Placement::from_call(other, |errno| Error::os("mbind", errno, args())),
+    }
+}
+
+/// Histogram of the pages of `[start, start + len)` by node, via `move_pages` with no
+/// target nodes, in chunks so memory stays bounded.
+///
+/// # Safety
+/// The range must be mapped by the caller (pages outside it would be reported as
+/// `-EFAULT`, which is harmless, but the addresses must be the caller's to ask about).
+pub(crate) unsafe fn page_histogram(start: *mut u8, len: usize) -> Result<Observed<NodeHistogram>> {
+    const CHUNK: usize = 1024;
+    let page = page_size();
+    let mut histogram = NodeHistogram::default();
+    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
+    let mut status = vec![0i32; CHUNK];
+    let total = len.div_ceil(page);
+    let mut done = 0;
+    while done < total {
+        let n = CHUNK.min(total - done);
+        pages.clear();
+        pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
+        // SAFETY: `pages` and `status` hold `n` elements; a null `nodes` only queries.
+        let result = unsafe {
+            sys::move_pages(
+                0,
+                n as u64,
+                pages.as_ptr(),
+                std::ptr::null(),
+                status.as_mut_ptr(),
+                0,
+            )
+        };
+        if let Err(errno) = result {
+            return match DegradeReason::from_errno(errno) {
+                Some(reason) => Ok(Observed::Degraded(reason)),
+                None => Err(Error::os(
+                    "move_pages",
+                    errno,
+                    format_args!("pid=0 count={n} first={:p} nodes=NULL", pages[0]),
+                )),
+            };
+        }
+        for &s in &status[..n] {
+            match s {
+                s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
+                s if s == -libc::ENOENT => histogram.not_present += 1,
+                _ => histogram.other += 1,
+            }
+        }
+        done += n;
+    }
+    Ok(Observed::Known(histogram))
+}
+
+fn round_len(op: &'static str, len: usize, page: usize) -> Result<usize> {
+    if len == 0 {
+        return Err(Error::invalid(op, "length 0"));
+    }
+    len.checked_next_multiple_of(page)
+        .ok_or_else(|| Error::invalid(op, format!("length {len} overflows when rounded to pages")))
+}
+
+fn check_memlock(wanted: u64) -> Result<()> {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+    let Some(limit) = limit.current else {
+        return Ok(());
+    };
+    let privileged = caps::has_cap(
+        None,
+        caps::CapSet::Effective,
+        caps::Capability::CAP_IPC_LOCK,
+    )
+    .unwrap_or(false);
+    if privileged {
+        return Ok(());
+    }
+    let locked = diag::status_kib("VmLck")?.unwrap_or(0) * 1024;
+    if locked.saturating_add(wanted) > limit {
+        return Err(Error::MemlockLimit {
+            wanted,
+            locked,
+            limit,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! Kernel conformance of the policy calls, through numapin-sys and through the typed
+//! layer, each asserting the exact errno the kernel (or the environment's seccomp
+//! filter) gives.
+
+mod common;
+
+use std::ffi::c_void;
+use std::ptr;
+
+use common::{Expect, errno_here, expect, ok_here};
+use numapin::{
+    Errno, Error, MbindFlags, MemPolicy, ModeFlags, NodeSet, Observed, Placement, Region,
+};
+use numapin_sys as sys;
+
+fn page() -> usize {
+    numapin::page_size()
+}
+
+/// A mask with the first allowed node, sized by the maxnode rule.
+fn one_node_mask() -> (Vec<u64>, u64) {
+    let first = NodeSet::allowed().unwrap().iter().next().unwrap();
+    let set: NodeSet = std::iter::once(first).collect();
+    let m = set.as_kernel_mask();
+    (m.words().to_vec(), m.maxnode())
+}
+
+fn raw_mbind(
+    r: &Region,
+    offset: usize,
+    len: usize,
+    mode: i32,
+    mask: Option<&(Vec<u64>, u64)>,
+    flags: u32,
+) -> Result<(), Errno> {
+    let (ptr, maxnode) = mask.map_or((ptr::null(), 0), |(w, m)| (w.as_ptr(), *m));
+    // SAFETY: the range is inside (or deliberately misaligned within) our own region.
+    unsafe {
+        sys::mbind(
+            r.as_ptr().wrapping_add(offset).cast(),
+            len,
+            mode,
+            ptr,
+            maxnode,
+            flags,
+        )
+    }
+}
+
+#[test]
+fn sys_default_with_a_mask_is_einval() {
+    let r = Region::anonymous(page()).unwrap();
+    let mask = one_node_mask();
+    assert_eq!(
+        raw_mbind(&r, 0, page(), sys::MPOL_DEFAULT, Some(&mask), 0),
+        Err(errno_here(Errno::INVAL))
+    );
+    // SAFETY: a correctly sized mask; the thread policy is not changed on EINVAL.
+    let r2 = unsafe { sys::set_mempolicy(sys::MPOL_DEFAULT, mask.0.as_ptr(), mask.1) };
+    assert_eq!(r2, Err(errno_here(Errno::INVAL)));
+}
+
+#[test]
+fn sys_bind_and_interleave_with_an_empty_mask_are_einval() {
+    let r = Region::anonymous(page()).unwrap();
+    let empty = (vec![0u64; one_node_mask().0.len()], one_node_mask().1);
+    for mode in [sys::MPOL_BIND, sys::MPOL_INTERLEAVE] {
+        assert_eq!(
+            raw_mbind(&r, 0, page(), mode, Some(&empty), 0),
+            Err(errno_here(Errno::INVAL)),
+            "mode {mode}"
+        );
+        assert_eq!(
+            raw_mbind(&r, 0, page(), mode, None, 0),
+            Err(errno_here(Errno::INVAL)),
+            "mode {mode}, null mask"
+        );
+    }
+}
+
+#[test]
+fn sys_local_with_a_mask_is_einval() {
+    let r = Region::anonymous(page()).unwrap();
+    let mask = one_node_mask();
+    assert_eq!(
+        raw_mbind(&r, 0, page(), sys::MPOL_LOCAL, Some(&mask), 0),
+        Err(errno_here(Errno::INVAL))
+    );
+    assert_eq!(
+        raw_mbind(&r, 0, page(), sys::MPOL_LOCAL, None, 0),
+        ok_here()
+    );
+}
+
+#[test]
+fn sys_unknown_mode_and_flags_are_einval() {
+    let r = Region::anonymous(page()).unwrap();
+    let mask = one_node_mask();
+    for mode in [sys::MPOL_MAX, 100, !sys::MPOL_MODE_FLAGS] {
+        assert_eq!(
+            raw_mbind(&r, 0, page(), mode, Some(&mask), 0),
+            Err(errno_here(Errno::INVAL)),
+            "mode {mode}"
+        );
+    }
+    for flags in [
+        0x80,
+        0x8, /* MPOL_MF_LAZY is kernel-internal */
+        1 << 31,
+    ] {
+        assert_eq!(
+            raw_mbind(&r, 0, page(), sys::MPOL_BIND, Some(&mask), flags),
+            Err(errno_here(Errno::INVAL)),
+            "flags {flags:#x}"
+        );
+    }
+    // STATIC and RELATIVE exclude each other.
+    let both = sys::MPOL_BIND | sys::MPOL_F_STATIC_NODES | sys::MPOL_F_RELATIVE_NODES;
+    assert_eq!(
+        raw_mbind(&r, 0, page(), both, Some(&mask), 0),
+        Err(errno_here(Errno::INVAL))
+    );
+}
+
+#[test]
+fn sys_unaligned_start_is_einval_and_len_zero_is_ok() {
+    let r = Region::anonymous(2 * page()).unwrap();
+    let mask = one_node_mask();
+    assert_eq!(
+        raw_mbind(&r, 1, page(), sys::MPOL_BIND, Some(&mask), 0),
+        Err(errno_here(Errno::INVAL))
+    );
+    assert_eq!(
+        raw_mbind(&r, 0, 0, sys::MPOL_BIND, Some(&mask), 0),
+        ok_here()
+    );
+}
+
+#[test]
+fn sys_range_with_a_hole_is_efault() {
+    let r = Region::anonymous(3 * page()).unwrap();
+    // SAFETY: punching the middle page of our own region; nothing references it, and the
+    // region's Drop munmaps the whole span, which tolerates the hole.
+    unsafe { rustix::mm::munmap(r.as_ptr().add(page()).cast::<c_void>(), page()) }.unwrap();
+    let mask = one_node_mask();
+    assert_eq!(
+        raw_mbind(&r, 0, 3 * page(), sys::MPOL_BIND, Some(&mask), 0),
+        Err(errno_here(Errno::FAULT))
+    );
+}
+
+#[test]
+fn sys_policies_read_back_as_set() {
+    let r = Region::anonymous(page()).unwrap();
+    let mask = one_node_mask();
+    for mode in [sys::MPOL_BIND, sys::MPOL_INTERLEAVE, sys::MPOL_PREFERRED] {
+        assert_eq!(raw_mbind(&r, 0, page(), mode, Some(&mask), 0), ok_here());
+        if expect() != Expect::Full {
+            continue;
+        }
+        let mut got_mode = -1;
+        let mut got = vec![0u64; mask.0.len()];
+        // SAFETY: out-pointers sized for maxnode; the address is our own region.
+        unsafe {
+            sys::get_mempolicy(
+                &mut got_mode,
+                got.as_mut_ptr(),
+                mask.1,
+                r.as_ptr().cast(),
+                sys::MPOL_F_ADDR,
+            )
+        }
+        .unwrap();
+        assert_eq!((got_mode, &got), (mode, &mask.0), "mode {mode}");
+    }
+}
+
+#[test]
+fn sys_get_mempolicy_with_maxnode_below_possible_nodes_is_einval() {
+    if expect() != Expect::Full {
+        return;
+    }
+    let mut mode = 0;
+    let mut word = 0u64;
+    // maxnode 0 is below any possible node count.
+    // SAFETY: valid out-pointers.
+    let r = unsafe { sys::get_mempolicy(&mut mode, &mut word, 0, ptr::null_mut(), 0) };
+    assert_eq!(r, Err(Errno::INVAL));
+}
+
+// ---- the same through the typed layer ----
+
+#[test]
+fn typed_empty_set_is_an_error_naming_the_policy_in_every_environment() {
+    let r = Region::anonymous(page()).unwrap();
+    for p in [
+        MemPolicy::Bind(NodeSet::new()),
+        MemPolicy::Interleave(NodeSet::new()),
+    ] {
+        match r.bind(&p, MbindFlags::empty()) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains(p.name()), "{reason}")
+            }
+            other => panic!("{p:?}: {other:?}"),
+        }
+        assert!(numapin::policy::set_thread_policy(&p).is_err());
+    }
+}
+
+fn expect_bind(result: numapin::Result<Placement>, full: Errno) {
+    match (expect(), result) {
+        (Expect::Full, Err(e)) => assert_eq!(e.errno(), Some(full), "{e}"),
+        (Expect::Denied, Ok(p)) => {
+            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Denied))
+        }
+        (Expect::Unsupported, Ok(p)) => {
+            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Unsupported))
+        }
+        (e, other) => panic!("{e:?}: {other:?}"),
+    }
+}
+
+#[test]
+fn typed_unknown_flags_and_exclusive_mode_flags_are_einval() {
+    let r = Region::anonymous(page()).unwrap();
+    let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    expect_bind(r.bind(&p, MbindFlags::from_bits_retain(0x80)), Errno::INVAL);
+    let both = ModeFlags::STATIC_NODES | ModeFlags::RELATIVE_NODES;
+    expect_bind(r.bind_with(&p, both, MbindFlags::empty()), Errno::INVAL);
+}
+
+#[test]
+fn typed_hole_is_efault_and_the_error_names_the_range() {
+    let r = Region::anonymous(3 * page()).unwrap();
+    // SAFETY: as in sys_range_with_a_hole_is_efault.
+    unsafe { rustix::mm::munmap(r.as_ptr().add(page()).cast::<c_void>(), page()) }.unwrap();
+    let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    let result = r.bind(&p, MbindFlags::empty());
+    if let Err(e) = &result {
+        let text = e.to_string();
+        assert!(
+            text.contains("mbind(")
+                && text.contains("EFAULT")
+                && text.contains(&format!("len={}", 3 * page())),
+            "{text}"
+        );
+    }
+    expect_bind(result, Errno::FAULT);
+}
+
+#[test]
+fn typed_bind_range_checks_alignment_in_every_environment() {
+    let r = Region::anonymous(2 * page()).unwrap();
+    let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    // SAFETY: inside our own region.
+    let result = unsafe { numapin::bind_range(r.as_ptr().add(1), page(), &p, MbindFlags::empty()) };
+    match result {
+        Err(Error::InvalidArgument {
+            op: "bind_range",
+            reason,
+        }) => assert!(reason.contains("not aligned")),
+        other => panic!("{other:?}"),
+    }
+    // SAFETY: inside our own region; len 0 changes nothing.
+    let zero = unsafe { numapin::bind_range(r.as_ptr(), 0, &p, MbindFlags::empty()) }.unwrap();
+    assert_eq!(zero.is_bound(), expect() == Expect::Full);
+}
+
+#[test]
+fn typed_policies_read_back_as_set() {
+    let nodes = NodeSet::allowed().unwrap();
+    let first = nodes.iter().next().unwrap();
+    let r = Region::anonymous(page()).unwrap();
+    for p in [
+        MemPolicy::Bind(nodes),
+        MemPolicy::Interleave(nodes),
+        MemPolicy::Preferred(first),
+        MemPolicy::PreferredMany(nodes),
+        MemPolicy::Local,
+    ] {
+        let placement = r.bind(&p, MbindFlags::empty()).unwrap();
+        match (expect(), r.policy_at(0).unwrap()) {
+            (Expect::Full, Observed::Known((got, flags))) => {
+                assert!(placement.is_bound());
+                assert_eq!((got, flags), (p, ModeFlags::empty()));
+            }
+            (_, Observed::Degraded(reason)) => assert_eq!(placement, Placement::Degraded(reason)),
+            (e, other) => panic!("{e:?}: {other:?}"),
+        }
+    }
+    let placement = r
+        .bind_with(
+            &MemPolicy::Bind(nodes),
+            ModeFlags::STATIC_NODES,
+            MbindFlags::empty(),
+        )
+        .unwrap();
+    if placement.is_bound() {
+        assert_eq!(
+            r.policy_at(0).unwrap(),
+            Observed::Known((MemPolicy::Bind(nodes), ModeFlags::STATIC_NODES))
+        );
+    }
+}
+
+#[test]
+fn typed_move_of_touched_pages_is_accepted() {
+    let mut r = Region::anonymous(4 * page()).unwrap();
+    r.as_mut_slice().unwrap().fill(7);
+    let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    let placement = r.bind(&p, MbindFlags::MOVE | MbindFlags::STRICT).unwrap();
+    assert_eq!(placement.is_bound(), expect() == Expect::Full);
+    assert!(r.as_slice().iter().all(|&b| b == 7));
+}

@@ -1,0 +1,220 @@
+//! Region behaviour: release, placement, populate, alignment, file mappings.
+
+mod common;
+
+use std::io::Write;
+
+use common::{Expect, degrade_here, expect};
+use numapin::{Advice, Error, MbindFlags, MemPolicy, NodeSet, Observed, Placement, Region, diag};
+
+fn page() -> usize {
+    numapin::page_size()
+}
+
+fn region_rss(r: &Region) -> u64 {
+    let start = r.as_ptr() as usize;
+    diag::smaps_in_range(start, start + r.len())
+        .unwrap()
+        .iter()
+        .map(|e| e.rss)
+        .sum()
+}
+
+#[test]
+fn release_drops_rss_and_keeps_the_policy() {
+    let pages = 64;
+    let mut r = Region::anonymous(pages * page()).unwrap();
+    r.advise(Advice::NoHugePage).unwrap();
+    let nodes = NodeSet::allowed().unwrap();
+    let first = nodes.iter().next().unwrap();
+    let policy = MemPolicy::Bind(std::iter::once(first).collect());
+    let placement = r.bind(&policy, MbindFlags::empty()).unwrap();
+    assert_eq!(placement.is_bound(), expect() == Expect::Full);
+
+    r.as_mut_slice().unwrap().fill(0xAB);
+    assert_eq!(region_rss(&r), (pages * page()) as u64);
+
+    r.release(0..pages * page() / 2).unwrap();
+    assert_eq!(region_rss(&r), (pages * page() / 2) as u64);
+
+    // A write after release faults under the same policy.
+    r.as_mut_slice().unwrap()[0] = 1;
+    match r.policy_at(0).unwrap() {
+        Observed::Known((p, _)) => assert_eq!(p, policy),
+        Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_here()),
+    }
+    if let Observed::Known(h) = r.placement().unwrap() {
+        assert_eq!(h.on(first), pages / 2 + 1);
+        assert_eq!((h.not_present, h.other), (pages / 2 - 1, 0));
+    }
+    // Released pages read back as zeroes (reading maps the shared zero page, which
+    // move_pages would report as -EFAULT, so this comes after the histogram).
+    assert!(r.as_slice()[1..pages * page() / 2].iter().all(|&b| b == 0));
+    assert!(
+        r.as_slice()[pages * page() / 2..]
+            .iter()
+            .all(|&b| b == 0xAB)
+    );
+}
+
+#[test]
+fn release_checks_its_range() {
+    let mut r = Region::anonymous(4 * page()).unwrap();
+    assert!(matches!(
+        r.release(1..page()),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        r.release(0..5 * page()),
+        Err(Error::InvalidArgument { .. })
+    ));
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 2 * page()..page();
+    assert!(matches!(
+        r.release(reversed),
+        Err(Error::InvalidArgument { .. })
+    ));
+    r.release(page()..page()).unwrap();
+    // An unaligned end rounds up to the page.
+    r.as_mut_slice().unwrap().fill(3);
+    r.release(0..10).unwrap();
+    assert!(r.as_slice()[..page()].iter().all(|&b| b == 0));
+    assert_eq!(r.as_slice()[page()], 3);
+}
+
+#[test]
+fn placement_of_an_untouched_region_reports_not_present_and_faults_nothing() {
+    let pages = 256;
+    let r = Region::anonymous(pages * page()).unwrap();
+    let before = region_rss(&r);
+    let observed = r.placement().unwrap();
+    assert_eq!(region_rss(&r), before);
+    assert_eq!(before, 0);
+    match observed {
+        Observed::Known(h) => {
+            assert_eq!(expect(), Expect::Full);
+            assert_eq!((h.present(), h.not_present, h.other), (0, pages, 0));
+        }
+        Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_here()),
+    }
+}
+
+#[test]
+fn populate_write_makes_every_page_present_on_the_bound_nodes() {
+    let pages = 128;
+    let mut r = Region::anonymous(pages * page()).unwrap();
+    let nodes = NodeSet::allowed().unwrap();
+    let _ = r
+        .bind(&MemPolicy::Interleave(nodes), MbindFlags::empty())
+        .unwrap();
+    r.populate_write().unwrap();
+    assert_eq!(region_rss(&r), (pages * page()) as u64);
+    if let Observed::Known(h) = r.placement().unwrap() {
+        assert_eq!(h.present(), pages);
+        assert!(h.pages.keys().all(|n| nodes.contains(*n)), "{h:?}");
+    }
+}
+
+#[test]
+fn anonymous_aligned_is_aligned_and_checks_its_arguments() {
+    let r = Region::anonymous_aligned(3 << 20, 2 << 20).unwrap();
+    assert_eq!(r.as_ptr() as usize % (2 << 20), 0);
+    assert_eq!(r.len(), 3 << 20);
+    // The trimmed mapping is exactly one VMA of the asked length.
+    let start = r.as_ptr() as usize;
+    let entries = diag::smaps_in_range(start, start + r.len()).unwrap();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(
+        (entries[0].start, entries[0].end),
+        (start, start + (3 << 20))
+    );
+    for (len, align) in [
+        (4096, 3 << 20),
+        (4096, 1024),
+        (0, 2 << 20),
+        (usize::MAX - 4095, 2 << 20),
+    ] {
+        assert!(
+            matches!(
+                Region::anonymous_aligned(len, align),
+                Err(Error::InvalidArgument { .. })
+            ),
+            "len {len} align {align}"
+        );
+    }
+    assert!(matches!(
+        Region::anonymous(0),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        Region::anonymous(usize::MAX),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn lengths_round_up_to_pages() {
+    let r = Region::anonymous(1).unwrap();
+    assert_eq!(r.len(), page());
+}
+
+#[test]
+fn file_mappings_are_read_only_and_refuse_bind() {
+    let dir = std::env::temp_dir().join(format!("numapin-region-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data.bin");
+    let mut f = std::fs::File::create(&path).unwrap();
+    f.write_all(&vec![9u8; 3 * page()]).unwrap();
+    drop(f);
+    let f = std::fs::File::open(&path).unwrap();
+
+    let mut r = Region::map_file(&f, page() as u64, page() + 10).unwrap();
+    assert_eq!(r.len(), page() + 10);
+    assert!(r.as_slice().iter().all(|&b| b == 9));
+    match r.bind(
+        &MemPolicy::Bind(NodeSet::allowed().unwrap()),
+        MbindFlags::empty(),
+    ) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("page cache"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(r.as_mut_slice().is_err());
+    assert!(r.populate_write().is_err());
+    assert!(r.release(0..page()).is_err());
+    // Past EOF would SIGBUS on access: refused up front.
+    assert!(Region::map_file(&f, 0, 3 * page() + 1).is_err());
+    assert!(Region::map_file(&f, 1, 10).is_err());
+    assert!(Region::map_file(&f, 0, 0).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn memfd_regions_take_a_shared_policy() {
+    let mut r = Region::memfd("numapin-test", 16 * page()).unwrap();
+    assert!(r.memfd_file().is_some());
+    let nodes = NodeSet::allowed().unwrap();
+    let placement = r
+        .bind(&MemPolicy::Interleave(nodes), MbindFlags::empty())
+        .unwrap();
+    assert_eq!(
+        placement,
+        degrade_here().map_or(Placement::Bound, Placement::Degraded)
+    );
+    r.populate_write().unwrap();
+    r.as_mut_slice().unwrap().fill(5);
+    if let Observed::Known((p, _)) = r.policy_at(0).unwrap() {
+        assert_eq!(p, MemPolicy::Interleave(nodes));
+    }
+    // Release frees the memfd's pages too: they read back as zeroes.
+    r.release(0..page()).unwrap();
+    assert!(r.as_slice()[..page()].iter().all(|&b| b == 0));
+    assert_eq!(r.as_slice()[page()], 5);
+}
+
+#[test]
+fn regions_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Region>();
+}
