@@ -27,6 +27,15 @@ pub fn map_count() -> Result<usize> {
 /// # Errors
 /// `/proc/self/maps` cannot be read.
 pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
+    maps_overlapping(&[(start, end)])
+}
+
+/// Number of mappings that overlap any of the `[start, end)` spans (each mapping counted
+/// once), from one read of `/proc/self/maps`.
+///
+/// # Errors
+/// `/proc/self/maps` cannot be read.
+pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
     let maps = read("/proc/self/maps")?;
     Ok(maps
         .lines()
@@ -37,7 +46,7 @@ pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
                 usize::from_str_radix(b, 16).ok()?,
             ))
         })
-        .filter(|&(a, b)| a < end && start < b)
+        .filter(|&(a, b)| spans.iter().any(|&(s, e)| a < e && s < b))
         .count())
 }
 
@@ -51,6 +60,30 @@ pub fn max_map_count() -> Result<usize> {
     text.trim()
         .parse()
         .map_err(|_| Error::invalid("read", format!("{path}: unparsable {text:?}")))
+}
+
+/// Resident pages of `[start, start + len)` of this process (`mincore(2)`): exact per
+/// range, where `smaps` only knows whole mappings (which merge with equal neighbours).
+///
+/// # Errors
+/// `start` is not page-aligned (`EINVAL`) or part of the range is unmapped (`ENOMEM`).
+pub fn resident_pages(start: usize, len: usize) -> Result<usize> {
+    let page = crate::page_size();
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: mincore only reads the page tables of the range (the kernel validates it)
+    // and writes one byte per page into `vec`, which holds that many.
+    let rc = unsafe { libc::mincore(start as *mut c_void, len, vec.as_mut_ptr()) };
+    if rc != 0 {
+        let errno = crate::Errno::from_raw_os_error(
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        );
+        return Err(Error::os(
+            "mincore",
+            errno,
+            format_args!("addr={start:#x} len={len}"),
+        ));
+    }
+    Ok(vec.iter().filter(|&&b| b & 1 != 0).count())
 }
 
 /// A `kB` field of `/proc/self/status` (`VmLck`, `VmRSS`, ...), in KiB.

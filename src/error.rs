@@ -55,6 +55,24 @@ pub enum Error {
         /// The soft limit.
         limit: u64,
     },
+    /// Reserving more mappings would cross `vm.max_map_count`.
+    #[error(
+        "{what} needs {needed} more mappings, but only {available} are left: vm.max_map_count \
+         (or the store's budget) is {limit} and this process already has {current} \
+         (raise it with `sysctl -w vm.max_map_count=N`, or load fewer layers)"
+    )]
+    MapBudget {
+        /// What was being reserved.
+        what: String,
+        /// Mappings it needs.
+        needed: usize,
+        /// `limit - current`, saturating.
+        available: usize,
+        /// `vm.max_map_count`, or the budget set in the store's options.
+        limit: usize,
+        /// Mappings the process has now.
+        current: usize,
+    },
     /// Reading a file (a procfs/sysfs entry or a data file) failed.
     #[error("{op} {path}: {source}")]
     Io {

@@ -38,12 +38,14 @@ mod node;
 pub mod policy;
 mod probe;
 mod region;
+pub mod store;
 
 pub use error::{Errno, Error, Result};
 pub use node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
 pub use region::{Advice, NodeHistogram, Region, bind_range};
+pub use store::{ExpertSource, LayerReport, LayerSpec, Layout, PinStore, StoreOptions, StoreStats};
 
 /// The base page size, read once.
 pub fn page_size() -> usize {

@@ -508,6 +508,16 @@ impl Region {
         unsafe { page_histogram(self.as_ptr(), self.map_len()) }
     }
 
+    /// [`Region::placement`] of every `step`-th page only: bounded cost for big regions.
+    /// Counts are of sampled pages; multiply by `step` for an estimate.
+    ///
+    /// # Errors
+    /// As [`Region::placement`].
+    pub fn placement_sampled(&self, step: usize) -> Result<Observed<NodeHistogram>> {
+        // SAFETY: the whole range is our own mapping.
+        unsafe { page_histogram_sampled(self.as_ptr(), self.map_len(), step) }
+    }
+
     fn map_len(&self) -> usize {
         self.len.next_multiple_of(page_size())
     }
@@ -642,8 +652,23 @@ pub(crate) unsafe fn mbind_checked(
 /// The range must be mapped by the caller (pages outside it would be reported as
 /// `-EFAULT`, which is harmless, but the addresses must be the caller's to ask about).
 pub(crate) unsafe fn page_histogram(start: *mut u8, len: usize) -> Result<Observed<NodeHistogram>> {
+    // SAFETY: forwarded from the caller.
+    unsafe { page_histogram_sampled(start, len, 1) }
+}
+
+/// [`page_histogram`] of every `step`-th page only (`step` ≥ 1): bounded cost for huge
+/// ranges. The counts are of sampled pages.
+///
+/// # Safety
+/// As [`page_histogram`].
+pub(crate) unsafe fn page_histogram_sampled(
+    start: *mut u8,
+    len: usize,
+    step: usize,
+) -> Result<Observed<NodeHistogram>> {
     const CHUNK: usize = 1024;
-    let page = page_size();
+    let step = step.max(1);
+    let page = page_size() * step;
     let mut histogram = NodeHistogram::default();
     let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
     let mut status = vec![0i32; CHUNK];

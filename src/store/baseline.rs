@@ -1,0 +1,155 @@
+//! The strategy [`PinStore`](super::PinStore) replaces, kept to measure against: every
+//! expert tensor in its own `posix_memalign` allocation, bound on its own with `mbind`.
+//!
+//! Each bound slab is a mapping of its own that cannot merge with its unbound
+//! neighbours (the allocator's headers), so the process spends about two mappings per
+//! slab and crosses `vm.max_map_count` at around 32k slabs: the allocation or the
+//! `mbind` then fails with `ENOMEM` on a machine with plenty of free memory.
+//!
+//! # Safety
+//!
+//! This module owns `posix_memalign` blocks: each is written only through the `&mut`
+//! slice made right after allocation and freed exactly once on drop.
+#![allow(unsafe_code)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::load::{self, Job};
+use super::{ExpertSource, Kind, LayerSpec, check_fits};
+use crate::error::{Errno, Error, Result};
+use crate::policy::{MbindFlags, MemPolicy, Placement};
+
+/// One `posix_memalign` block.
+struct Slab {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from posix_memalign and is freed once, here.
+        unsafe { libc::free(self.ptr.cast()) };
+    }
+}
+
+/// Slabs, one per expert tensor, each allocated and bound on its own.
+pub struct SlabPerExpert {
+    slabs: Vec<Slab>,
+    mbind_calls: AtomicUsize,
+    degraded: Option<Placement>,
+}
+
+// SAFETY: the slabs are owned exclusively; the raw pointers are not shared elsewhere.
+unsafe impl Send for SlabPerExpert {}
+
+impl Default for SlabPerExpert {
+    fn default() -> Self {
+        SlabPerExpert::new()
+    }
+}
+
+impl SlabPerExpert {
+    /// No slabs yet.
+    pub fn new() -> Self {
+        SlabPerExpert {
+            slabs: Vec::new(),
+            mbind_calls: AtomicUsize::new(0),
+            degraded: None,
+        }
+    }
+
+    /// Allocates, binds (when `policy` is given) and fills one slab per tensor of the
+    /// layer, on the calling thread.
+    ///
+    /// # Errors
+    /// The sources do not fit the spec, `posix_memalign` fails (`ENOMEM` once the map
+    /// limit is reached), or `mbind` fails.
+    pub fn load_layer(
+        &mut self,
+        layer: usize,
+        spec: &LayerSpec,
+        sources: &[ExpertSource<'_>],
+        policy: Option<&MemPolicy>,
+    ) -> Result<()> {
+        let page = crate::page_size();
+        for (expert, source) in sources.iter().enumerate() {
+            let lengths = check_fits(layer, expert, spec, source)?;
+            for kind in [Kind::Weights, Kind::Scales] {
+                let len = lengths[kind as usize];
+                if len == 0 {
+                    continue;
+                }
+                let mut raw: *mut libc::c_void = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer; alignment is a power of two multiple of
+                // the pointer size.
+                let rc = unsafe { libc::posix_memalign(&mut raw, page, len) };
+                if rc != 0 {
+                    return Err(Error::os(
+                        "posix_memalign",
+                        Errno::from_raw_os_error(rc),
+                        format_args!(
+                            "align={page} size={len} (slab {} of this store, layer {layer} expert {expert})",
+                            self.slabs.len()
+                        ),
+                    ));
+                }
+                let slab = Slab {
+                    ptr: raw.cast(),
+                    len,
+                };
+                self.slabs.push(slab);
+                let slab = &self.slabs[self.slabs.len() - 1];
+                if let Some(policy) = policy {
+                    // SAFETY: our own fresh block; the kernel rounds `len` up to the
+                    // page, which stays inside the allocator's page-granular block.
+                    let p =
+                        unsafe { crate::bind_range(slab.ptr, len, policy, MbindFlags::empty()) }?;
+                    self.mbind_calls.fetch_add(1, Ordering::Relaxed);
+                    if !p.is_bound() {
+                        self.degraded = Some(p);
+                    }
+                }
+                // SAFETY: the block holds `len` bytes and nothing else refers to it yet.
+                let dest = unsafe { std::slice::from_raw_parts_mut(slab.ptr, slab.len) };
+                let part = source.part(kind);
+                load::fill(
+                    vec![Job {
+                        dest,
+                        part,
+                        expert,
+                        kind,
+                    }],
+                    1,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Slabs allocated.
+    pub fn slabs(&self) -> usize {
+        self.slabs.len()
+    }
+
+    /// `mbind` calls made.
+    pub fn mbind_calls(&self) -> usize {
+        self.mbind_calls.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.slabs.iter().map(|s| s.len as u64).sum()
+    }
+
+    /// The degradation met, if any.
+    pub fn placement(&self) -> Option<Placement> {
+        self.degraded
+    }
+
+    /// The bytes of slab `i` (in load order: expert 0 weights, expert 0 scales, ...).
+    pub fn slab(&self, i: usize) -> Option<&[u8]> {
+        let s = self.slabs.get(i)?;
+        // SAFETY: the block lives as long as `self` and was fully written at load.
+        Some(unsafe { std::slice::from_raw_parts(s.ptr, s.len) })
+    }
+}
