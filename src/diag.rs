@@ -36,6 +36,20 @@ pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
 /// # Errors
 /// `/proc/self/maps` cannot be read.
 pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
+    let mut sorted = spans.to_vec();
+    sorted.sort_unstable();
+    // Running maximum of span ends, so one binary search answers "does any span overlap".
+    let mut max_end = Vec::with_capacity(sorted.len());
+    let mut running = 0;
+    for &(_, e) in &sorted {
+        running = running.max(e);
+        max_end.push(running);
+    }
+    let overlaps = |a: usize, b: usize| {
+        // Spans starting before `b`; the one with the largest end among them decides.
+        let n = sorted.partition_point(|&(s, _)| s < b);
+        n > 0 && max_end[n - 1] > a
+    };
     let maps = read("/proc/self/maps")?;
     Ok(maps
         .lines()
@@ -46,7 +60,7 @@ pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
                 usize::from_str_radix(b, 16).ok()?,
             ))
         })
-        .filter(|&(a, b)| spans.iter().any(|&(s, e)| a < e && s < b))
+        .filter(|&(a, b)| overlaps(a, b))
         .count())
 }
 
@@ -138,9 +152,17 @@ pub struct SmapsEntry {
 /// # Errors
 /// `/proc/self/smaps` cannot be read.
 pub fn smaps_in_range(start: usize, end: usize) -> Result<Vec<SmapsEntry>> {
+    smaps_overlapping(&[(start, end)])
+}
+
+/// The `smaps` entries of the mappings that overlap any of the spans, each once.
+///
+/// # Errors
+/// `/proc/self/smaps` cannot be read.
+pub fn smaps_overlapping(spans: &[(usize, usize)]) -> Result<Vec<SmapsEntry>> {
     Ok(parse_smaps(&read("/proc/self/smaps")?)
         .into_iter()
-        .filter(|e| e.start < end && start < e.end)
+        .filter(|e| spans.iter().any(|&(s, end)| e.start < end && s < e.end))
         .collect())
 }
 

@@ -12,12 +12,14 @@
 //! slice made right after allocation and freed exactly once on drop.
 #![allow(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::load::{self, Job};
 use super::{ExpertSource, Kind, LayerSpec, check_fits};
 use crate::error::{Errno, Error, Result};
-use crate::policy::{MbindFlags, MemPolicy, Placement};
+use crate::node::Node;
+use crate::policy::{MbindFlags, MemPolicy, Observed, Placement};
 
 /// One `posix_memalign` block.
 struct Slab {
@@ -126,6 +128,23 @@ impl SlabPerExpert {
         Ok(())
     }
 
+    /// Mappings the slabs occupy (page-rounded spans, counted in `/proc/self/maps`).
+    ///
+    /// # Errors
+    /// `/proc/self/maps` cannot be read.
+    pub fn vmas(&self) -> Result<usize> {
+        let page = crate::page_size();
+        let spans: Vec<(usize, usize)> = self
+            .slabs
+            .iter()
+            .map(|s| {
+                let start = s.ptr as usize / page * page;
+                (start, (s.ptr as usize + s.len).next_multiple_of(page))
+            })
+            .collect();
+        crate::diag::maps_overlapping(&spans)
+    }
+
     /// Slabs allocated.
     pub fn slabs(&self) -> usize {
         self.slabs.len()
@@ -144,6 +163,31 @@ impl SlabPerExpert {
     /// The degradation met, if any.
     pub fn placement(&self) -> Option<Placement> {
         self.degraded
+    }
+
+    /// Present pages per node over all slabs (`move_pages`, nothing faulted in);
+    /// `Degraded` where the call is denied or unsupported.
+    ///
+    /// # Errors
+    /// `move_pages` fails with another errno.
+    pub fn pages_per_node(&self) -> Result<Observed<BTreeMap<Node, u64>>> {
+        let page = crate::page_size();
+        let mut total = BTreeMap::new();
+        for slab in &self.slabs {
+            let start = slab.ptr as usize / page * page;
+            let end = (slab.ptr as usize + slab.len).next_multiple_of(page);
+            // SAFETY: the pages of our own live block (the allocator's block covers the
+            // page-rounded range, which move_pages only queries).
+            match unsafe { crate::region::page_histogram(start as *mut u8, end - start)? } {
+                Observed::Known(h) => {
+                    for (node, n) in h.pages {
+                        *total.entry(node).or_insert(0) += n as u64;
+                    }
+                }
+                Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
+            }
+        }
+        Ok(Observed::Known(total))
     }
 
     /// The bytes of slab `i` (in load order: expert 0 weights, expert 0 scales, ...).

@@ -5,6 +5,7 @@
 mod arena;
 pub mod baseline;
 mod load;
+pub mod synthetic;
 mod table;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -103,7 +104,7 @@ pub struct StoreStats {
     pub experts_loaded: usize,
     /// Loaded bytes (weights and scales).
     pub bytes: u64,
-    /// Mappings the store's regions occupy, counted in `/proc/self/maps`.
+    /// Mappings the store's regions occupy, counted in `/proc/self/smaps`.
     pub vmas: usize,
     /// `mbind` calls made.
     pub mbind_calls: usize,
@@ -112,6 +113,11 @@ pub struct StoreStats {
     pub pages_per_node: BTreeMap<Node, u64>,
     /// One page in this many was sampled (1: every page).
     pub sample_step: usize,
+    /// Resident bytes of the store's mappings (`smaps` `Rss`; a mapping the kernel merged
+    /// with an equal neighbour counts whole).
+    pub resident_bytes: u64,
+    /// Of which transparent huge pages (`AnonHugePages`).
+    pub anon_huge_bytes: u64,
     /// Bound, or the first degradation met (`None`: [`Layout::Unplaced`], or nothing
     /// bound yet).
     pub placement: Option<Placement>,
@@ -573,7 +579,7 @@ impl PinStore {
         Ok(())
     }
 
-    /// Measures the store: loaded figures, its mappings in `/proc/self/maps`, `mbind`
+    /// Measures the store: loaded figures, its mappings in `/proc/self/smaps`, `mbind`
     /// calls, and resident pages per node from a bounded `move_pages` sample.
     ///
     /// # Errors
@@ -601,6 +607,7 @@ impl PinStore {
                 Observed::Degraded(_) => break,
             }
         }
+        let smaps = diag::smaps_overlapping(&spans)?;
         let loaded = |a: &Arena| a.loaded.iter().flatten().map(|&n| n as u64).sum::<u64>();
         Ok(StoreStats {
             layers: layers.len(),
@@ -609,7 +616,9 @@ impl PinStore {
                 .map(|l| l.weights.loaded.iter().flatten().count())
                 .sum(),
             bytes: layers.iter().flat_map(|l| l.arenas()).map(loaded).sum(),
-            vmas: diag::maps_overlapping(&spans)?,
+            vmas: smaps.len(),
+            resident_bytes: smaps.iter().map(|e| e.rss).sum(),
+            anon_huge_bytes: smaps.iter().map(|e| e.anon_huge).sum(),
             mbind_calls: self.mbind_calls.load(Ordering::Relaxed),
             pages_per_node,
             sample_step,

@@ -1,0 +1,242 @@
+//! The main job: pin a (synthetic) MoE model with a PinStore and show where it went.
+//!
+//! `cargo run --release --example pin_model` writes a 16 layers × 64 experts model
+//! (1 MiB weights + 32 KiB scales each) to a temp dir, packs it interleaved over the
+//! allowed nodes, verifies every slot against the file, and prints a report.
+//!
+//! Flags: `--layers N --experts N --weight-bytes N --scale-bytes N
+//! --layout interleave|layer-per-node|unplaced --nodes <nodestring> --file <path>
+//! --threads N --no-huge-pages --baseline --json`.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use numapin::store::synthetic::SyntheticModel;
+use numapin::store::{Layout, StoreOptions};
+use numapin::{NodeSet, diag};
+use support::{Run, json_string, run_baseline, run_store};
+
+struct Args {
+    model: SyntheticModel,
+    layout: String,
+    nodes: String,
+    file: Option<PathBuf>,
+    threads: Option<usize>,
+    huge_pages: bool,
+    baseline: bool,
+    json: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        model: SyntheticModel::default(),
+        layout: "interleave".into(),
+        nodes: "all".into(),
+        file: None,
+        threads: None,
+        huge_pages: true,
+        baseline: false,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let number = |v: String| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{flag}: {v:?} is not a number"))
+        };
+        match flag.as_str() {
+            "--layers" => args.model.layers = number(value()?)?,
+            "--experts" => args.model.experts = number(value()?)?,
+            "--weight-bytes" => args.model.weight_bytes = number(value()?)?,
+            "--scale-bytes" => args.model.scale_bytes = number(value()?)?,
+            "--layout" => args.layout = value()?,
+            "--nodes" => args.nodes = value()?,
+            "--file" => args.file = Some(PathBuf::from(value()?)),
+            "--threads" => args.threads = Some(number(value()?)?),
+            "--no-huge-pages" => args.huge_pages = false,
+            "--baseline" => args.baseline = true,
+            "--json" => args.json = true,
+            "--help" | "-h" => {
+                println!(
+                    "{}",
+                    include_str!("pin_model.rs")
+                        .lines()
+                        .take(10)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown flag {other:?} (try --help)")),
+        }
+    }
+    if args.model.layers == 0 || args.model.experts == 0 || args.model.weight_bytes == 0 {
+        return Err("--layers, --experts and --weight-bytes must be at least 1".into());
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pin_model: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A temp dir removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let nodes = NodeSet::parse(&args.nodes).map_err(|e| e.to_string())?;
+    let layout = match args.layout.as_str() {
+        "interleave" => Layout::Interleave(nodes),
+        "layer-per-node" => Layout::LayerPerNode(nodes),
+        "unplaced" => Layout::Unplaced,
+        other => {
+            return Err(format!(
+                "--layout {other:?}: expected interleave, layer-per-node or unplaced"
+            ));
+        }
+    };
+    let model = args.model;
+    let total = model.total_bytes().map_err(|e| e.to_string())?;
+
+    let mut _temp = None;
+    let path = match &args.file {
+        Some(path) => {
+            let len = std::fs::metadata(path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+                .len();
+            if len < total {
+                return Err(format!(
+                    "{}: {len} bytes, the model needs {total}",
+                    path.display()
+                ));
+            }
+            path.clone()
+        }
+        None => {
+            let dir =
+                std::env::temp_dir().join(format!("numapin-pin-model-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let temp = TempDir(dir);
+            let path = temp.0.join("model.bin");
+            if !args.json {
+                eprintln!(
+                    "writing a {:.2} GiB synthetic model to {}",
+                    total as f64 / (1u64 << 30) as f64,
+                    path.display()
+                );
+            }
+            model.write(&path).map_err(|e| e.to_string())?;
+            _temp = Some(temp);
+            path
+        }
+    };
+    let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+
+    let mut options = StoreOptions {
+        huge_pages: args.huge_pages,
+        ..StoreOptions::default()
+    };
+    if let Some(t) = args.threads {
+        options.loader_threads = t;
+    }
+    let (run, store) = run_store(&model, &file, layout, options, true)?;
+    drop(store);
+    let baseline = args
+        .baseline
+        .then(|| run_baseline(&model, &file, layout).map(|(run, _slabs)| run));
+
+    if args.json {
+        let baseline = match &baseline {
+            None => String::new(),
+            Some(Ok(b)) => format!(",\"baseline\":{}", b.to_json()),
+            Some(Err(e)) => format!(",\"baseline\":{{\"error\":{}}}", json_string(e)),
+        };
+        let run_json = run.to_json();
+        println!(
+            "{},\"nodes\":{},\"layout\":{},\"verified\":true{baseline}}}",
+            &run_json[..run_json.len() - 1],
+            json_string(&nodes.to_string()),
+            json_string(&args.layout)
+        );
+        return Ok(());
+    }
+    print_report(&run, baseline.as_ref(), &nodes, &args.layout);
+    Ok(())
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn pages(run: &Run) -> String {
+    if run.pages_per_node.is_empty() {
+        return "unknown (move_pages unavailable)".into();
+    }
+    let total: u64 = run.pages_per_node.values().sum();
+    run.pages_per_node
+        .iter()
+        .map(|(n, p)| format!("N{n}={p} ({:.1}%)", 100.0 * *p as f64 / total.max(1) as f64))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeSet, layout: &str) {
+    println!("numapin pin_model: every slot verified against the file");
+    println!("  nodes            {nodes} (layout {layout})");
+    println!(
+        "  map limit        vm.max_map_count = {}",
+        diag::max_map_count().unwrap_or(0)
+    );
+    let left = rows(run);
+    match baseline {
+        None => {
+            for (name, value) in &left {
+                println!("  {name:<16} {value}");
+            }
+        }
+        Some(b) => {
+            println!("  {:<16} {:<28} one slab per expert", "", "PinStore");
+            let right = b.as_ref().map(rows).ok();
+            for (i, (name, value)) in left.iter().enumerate() {
+                let other = right.as_ref().map_or("-", |r| r[i].1.as_str());
+                println!("  {name:<16} {value:<28} {other}");
+            }
+            if let Err(e) = b {
+                println!("  baseline failed: {e}");
+            }
+        }
+    }
+}
+
+fn rows(r: &Run) -> Vec<(&'static str, String)> {
+    vec![
+        ("layers", r.layers.to_string()),
+        ("experts", r.experts.to_string()),
+        ("bytes", gib(r.bytes)),
+        ("load seconds", format!("{:.3}", r.load_seconds)),
+        ("load GB/s", format!("{:.2}", r.gbps())),
+        ("mappings (VMAs)", r.vmas.to_string()),
+        ("mbind calls", r.mbind_calls.to_string()),
+        ("minor faults", r.minor_faults.to_string()),
+        ("THP bytes", gib(r.anon_huge_bytes)),
+        ("process RSS", gib(r.rss_bytes)),
+        ("pages per node", pages(r)),
+        ("placement", r.placement.clone()),
+    ]
+}

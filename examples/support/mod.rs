@@ -1,0 +1,185 @@
+//! Measuring one load: shared by the main-job example and the benchmark.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::time::Instant;
+
+use numapin::store::baseline::SlabPerExpert;
+use numapin::store::synthetic::SyntheticModel;
+use numapin::store::{Kind, Layout, PinStore, StoreOptions};
+use numapin::{Node, Observed, Placement, diag};
+
+/// What one load cost.
+#[derive(Debug, Clone, Default)]
+pub struct Run {
+    pub layers: usize,
+    pub experts: usize,
+    pub bytes: u64,
+    pub vmas: usize,
+    pub mbind_calls: usize,
+    pub load_seconds: f64,
+    pub pages_per_node: BTreeMap<Node, u64>,
+    pub rss_bytes: u64,
+    pub placement: String,
+    pub minor_faults: u64,
+    pub anon_huge_bytes: u64,
+}
+
+impl Run {
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.load_seconds.max(1e-9) / 1e9
+    }
+
+    pub fn to_json(&self) -> String {
+        let pages: Vec<String> = self
+            .pages_per_node
+            .iter()
+            .map(|(n, p)| format!("\"{n}\":{p}"))
+            .collect();
+        format!(
+            "{{\"layers\":{},\"experts\":{},\"bytes\":{},\"vmas\":{},\"mbind_calls\":{},\"load_seconds\":{:.6},\
+             \"gbps\":{:.3},\"pages_per_node\":{{{}}},\"rss_bytes\":{},\"placement\":{},\"minor_faults\":{},\
+             \"anon_huge_bytes\":{}}}",
+            self.layers,
+            self.experts,
+            self.bytes,
+            self.vmas,
+            self.mbind_calls,
+            self.load_seconds,
+            self.gbps(),
+            pages.join(","),
+            self.rss_bytes,
+            json_string(&self.placement),
+            self.minor_faults,
+            self.anon_huge_bytes,
+        )
+    }
+}
+
+pub fn json_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+pub fn minor_faults() -> u64 {
+    // SAFETY: getrusage fills the zeroed struct we pass; RUSAGE_SELF is always valid.
+    unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage.ru_minflt as u64
+    }
+}
+
+fn placement_text(p: Option<Placement>) -> String {
+    p.map_or("unplaced (no binding requested)".to_string(), |p| {
+        p.to_string()
+    })
+}
+
+/// Loads the whole model into a PinStore; verifies every slot when `verify`.
+pub fn run_store(
+    model: &SyntheticModel,
+    file: &File,
+    layout: Layout,
+    options: StoreOptions,
+    verify: bool,
+) -> Result<(Run, PinStore), String> {
+    let store = PinStore::new(layout, options).map_err(|e| e.to_string())?;
+    let faults = minor_faults();
+    let start = Instant::now();
+    for layer in 0..model.layers {
+        store
+            .pack_layer(layer, &model.spec(), &model.sources(file, layer))
+            .map_err(|e| e.to_string())?;
+    }
+    let load_seconds = start.elapsed().as_secs_f64();
+    let minor = minor_faults() - faults;
+    if verify {
+        for layer in 0..model.layers {
+            for expert in 0..model.experts {
+                let w = store.weights(layer, expert).map_err(|e| e.to_string())?;
+                let s = store.scales(layer, expert).map_err(|e| e.to_string())?;
+                if !model.verify(layer, expert, Kind::Weights, w)
+                    || !model.verify(layer, expert, Kind::Scales, s)
+                {
+                    return Err(format!(
+                        "layer {layer} expert {expert}: bytes differ from the file"
+                    ));
+                }
+            }
+        }
+    }
+    let stats = store.stats().map_err(|e| e.to_string())?;
+    let run = Run {
+        layers: stats.layers,
+        experts: stats.experts_loaded,
+        bytes: stats.bytes,
+        vmas: stats.vmas,
+        mbind_calls: stats.mbind_calls,
+        load_seconds,
+        pages_per_node: stats.pages_per_node,
+        rss_bytes: diag::rss_bytes().unwrap_or(0),
+        placement: placement_text(stats.placement),
+        minor_faults: minor,
+        anon_huge_bytes: stats.anon_huge_bytes,
+    };
+    Ok((run, store))
+}
+
+/// Loads the whole model one slab per expert tensor, each bound on its own.
+pub fn run_baseline(
+    model: &SyntheticModel,
+    file: &File,
+    layout: Layout,
+) -> Result<(Run, SlabPerExpert), String> {
+    let policy_of = PinStore::new(layout, StoreOptions::default()).map_err(|e| e.to_string())?;
+    let mut slabs = SlabPerExpert::new();
+    let faults = minor_faults();
+    let start = Instant::now();
+    for layer in 0..model.layers {
+        let policy = policy_of.policy_for(layer);
+        slabs
+            .load_layer(
+                layer,
+                &model.spec(),
+                &model.sources(file, layer),
+                policy.as_ref(),
+            )
+            .map_err(|e| format!("after {} slabs: {e}", slabs.slabs()))?;
+    }
+    let load_seconds = start.elapsed().as_secs_f64();
+    let minor = minor_faults() - faults;
+    let pages_per_node = match slabs.pages_per_node().map_err(|e| e.to_string())? {
+        Observed::Known(p) => p,
+        Observed::Degraded(_) => BTreeMap::new(),
+    };
+    let placement = match (layout, slabs.placement()) {
+        (Layout::Unplaced, _) => None,
+        (_, Some(p)) => Some(p),
+        (_, None) => Some(Placement::Bound),
+    };
+    let run = Run {
+        layers: model.layers,
+        experts: model.layers * model.experts,
+        bytes: slabs.bytes(),
+        vmas: slabs.vmas().map_err(|e| e.to_string())?,
+        mbind_calls: slabs.mbind_calls(),
+        load_seconds,
+        pages_per_node,
+        rss_bytes: diag::rss_bytes().unwrap_or(0),
+        placement: placement_text(placement),
+        minor_faults: minor,
+        anon_huge_bytes: 0,
+    };
+    Ok((run, slabs))
+}
