@@ -631,16 +631,25 @@ pub(crate) unsafe fn mbind_checked(
             flags.bits(),
         )
     };
+    // With MOVE_ALL, EPERM is the kernel's CAP_SYS_NICE check, unless the probe found
+    // the calls denied altogether (then it is the container's denial, which degrades).
+    let denied_here = || {
+        matches!(
+            crate::mempolicy_support(),
+            Ok(crate::MempolicySupport::Denied)
+        )
+    };
     match result {
-        // With MOVE_ALL, EPERM is the capability check, not a container's denial.
-        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) => Err(Error::invalid(
-            "mbind",
-            format!(
-                "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
+        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() => {
+            Err(Error::invalid(
+                "mbind",
+                format!(
+                    "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
                  answered EPERM ({})",
-                args()
-            ),
-        )),
+                    args()
+                ),
+            ))
+        }
         other => Placement::from_call(other, |errno| Error::os("mbind", errno, args())),
     }
 }

@@ -312,3 +312,38 @@ fn typed_move_of_touched_pages_is_accepted() {
     assert_eq!(placement.is_bound(), expect() == Expect::Full);
     assert!(r.as_slice().iter().all(|&b| b == 7));
 }
+
+/// Whether this process is in the initial user namespace (where CAP_SYS_NICE counts for
+/// `MPOL_MF_MOVE_ALL`).
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map")
+        .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
+}
+
+#[test]
+fn move_all_needs_cap_sys_nice_in_the_initial_user_namespace() {
+    let mut r = Region::anonymous(2 * page()).unwrap();
+    r.as_mut_slice().unwrap().fill(1);
+    let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    let result = r.bind(&p, MbindFlags::MOVE_ALL);
+    let capable = in_initial_user_namespace() && numapin::probe().unwrap().cap_sys_nice;
+    match (expect(), result) {
+        (Expect::Full, Ok(Placement::Bound)) => {
+            assert!(capable, "MOVE_ALL succeeded without CAP_SYS_NICE")
+        }
+        (Expect::Full, Err(Error::InvalidArgument { reason, .. })) => {
+            assert!(!capable, "{reason}");
+            assert!(
+                reason.contains("CAP_SYS_NICE") && reason.contains("EPERM"),
+                "{reason}"
+            );
+        }
+        (Expect::Denied, Ok(p)) => {
+            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Denied))
+        }
+        (Expect::Unsupported, Ok(p)) => {
+            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Unsupported))
+        }
+        (e, other) => panic!("{e:?}: {other:?}"),
+    }
+}

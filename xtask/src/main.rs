@@ -1,6 +1,17 @@
 //! `cargo xtask <task>`: the project's build and test tasks, in plain Rust.
 //!
-//! - `test`: the workspace tests on this host (unit, integration, doc).
+//! - `test`: the host suite, then `test-container`, then `test-numa`.
+//! - `test-container`: every test binary in unshared user/mount/pid namespaces, plain and
+//!   under seccomp filters that answer the NUMA syscalls with EPERM (Docker's default
+//!   profile) or ENOSYS (a kernel without NUMA).
+//! - `test-numa`: every test binary in a 4-node qemu VM (TCG), plus the map-limit
+//!   scenario and the main-job example.
+
+mod binaries;
+mod container;
+mod cpio;
+mod numa_vm;
+mod report;
 
 use std::process::{Command, ExitCode};
 
@@ -14,23 +25,40 @@ fn main() -> ExitCode {
     }
 }
 
+const USAGE: &str = "usage: cargo xtask <task>
+  test              host tests, then test-container, then test-numa
+  test-host         the workspace tests on this host only
+  test-container    test binaries in namespaces: userns | docker-default | no-numa
+                    (--env NAME runs one environment)
+  test-numa         test binaries in a 4-node qemu VM (NUMAPIN_REQUIRE_VM=1: a VM that
+                    cannot be provisioned is a failure, not a skip)";
+
 fn try_main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or(&[]);
     match args.first().map(String::as_str) {
-        Some("test") => test(&args[1..]),
-        Some("help") | Some("--help") | None => {
-            println!("usage: cargo xtask test [-- <cargo test args>]");
+        Some("test") => {
+            test_host()?;
+            container::run(&[])?;
+            numa_vm::run()
+        }
+        Some("test-host") => test_host(),
+        Some("test-container") => container::run(rest),
+        Some("test-numa") => numa_vm::run(),
+        Some(container::SANDBOX) => container::sandbox(rest),
+        Some("help" | "--help" | "-h") | None => {
+            println!("{USAGE}");
             Ok(())
         }
-        Some(other) => Err(format!("unknown task {other:?}; try `cargo xtask help`")),
+        Some(other) => Err(format!("unknown task {other:?}\n{USAGE}")),
     }
 }
 
-fn cargo() -> Command {
+pub fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-fn run(cmd: &mut Command) -> Result<(), String> {
+pub fn run(cmd: &mut Command) -> Result<(), String> {
     eprintln!("xtask: running {cmd:?}");
     let status = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
     if status.success() {
@@ -40,7 +68,15 @@ fn run(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-/// The host suite.
-fn test(extra: &[String]) -> Result<(), String> {
-    run(cargo().args(["test", "--workspace"]).args(extra))
+/// The workspace root (xtask lives one level below it).
+pub fn root() -> std::path::PathBuf {
+    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map(|p| p.to_path_buf())
+        .unwrap_or(manifest)
+}
+
+fn test_host() -> Result<(), String> {
+    run(cargo().current_dir(root()).args(["test", "--workspace"]))
 }

@@ -1,0 +1,79 @@
+//! The workspace's test binaries, built once and listed from cargo's JSON messages.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+/// A test binary: its target name and path.
+#[derive(Debug, Clone)]
+pub struct TestBinary {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+/// Builds the test binaries of the numapin package (`--release` when asked) and lists them.
+pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
+    let mut cmd = crate::cargo();
+    cmd.current_dir(crate::root())
+        .args([
+            "test",
+            "--package",
+            "numapin",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if release {
+        cmd.arg("--release");
+    }
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cargo test --no-run: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo test --no-run failed: {}", out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut found: Vec<TestBinary> = text
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"test\":true"))
+        .filter_map(|l| {
+            let path = json_field(l, "executable")?;
+            let name = json_field(l, "name")?;
+            let kind = if l.contains("\"kind\":[\"lib\"]") {
+                "lib"
+            } else {
+                &name
+            };
+            Some(TestBinary {
+                name: if kind == "lib" {
+                    format!("{name} (unit)")
+                } else {
+                    name
+                },
+                path: PathBuf::from(path),
+            })
+        })
+        .collect();
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    found.dedup_by(|a, b| a.path == b.path);
+    if found.is_empty() {
+        return Err("cargo listed no test binaries".into());
+    }
+    Ok(found)
+}
+
+/// The string value of `"key":"..."` (first occurrence), unescaping `\"` and `\\`.
+fn json_field(line: &str, key: &str) -> Option<String> {
+    let start = line.find(&format!("\"{key}\":\""))? + key.len() + 4;
+    let mut out = String::new();
+    let mut chars = line[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => out.push(chars.next()?),
+            c => out.push(c),
+        }
+    }
+    None
+}
