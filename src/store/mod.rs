@@ -394,7 +394,30 @@ impl PinStore {
         })
     }
 
+    /// Checks, before loading anything, that `layers` more layers of `spec` fit in the
+    /// map budget (`vm.max_map_count`, or [`StoreOptions::vma_budget`], minus the
+    /// mappings this process has now): a model that cannot fit is refused up front
+    /// instead of failing mid-load.
+    ///
+    /// # Errors
+    /// [`Error::MapBudget`] naming the mappings needed, left, the limit and the current
+    /// count; or the figures cannot be read.
+    pub fn check_model_budget(&self, layers: usize, spec: &LayerSpec) -> Result<()> {
+        let per_layer = 1 + usize::from(spec.scale_bytes > 0);
+        let needed = layers.checked_mul(per_layer).ok_or_else(|| {
+            Error::invalid(
+                "PinStore::check_model_budget",
+                format!("{layers} layers overflow"),
+            )
+        })?;
+        self.check_budget_for(format!("a model of {layers} layers"), needed)
+    }
+
     fn check_budget(&self, layer: usize, needed: usize) -> Result<()> {
+        self.check_budget_for(format!("layer {layer}"), needed)
+    }
+
+    fn check_budget_for(&self, what: String, needed: usize) -> Result<()> {
         let limit = match self.options.vma_budget {
             Some(budget) => budget,
             None => diag::max_map_count()?,
@@ -403,7 +426,7 @@ impl PinStore {
         let available = limit.saturating_sub(current);
         if needed > available {
             return Err(Error::MapBudget {
-                what: format!("layer {layer}"),
+                what,
                 needed,
                 available,
                 limit,

@@ -85,7 +85,11 @@ pub fn need_nodes(test: &str, n: usize) -> Option<NodeSet> {
          but only {} memory nodes are allowed",
         nodes.len()
     );
-    eprintln!(
+    // Straight to the process's stderr: libtest captures `eprintln!` of passing tests,
+    // and this line must be seen (the xtask counts them).
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
         "NOT RUN: {test} needs {n} memory nodes with placement available; here: {} nodes ({:?})",
         nodes.len(),
         expect()

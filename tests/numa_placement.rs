@@ -1,0 +1,285 @@
+//! Real placement on a machine with several memory nodes (the 4-node VM of
+//! `cargo xtask test-numa`: nodes 0-2 with memory, node 3 memoryless). On a one-node
+//! host each test prints `NOT RUN` and passes without asserting; when
+//! `NUMAPIN_TEST_NODES` promises a NUMA machine, a missing node is a failure.
+//!
+//! Every placement is checked with the kernel's own accounting twice: `move_pages`
+//! (Region::placement) and `/proc/self/numa_maps`, which must agree.
+
+mod common;
+
+use common::need_nodes;
+use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
+use numapin::{
+    Advice, Error, MbindFlags, MemPolicy, Node, NodeHistogram, NodeSet, Observed, Region, diag,
+    policy,
+};
+
+const PAGES: usize = 3 * 1024;
+
+fn page() -> usize {
+    numapin::page_size()
+}
+
+fn histogram(r: &Region) -> NodeHistogram {
+    match r.placement().unwrap() {
+        Observed::Known(h) => h,
+        Observed::Degraded(why) => panic!("placement degraded on a NUMA machine: {why}"),
+    }
+}
+
+/// Pages per node of the mapping starting at `r` according to numa_maps, which must
+/// agree with move_pages exactly. The region is kept unmergeable (DontDump) so its
+/// numa_maps line is its own.
+fn agreeing_histogram(r: &Region) -> NodeHistogram {
+    let h = histogram(r);
+    let entry = diag::numa_maps_at(r.as_ptr())
+        .unwrap()
+        .expect("numa_maps line for the region");
+    let from_maps: Vec<(Node, u64)> = entry.pages.into_iter().collect();
+    let from_move: Vec<(Node, u64)> = h.pages.iter().map(|(n, p)| (*n, *p as u64)).collect();
+    assert_eq!(from_maps, from_move, "numa_maps and move_pages disagree");
+    h
+}
+
+fn touched(policy: &MemPolicy) -> Region {
+    let mut r = Region::anonymous(PAGES * page()).unwrap();
+    r.advise(Advice::DontDump).unwrap();
+    r.advise(Advice::NoHugePage).unwrap();
+    assert!(r.bind(policy, MbindFlags::empty()).unwrap().is_bound());
+    r.as_mut_slice().unwrap().fill(1);
+    r
+}
+
+/// Pages per node of `[ptr, ptr + len)` of this process, from move_pages' status.
+fn pages_of(ptr: *const u8, len: usize) -> NodeHistogram {
+    let pages: Vec<*mut std::ffi::c_void> = (0..len / page())
+        .map(|i| ptr.wrapping_add(i * page()) as *mut _)
+        .collect();
+    let mut status = vec![0i32; pages.len()];
+    // SAFETY: query only (null nodes) of pages of a live store this test owns.
+    unsafe {
+        numapin_sys::move_pages(
+            0,
+            pages.len() as u64,
+            pages.as_ptr(),
+            std::ptr::null(),
+            status.as_mut_ptr(),
+            0,
+        )
+    }
+    .unwrap();
+    let mut h = NodeHistogram::default();
+    for s in status {
+        match s {
+            s if s >= 0 => *h.pages.entry(Node(s as u16)).or_default() += 1,
+            _ => h.not_present += 1,
+        }
+    }
+    h
+}
+
+fn first_three(nodes: &NodeSet) -> NodeSet {
+    nodes.iter().take(3).collect()
+}
+
+fn assert_even(h: &NodeHistogram, over: &NodeSet, what: &str) {
+    let total: usize = h.present();
+    let share = total as f64 / over.len() as f64;
+    for n in over.iter() {
+        let got = h.on(n) as f64;
+        assert!(
+            (got - share).abs() <= share * 0.05,
+            "{what}: node {n} has {got} of {total} pages, not within 5% of {share:.0}: {h:?}"
+        );
+    }
+    assert_eq!(
+        h.pages.keys().filter(|n| !over.contains(**n)).count(),
+        0,
+        "{what}: pages off the set: {h:?}"
+    );
+}
+
+#[test]
+fn interleave_spreads_pages_evenly() {
+    let Some(nodes) = need_nodes("interleave_spreads_pages_evenly", 3) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let r = touched(&MemPolicy::Interleave(set));
+    let h = agreeing_histogram(&r);
+    assert_eq!(h.present(), PAGES);
+    assert_even(&h, &set, "interleave");
+}
+
+#[test]
+fn bind_puts_every_page_on_the_node() {
+    let Some(nodes) = need_nodes("bind_puts_every_page_on_the_node", 2) else {
+        return;
+    };
+    let node = nodes.nth(1).unwrap();
+    let r = touched(&MemPolicy::Bind(std::iter::once(node).collect()));
+    let h = agreeing_histogram(&r);
+    assert_eq!((h.on(node), h.present()), (PAGES, PAGES), "{h:?}");
+}
+
+#[test]
+fn preferred_lands_on_the_node_while_it_has_room() {
+    let Some(nodes) = need_nodes("preferred_lands_on_the_node_while_it_has_room", 3) else {
+        return;
+    };
+    let node = nodes.nth(2).unwrap();
+    let r = touched(&MemPolicy::Preferred(node));
+    let h = agreeing_histogram(&r);
+    assert_eq!(h.on(node), PAGES, "{h:?}");
+}
+
+#[test]
+fn scoped_thread_policy_places_first_touch_and_restores() {
+    let Some(nodes) = need_nodes("scoped_thread_policy_places_first_touch_and_restores", 2) else {
+        return;
+    };
+    std::thread::spawn(move || {
+        let node = nodes.nth(1).unwrap();
+        let mut r = Region::anonymous(256 * page()).unwrap();
+        r.advise(Advice::DontDump).unwrap();
+        {
+            let guard = policy::scoped(&MemPolicy::Bind(std::iter::once(node).collect())).unwrap();
+            assert!(guard.placement().is_bound());
+            r.as_mut_slice().unwrap().fill(2);
+        }
+        assert_eq!(agreeing_histogram(&r).on(node), 256);
+        assert_eq!(
+            policy::thread_policy().unwrap(),
+            Observed::Known((MemPolicy::Default, numapin::ModeFlags::empty()))
+        );
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn memoryless_nodes_are_not_allowed_and_cannot_be_bound_alone() {
+    let Some(nodes) = need_nodes(
+        "memoryless_nodes_are_not_allowed_and_cannot_be_bound_alone",
+        3,
+    ) else {
+        return;
+    };
+    let support = numapin::probe().unwrap();
+    let memoryless = support
+        .nodes_with_cpus
+        .difference(&support.nodes_with_memory);
+    let Some(node) = memoryless.iter().next() else {
+        panic!("the test VM has a memoryless node; this machine has none: {support}");
+    };
+    assert!(!nodes.contains(node));
+    let r = Region::anonymous(page()).unwrap();
+    match r.bind(
+        &MemPolicy::Bind(std::iter::once(node).collect()),
+        MbindFlags::empty(),
+    ) {
+        Err(e) => assert_eq!(e.errno(), Some(numapin::Errno::INVAL), "{e}"),
+        Ok(p) => panic!("binding to memoryless node {node} gave {p:?}"),
+    }
+    // Node strings resolve against the real topology.
+    assert_eq!(NodeSet::parse("all").unwrap(), nodes);
+    let first: NodeSet = std::iter::once(nodes.nth(0).unwrap()).collect();
+    assert_eq!(NodeSet::parse("!0").unwrap(), nodes.difference(&first));
+    assert_eq!(
+        NodeSet::parse("+1").unwrap(),
+        std::iter::once(nodes.nth(1).unwrap()).collect()
+    );
+    assert!(matches!(
+        NodeSet::parse(&format!("+{}", nodes.len())),
+        Err(Error::Parse { .. })
+    ));
+}
+
+fn sources(data: &[Vec<u8>]) -> Vec<ExpertSource<'_>> {
+    data.iter()
+        .map(|w| ExpertSource::Memory {
+            weights: w,
+            scales: &w[..512],
+        })
+        .collect()
+}
+
+#[test]
+fn pinstore_interleave_spreads_every_layer() {
+    let Some(nodes) = need_nodes("pinstore_interleave_spreads_every_layer", 3) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let options = StoreOptions {
+        huge_pages: false,
+        ..StoreOptions::default()
+    };
+    let store = PinStore::new(Layout::Interleave(set), options).unwrap();
+    let (experts, w) = (48, 64 * 1024);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8; w]).collect();
+    for layer in 0..3 {
+        store.pack_layer(layer, &spec, &sources(&data)).unwrap();
+        // The weights slots are contiguous at the stride (64 KiB, page-aligned).
+        let h = pages_of(store.weights(layer, 0).unwrap().as_ptr(), experts * w);
+        assert_eq!(h.present(), experts * w / page());
+        assert_even(&h, &set, &format!("layer {layer} weights"));
+    }
+}
+
+#[test]
+fn pinstore_layer_per_node_and_release_ensure_keep_placement() {
+    let Some(nodes) = need_nodes(
+        "pinstore_layer_per_node_and_release_ensure_keep_placement",
+        3,
+    ) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let options = StoreOptions {
+        huge_pages: false,
+        ..StoreOptions::default()
+    };
+    let mut store = PinStore::new(Layout::LayerPerNode(set), options).unwrap();
+    let (experts, w) = (8, 64 * 1024);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8 + 1; w]).collect();
+    for layer in 0..6 {
+        store.pack_layer(layer, &spec, &sources(&data)).unwrap();
+        let want = set.nth(layer % 3).unwrap();
+        assert_eq!(
+            store.slot_policy(layer, 0, Kind::Weights).unwrap(),
+            Observed::Known((
+                MemPolicy::Bind(std::iter::once(want).collect()),
+                numapin::ModeFlags::empty()
+            ))
+        );
+    }
+    for layer in 0..6 {
+        let want = set.nth(layer % 3).unwrap();
+        let h = pages_of(store.weights(layer, 0).unwrap().as_ptr(), experts * w);
+        assert_eq!(h.on(want), experts * w / page(), "layer {layer}: {h:?}");
+    }
+    let before = store.stats().unwrap().pages_per_node;
+    for layer in 0..6 {
+        store.release(layer, 3).unwrap();
+    }
+    for layer in 0..6 {
+        store.ensure(layer, 3, &sources(&data)[3]).unwrap();
+        assert_eq!(store.weights(layer, 3).unwrap(), &data[3][..]);
+    }
+    assert_eq!(
+        store.stats().unwrap().pages_per_node,
+        before,
+        "release + ensure moved pages"
+    );
+}
