@@ -108,9 +108,10 @@ impl Advice {
 pub struct NodeHistogram {
     /// Present pages per node.
     pub pages: BTreeMap<crate::Node, usize>,
-    /// Pages never touched or released (`-ENOENT`).
+    /// Pages never touched or released (`-ENOENT`; `-EFAULT` for a page without a page
+    /// table or backed by the shared zero page, as older kernels report them).
     pub not_present: usize,
-    /// Pages the kernel reported another error for (`-EFAULT`, ...).
+    /// Pages the kernel reported another error for.
     pub other: usize,
 }
 
@@ -711,7 +712,9 @@ pub(crate) unsafe fn page_histogram_sampled(
         for &s in &status[..n] {
             match s {
                 s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
-                s if s == -libc::ENOENT => histogram.not_present += 1,
+                // ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the
+                // shared zero page (kernels before 6.x report untouched pages this way).
+                s if s == -libc::ENOENT || s == -libc::EFAULT => histogram.not_present += 1,
                 _ => histogram.other += 1,
             }
         }

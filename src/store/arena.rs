@@ -72,7 +72,11 @@ impl Arena {
             region.advise(Advice::HugePage)?;
             region
         } else {
-            Region::anonymous(len)?
+            // Explicitly small pages, also where THP is `always`: one huge page lands on
+            // one node, which coarsens interleaving to 2 MiB.
+            let region = Region::anonymous(len)?;
+            region.advise(Advice::NoHugePage)?;
+            region
         };
         Ok(Arena {
             region,

@@ -37,7 +37,8 @@ pub enum Layout {
 /// Options of a [`PinStore`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreOptions {
-    /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on).
+    /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
+    /// so that even with THP `always` interleaving stays page by page.
     pub huge_pages: bool,
     /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on).
     pub populate: bool,
