@@ -57,8 +57,9 @@ pub enum Error {
     },
     /// Reserving more mappings would cross `vm.max_map_count`.
     #[error(
-        "{what} needs {needed} more mappings, but only {available} are left: vm.max_map_count \
-         (or the store's budget) is {limit} and this process already has {current} \
+        "{what} needs {needed} more mappings (its regions and its loader threads' stacks), but \
+         only {available} are left: vm.max_map_count (or the store's budget) is {limit} and \
+         this process already has {current} \
          (raise it with `sysctl -w vm.max_map_count=N`, or load fewer layers)"
     )]
     MapBudget {

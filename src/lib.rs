@@ -34,6 +34,8 @@
 
 pub mod diag;
 mod error;
+#[cfg(feature = "jemalloc")]
+pub mod jemalloc;
 mod node;
 pub mod policy;
 mod probe;

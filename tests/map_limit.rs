@@ -39,7 +39,7 @@ fn slab_per_expert_hits_the_map_limit_where_pinstore_does_not() {
     let limit = limit();
     // Two slabs per expert, about two mappings per bound slab: enough experts to need
     // more mappings than the limit allows.
-    let experts = limit / 2 + 64;
+    let experts = (limit / 2 + 64).max(4096);
     let (w, s) = (vec![3u8; 4096], vec![4u8; 4096]);
     let sources: Vec<ExpertSource> = (0..experts)
         .map(|_| ExpertSource::Memory {
@@ -122,6 +122,7 @@ fn budget_refuses_a_model_that_cannot_fit_up_front() {
         StoreOptions {
             huge_pages: false,
             vma_budget: budget,
+            loader_threads: 2,
             ..StoreOptions::default()
         },
     )
@@ -153,7 +154,7 @@ fn budget_refuses_a_model_that_cannot_fit_up_front() {
         );
     };
     assert!(
-        matches!(error, Error::MapBudget { needed: 2, .. }),
+        matches!(error, Error::MapBudget { needed: 6, .. }),
         "{error}"
     );
     assert!(packed > 0);

@@ -279,6 +279,7 @@ fn the_map_budget_refuses_up_front_and_names_the_figures() {
     let current = diag::map_count().unwrap();
     let options = StoreOptions {
         vma_budget: Some(current + 1),
+        loader_threads: 1,
         ..StoreOptions::default()
     };
     let store = PinStore::new(interleave(), options).unwrap();
@@ -323,6 +324,30 @@ fn the_map_budget_refuses_up_front_and_names_the_figures() {
         Ok(r) => assert_eq!(r.regions, 1),
         Err(Error::MapBudget { needed: 1, .. }) => {}
         Err(e) => panic!("{e}"),
+    }
+
+    // Loader threads need mappings for their stacks: 4 per helper thread beyond the
+    // caller, budgeted up front (a thread that cannot map its stack aborts the process).
+    let threaded = PinStore::new(
+        interleave(),
+        StoreOptions {
+            vma_budget: Some(0),
+            loader_threads: 3,
+            ..StoreOptions::default()
+        },
+    )
+    .unwrap();
+    let spec = LayerSpec {
+        scale_bytes: 4096,
+        ..spec
+    };
+    match threaded.pack_layer(0, &spec, &memory_sources(&data)) {
+        Err(Error::MapBudget { needed, .. }) => assert_eq!(needed, 2 + 4 * 2),
+        other => panic!("{other:?}"),
+    }
+    match threaded.check_model_budget(10, &spec) {
+        Err(Error::MapBudget { needed, .. }) => assert_eq!(needed, 20 + 4 * 2),
+        other => panic!("{other:?}"),
     }
 }
 

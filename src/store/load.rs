@@ -113,37 +113,50 @@ pub(crate) struct Job<'a> {
     pub(crate) kind: Kind,
 }
 
-/// Fills every job's slot with up to `threads` threads; returns the `pread` count.
-/// Stops at the first error.
+/// Mappings one spawned loader thread needs while it runs (its stack and guard page,
+/// and the signal stack and guard page Rust's runtime adds).
+pub(crate) const MAPS_PER_THREAD: usize = 4;
+
+/// Helper threads a fill of `jobs` jobs with `threads` loader threads spawns (the
+/// calling thread is one of the loaders).
+pub(crate) fn helpers(threads: usize, jobs: usize) -> usize {
+    threads.clamp(1, jobs.max(1)) - 1
+}
+
+/// Fills every job's slot with the calling thread and up to `threads - 1` helpers;
+/// returns the `pread` count. Stops at the first error. A helper that cannot be spawned
+/// (no memory, no map slot) leaves its share to the others.
 pub(crate) fn fill(jobs: Vec<Job<'_>>, threads: usize) -> Result<usize> {
     let reads = AtomicUsize::new(0);
-    let threads = threads.clamp(1, jobs.len().max(1));
-    if threads == 1 {
-        for job in jobs {
-            fill_one(job, &reads)?;
-        }
-        return Ok(reads.into_inner());
-    }
+    let helpers = helpers(threads, jobs.len());
     let queue = Mutex::new(jobs);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    if first_error.lock().is_ok_and(|e| e.is_some()) {
-                        return;
-                    }
-                    let Some(job) = queue.lock().ok().and_then(|mut q| q.pop()) else {
-                        return;
-                    };
-                    if let Err(e) = fill_one(job, &reads)
-                        && let Ok(mut slot) = first_error.lock()
-                    {
-                        slot.get_or_insert(e);
-                    }
-                }
-            });
+    let work = || {
+        loop {
+            if first_error.lock().is_ok_and(|e| e.is_some()) {
+                return;
+            }
+            let Some(job) = queue.lock().ok().and_then(|mut q| q.pop()) else {
+                return;
+            };
+            if let Err(e) = fill_one(job, &reads)
+                && let Ok(mut slot) = first_error.lock()
+            {
+                slot.get_or_insert(e);
+            }
         }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..helpers {
+            if std::thread::Builder::new()
+                .name("numapin-loader".into())
+                .spawn_scoped(scope, work)
+                .is_err()
+            {
+                break;
+            }
+        }
+        work();
     });
     match first_error.into_inner().ok().flatten() {
         Some(e) => Err(e),

@@ -271,7 +271,7 @@ impl PinStore {
         let lengths = self.validate(layer, spec, sources)?;
         let _mark = self.mark_packing(layer)?;
         let regions = 1 + usize::from(spec.scale_bytes > 0);
-        self.check_budget(layer, regions)?;
+        self.check_budget(format!("layer {layer}"), regions, spec.experts * regions)?;
 
         let huge = self.options.huge_pages;
         let mut weights = Arena::reserve(Kind::Weights, spec.experts, spec.weight_bytes, huge)?;
@@ -411,14 +411,19 @@ impl PinStore {
                 format!("{layers} layers overflow"),
             )
         })?;
-        self.check_budget_for(format!("a model of {layers} layers"), needed)
+        self.check_budget(
+            format!("a model of {layers} layers"),
+            needed,
+            spec.experts * per_layer,
+        )
     }
 
-    fn check_budget(&self, layer: usize, needed: usize) -> Result<()> {
-        self.check_budget_for(format!("layer {layer}"), needed)
-    }
-
-    fn check_budget_for(&self, what: String, needed: usize) -> Result<()> {
+    /// `regions` new mappings, plus room for the loader threads a fill of `jobs` slots
+    /// spawns (each needs a few mappings while it runs: a thread that cannot get them
+    /// aborts the process, so they are budgeted too).
+    fn check_budget(&self, what: String, regions: usize, jobs: usize) -> Result<()> {
+        let needed =
+            regions + load::MAPS_PER_THREAD * load::helpers(self.options.loader_threads, jobs);
         let limit = match self.options.vma_budget {
             Some(budget) => budget,
             None => diag::max_map_count()?,

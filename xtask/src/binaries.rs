@@ -18,6 +18,7 @@ pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
             "test",
             "--package",
             "numapin",
+            "--all-features",
             "--no-run",
             "--message-format=json",
         ])

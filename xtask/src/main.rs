@@ -78,5 +78,7 @@ pub fn root() -> std::path::PathBuf {
 }
 
 fn test_host() -> Result<(), String> {
-    run(cargo().current_dir(root()).args(["test", "--workspace"]))
+    run(cargo()
+        .current_dir(root())
+        .args(["test", "--workspace", "--all-features"]))
 }
