@@ -145,6 +145,58 @@ pub struct SmapsEntry {
     pub private: u64,
     /// `Locked`.
     pub locked: u64,
+    /// `ShmemPmdMapped`: shmem/memfd mapped with huge pages.
+    pub shmem_huge: u64,
+    /// `Shared_Hugetlb + Private_Hugetlb` (not part of `Rss`).
+    pub hugetlb: u64,
+    /// `Swap`.
+    pub swap: u64,
+}
+
+impl SmapsEntry {
+    /// Resident bytes not anonymous: page cache of files, and shmem/memfd.
+    pub fn file_backed(&self) -> u64 {
+        self.rss.saturating_sub(self.anonymous)
+    }
+
+    /// Huge-page bytes of every kind (THP anonymous and shmem, hugetlbfs).
+    pub fn huge(&self) -> u64 {
+        self.anon_huge + self.shmem_huge + self.hugetlb
+    }
+
+    fn add(&mut self, other: &SmapsEntry) {
+        self.rss += other.rss;
+        self.anonymous += other.anonymous;
+        self.anon_huge += other.anon_huge;
+        self.shared += other.shared;
+        self.private += other.private;
+        self.locked += other.locked;
+        self.shmem_huge += other.shmem_huge;
+        self.hugetlb += other.hugetlb;
+        self.swap += other.swap;
+    }
+
+    /// The sum of several entries (their span from the first start to the last end).
+    pub fn total(entries: &[SmapsEntry]) -> SmapsEntry {
+        let mut sum = SmapsEntry {
+            start: entries.first().map_or(0, |e| e.start),
+            end: entries.last().map_or(0, |e| e.end),
+            ..SmapsEntry::default()
+        };
+        entries.iter().for_each(|e| sum.add(e));
+        sum
+    }
+}
+
+/// This process's memory, by kind (`/proc/self/smaps_rollup`): why RSS is what it is,
+/// e.g. a model that is mostly page cache (file-backed) or a doubled private copy.
+///
+/// # Errors
+/// `smaps_rollup` cannot be read.
+pub fn process_memory() -> Result<SmapsEntry> {
+    let text = read("/proc/self/smaps_rollup")?;
+    // The rollup has one header line (the address span), then the same fields as smaps.
+    Ok(parse_smaps(&text).into_iter().next().unwrap_or_default())
 }
 
 /// The `smaps` entries of the mappings that overlap `[start, end)`.
@@ -196,6 +248,9 @@ fn parse_smaps(text: &str) -> Vec<SmapsEntry> {
             "Shared_Clean" | "Shared_Dirty" => entry.shared += bytes,
             "Private_Clean" | "Private_Dirty" => entry.private += bytes,
             "Locked" => entry.locked = bytes,
+            "ShmemPmdMapped" => entry.shmem_huge = bytes,
+            "Shared_Hugetlb" | "Private_Hugetlb" => entry.hugetlb += bytes,
+            "Swap" => entry.swap = bytes,
             _ => {}
         }
     }

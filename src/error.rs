@@ -55,6 +55,23 @@ pub enum Error {
         /// The soft limit.
         limit: u64,
     },
+    /// Too few hugetlbfs pages are reserved for a huge-page memfd.
+    #[error(
+        "{wanted} huge pages of {page_bytes} bytes wanted, {available} free{}: reserve them with \
+         `sysctl -w vm.nr_hugepages=N` (2 MiB pages) or \
+         /sys/kernel/mm/hugepages/hugepages-<size>kB/nr_hugepages, or at boot with hugepages=N",
+        if *offered { "" } else { " (this kernel offers no pages of that size)" }
+    )]
+    HugePages {
+        /// Bytes per huge page.
+        page_bytes: usize,
+        /// Pages the region needs.
+        wanted: usize,
+        /// Pages free and unreserved.
+        available: usize,
+        /// Whether the kernel has a pool of that size at all.
+        offered: bool,
+    },
     /// Reserving more mappings would cross `vm.max_map_count`.
     #[error(
         "{what} needs {needed} more mappings (its regions and its loader threads' stacks), but \

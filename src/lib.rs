@@ -32,6 +32,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod capability;
 pub mod diag;
 mod error;
 #[cfg(feature = "jemalloc")]
@@ -46,7 +47,9 @@ pub use error::{Errno, Error, Result};
 pub use node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
-pub use region::{Advice, NodeHistogram, Region, bind_range};
+pub use region::{
+    Advice, HugePageSize, MoveReport, NodeHistogram, Region, Seals, bind_range, migrate_process,
+};
 pub use store::{ExpertSource, LayerReport, LayerSpec, Layout, PinStore, StoreOptions, StoreStats};
 
 /// The base page size, read once.

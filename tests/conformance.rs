@@ -333,10 +333,7 @@ fn move_all_needs_cap_sys_nice_in_the_initial_user_namespace() {
         }
         (Expect::Full, Err(Error::InvalidArgument { reason, .. })) => {
             assert!(!capable, "{reason}");
-            assert!(
-                reason.contains("CAP_SYS_NICE") && reason.contains("EPERM"),
-                "{reason}"
-            );
+            assert!(reason.contains("CAP_SYS_NICE"), "{reason}");
         }
         (Expect::Denied, Ok(p)) => {
             assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Denied))

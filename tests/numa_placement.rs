@@ -283,3 +283,21 @@ fn pinstore_layer_per_node_and_release_ensure_keep_placement() {
         "release + ensure moved pages"
     );
 }
+
+#[test]
+fn interleaved_memfd_pages_spread_by_the_shared_policy() {
+    let Some(nodes) = need_nodes("interleaved_memfd_pages_spread_by_the_shared_policy", 3) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let mut r = Region::memfd("numapin-interleave", PAGES * page()).unwrap();
+    assert!(
+        r.bind(&MemPolicy::Interleave(set), MbindFlags::empty())
+            .unwrap()
+            .is_bound()
+    );
+    r.as_mut_slice().unwrap().fill(4);
+    let h = agreeing_histogram(&r);
+    assert_eq!(h.present(), PAGES);
+    assert_even(&h, &set, "memfd interleave");
+}

@@ -26,6 +26,28 @@ impl Kind {
     }
 }
 
+/// What an arena's region is made of.
+pub(crate) enum Backing {
+    /// Private anonymous memory, with or without transparent huge pages.
+    Anonymous { huge_pages: bool },
+    /// A memfd that other processes can attach.
+    Memfd { name: String },
+}
+
+impl Backing {
+    pub(crate) fn of(options: &super::StoreOptions, layer: usize) -> Backing {
+        if options.shared {
+            Backing::Memfd {
+                name: format!("numapin-layer{layer}"),
+            }
+        } else {
+            Backing::Anonymous {
+                huge_pages: options.huge_pages,
+            }
+        }
+    }
+}
+
 /// A region with `slots` slots of `stride` bytes, each holding up to `slot_bytes`.
 #[derive(Debug)]
 pub(crate) struct Arena {
@@ -54,8 +76,9 @@ impl Arena {
         kind: Kind,
         slots: usize,
         slot_bytes: usize,
-        huge_pages: bool,
+        backing: &Backing,
     ) -> Result<Arena> {
+        let huge_pages = matches!(backing, Backing::Anonymous { huge_pages: true });
         let overflow = || {
             Error::invalid(
                 "PinStore::pack_layer",
@@ -67,7 +90,9 @@ impl Arena {
         };
         let stride = stride_for(slot_bytes, huge_pages).ok_or_else(overflow)?;
         let len = stride.checked_mul(slots).ok_or_else(overflow)?;
-        let region = if huge_pages {
+        let region = if let Backing::Memfd { name } = backing {
+            Region::memfd(&format!("{name}-{}", kind.name()), len)?
+        } else if huge_pages {
             let region = Region::anonymous_aligned(len, HUGE_PAGE)?;
             region.advise(Advice::HugePage)?;
             region

@@ -5,6 +5,7 @@
 mod arena;
 pub mod baseline;
 mod load;
+mod shared;
 pub mod synthetic;
 mod table;
 
@@ -16,6 +17,7 @@ use arena::Arena;
 pub use arena::Kind;
 use load::Job;
 pub use load::{ExpertSource, MAX_READ};
+pub use shared::{Export, Manifest, ManifestRegion};
 
 use crate::diag;
 use crate::error::{Error, Result};
@@ -46,6 +48,10 @@ pub struct StoreOptions {
     pub loader_threads: usize,
     /// Replace `vm.max_map_count` in the budget check (tests).
     pub vma_budget: Option<usize>,
+    /// Back the arenas with memfds (shmem, placed by their shared policy) so that
+    /// [`PinStore::export`] can hand them to other processes (default off). Huge pages
+    /// then follow `/sys/kernel/mm/transparent_hugepage/shmem_enabled`.
+    pub shared: bool,
 }
 
 impl Default for StoreOptions {
@@ -55,6 +61,7 @@ impl Default for StoreOptions {
             populate: true,
             loader_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             vma_budget: None,
+            shared: false,
         }
     }
 }
@@ -119,6 +126,11 @@ pub struct StoreStats {
     pub resident_bytes: u64,
     /// Of which transparent huge pages (`AnonHugePages`).
     pub anon_huge_bytes: u64,
+    /// Of which mapped by other processes too (`Shared_*`: an exported store that
+    /// workers attached).
+    pub shared_bytes: u64,
+    /// Of which private to this process (`Private_*`).
+    pub private_bytes: u64,
     /// Bound, or the first degradation met (`None`: [`Layout::Unplaced`], or nothing
     /// bound yet).
     pub placement: Option<Placement>,
@@ -273,11 +285,11 @@ impl PinStore {
         let regions = 1 + usize::from(spec.scale_bytes > 0);
         self.check_budget(format!("layer {layer}"), regions, spec.experts * regions)?;
 
-        let huge = self.options.huge_pages;
-        let mut weights = Arena::reserve(Kind::Weights, spec.experts, spec.weight_bytes, huge)?;
+        let backing = arena::Backing::of(&self.options, layer);
+        let mut weights = Arena::reserve(Kind::Weights, spec.experts, spec.weight_bytes, &backing)?;
         let mut scales = match spec.scale_bytes {
             0 => None,
-            n => Some(Arena::reserve(Kind::Scales, spec.experts, n, huge)?),
+            n => Some(Arena::reserve(Kind::Scales, spec.experts, n, &backing)?),
         };
 
         let policy = self.policy_for(layer);
@@ -549,8 +561,9 @@ impl PinStore {
         let arena = self.arena_mut(layer, expert, kind)?;
         let Some(arena) = arena else { return Ok(()) };
         let range = arena.slot_range(expert);
+        arena.region.release(range)?;
         arena.loaded[expert] = None;
-        arena.region.release(range)
+        Ok(())
     }
 
     fn arena_mut(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<Option<&mut Arena>> {
@@ -648,6 +661,8 @@ impl PinStore {
             vmas: smaps.len(),
             resident_bytes: smaps.iter().map(|e| e.rss).sum(),
             anon_huge_bytes: smaps.iter().map(|e| e.anon_huge).sum(),
+            shared_bytes: smaps.iter().map(|e| e.shared).sum(),
+            private_bytes: smaps.iter().map(|e| e.private).sum(),
             mbind_calls: self.mbind_calls.load(Ordering::Relaxed),
             pages_per_node,
             sample_step,

@@ -24,6 +24,8 @@ const BEGIN: &str = "@@NUMAPIN-BEGIN ";
 const END: &str = "@@NUMAPIN-END ";
 const DONE: &str = "@@NUMAPIN-DONE@@";
 const TOPOLOGY: &str = "@@NUMAPIN-TOPOLOGY ";
+/// 2 MiB hugetlbfs pages reserved in the VM.
+const VM_HUGE_PAGES: usize = 32;
 /// The lowered limit of the map-limit scenario.
 const LOW_MAP_LIMIT: usize = 4096;
 /// The main job's model in the VM: small enough for 1.5 GiB of RAM and tmpfs.
@@ -306,6 +308,9 @@ fn init_script(cases: &[Case]) -> String {
     s += &format!(
         "echo \"{TOPOLOGY}possible=$(cat $N/possible) memory=$(cat $N/has_memory) cpus=$(cat $N/has_cpu)@@\"\n"
     );
+    // A small hugetlbfs pool, so the huge-page memfd tests take their success path here.
+    s += &format!("echo {VM_HUGE_PAGES} > /proc/sys/vm/nr_hugepages\n");
+    s += &format!("export NUMAPIN_HUGEPAGES={VM_HUGE_PAGES}\n");
     s += "export NUMAPIN_EXPECT=full NUMAPIN_TEST_NODES=4 RUST_BACKTRACE=1 TMPDIR=/tmp\n";
     for case in cases {
         s += &format!(

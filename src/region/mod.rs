@@ -9,7 +9,16 @@
 //! by `&self` can observe them.
 #![allow(unsafe_code)]
 
-use std::collections::BTreeMap;
+mod bind;
+mod pages;
+mod shmem;
+
+pub use bind::bind_range;
+pub(crate) use bind::mbind_checked;
+pub use pages::{MoveReport, NodeHistogram, migrate_process};
+pub(crate) use pages::{page_histogram, page_histogram_sampled};
+pub use shmem::{HugePageSize, Seals};
+
 use std::ffi::c_void;
 use std::fs::File;
 use std::ops::Range;
@@ -20,7 +29,7 @@ use numapin_sys as sys;
 use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::error::{Errno, Error, Result};
-use crate::policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
+use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 use crate::{diag, page_size};
 
 /// What backs a region.
@@ -33,6 +42,9 @@ enum Backing {
     /// A read-only shared file mapping: pages live in the page cache wherever they were
     /// first read; a VMA policy does not move or place them.
     File,
+    /// A read-only mapping of a memfd another process shared: its pages are placed by
+    /// the file's shared policy, which the exporter set.
+    Attached(File),
 }
 
 /// An owned, page-aligned mapping, unmapped on drop.
@@ -102,31 +114,6 @@ impl Advice {
     }
 }
 
-/// Pages of a range per node, as the kernel reports them (`move_pages` with no target
-/// nodes: nothing is moved or faulted in).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeHistogram {
-    /// Present pages per node.
-    pub pages: BTreeMap<crate::Node, usize>,
-    /// Pages never touched or released (`-ENOENT`; `-EFAULT` for a page without a page
-    /// table or backed by the shared zero page, as older kernels report them).
-    pub not_present: usize,
-    /// Pages the kernel reported another error for.
-    pub other: usize,
-}
-
-impl NodeHistogram {
-    /// Present pages in all.
-    pub fn present(&self) -> usize {
-        self.pages.values().sum()
-    }
-
-    /// Present pages on `node`.
-    pub fn on(&self, node: crate::Node) -> usize {
-        self.pages.get(&node).copied().unwrap_or(0)
-    }
-}
-
 impl Region {
     /// A private anonymous mapping of `len` bytes rounded up to whole pages.
     ///
@@ -192,41 +179,6 @@ impl Region {
             }
         }
         Ok(Region::owned(start as *mut c_void, len, Backing::Anonymous))
-    }
-
-    /// A shared mapping of a new memfd (shmem) of `len` bytes rounded up to pages. Its
-    /// shared policy (set by [`Region::bind`]) places its pages, unlike the page cache
-    /// of a regular file. The memfd allows sealing.
-    ///
-    /// # Errors
-    /// `len` is 0, or creating, sizing or mapping the memfd fails.
-    #[doc(alias = "memfd_create")]
-    pub fn memfd(name: &str, len: usize) -> Result<Region> {
-        let len = round_len("Region::memfd", len, page_size())?;
-        let fd = memfd::MemfdOptions::default()
-            .allow_sealing(true)
-            .close_on_exec(true)
-            .create(name)
-            .map_err(|e| match e {
-                memfd::Error::Create(e) => Error::io("memfd_create", name, e),
-                other => Error::invalid("memfd_create", other.to_string()),
-            })?;
-        fd.as_file()
-            .set_len(len as u64)
-            .map_err(|e| Error::io("ftruncate", name, e))?;
-        // SAFETY: a new mapping of our own memfd; the fd outlives it (kept in Backing).
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd.as_file().as_fd(),
-                0,
-            )
-        }
-        .map_err(|e| Error::os("mmap", e, format_args!("memfd {name:?} len={len} shared")))?;
-        Ok(Region::owned(ptr, len, Backing::Memfd(fd)))
     }
 
     /// A read-only shared mapping of `len` bytes of `file` from `offset` (page-aligned).
@@ -306,6 +258,7 @@ impl Region {
     pub fn memfd_file(&self) -> Option<&File> {
         match &self.backing {
             Backing::Memfd(fd) => Some(fd.as_file()),
+            Backing::Attached(file) => Some(file),
             _ => None,
         }
     }
@@ -330,6 +283,10 @@ impl Region {
     fn writable(&self, op: &'static str) -> Result<()> {
         match self.backing {
             Backing::File => Err(Error::invalid(op, "the region is a read-only file mapping")),
+            Backing::Attached(_) => Err(Error::invalid(
+                op,
+                "the region is an attached read-only view of another process's memory",
+            )),
             _ => Ok(()),
         }
     }
@@ -509,6 +466,52 @@ impl Region {
         unsafe { page_histogram(self.as_ptr(), self.map_len()) }
     }
 
+    /// The memory figures (`smaps`) of the mappings this region lies in: resident,
+    /// anonymous, file-backed (shmem included), shared, private, locked and huge-page
+    /// bytes. The kernel merges a region with equal neighbours into one mapping; their
+    /// bytes are then counted too.
+    ///
+    /// # Errors
+    /// `/proc/self/smaps` cannot be read.
+    pub fn memory(&self) -> Result<diag::SmapsEntry> {
+        let start = self.as_ptr() as usize;
+        let entries = diag::smaps_in_range(start, start + self.map_len())?;
+        Ok(diag::SmapsEntry::total(&entries))
+    }
+
+    /// Re-places pages that already exist: binds the region to `to` and moves its
+    /// present pages there (`mbind` with `MPOL_MF_MOVE`); future faults land there too.
+    /// Counts come from `move_pages` queries before and after.
+    ///
+    /// # Errors
+    /// An empty set, or `mbind`/`move_pages` fail with an errno other than
+    /// `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+    pub fn migrate(&self, to: &crate::NodeSet) -> Result<Observed<MoveReport>> {
+        let before = match self.placement()? {
+            Observed::Known(h) => h,
+            Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
+        };
+        if let Placement::Degraded(reason) = self.bind(&MemPolicy::Bind(*to), MbindFlags::MOVE)? {
+            return Ok(Observed::Degraded(reason));
+        }
+        Ok(match self.placement()? {
+            Observed::Known(after) => Observed::Known(pages::report_against(&before, &after, to)),
+            Observed::Degraded(reason) => Observed::Degraded(reason),
+        })
+    }
+
+    /// Moves each present page to `node` with `move_pages`, keeping the region's policy
+    /// (later faults follow the policy, not this move). Pages that could not move are
+    /// counted by the kernel's reason.
+    ///
+    /// # Errors
+    /// `move_pages` fails as a whole (`ENODEV`: the node is offline or has no memory).
+    #[doc(alias = "move_pages")]
+    pub fn move_pages_to(&self, node: crate::Node) -> Result<Observed<MoveReport>> {
+        // SAFETY: the whole range is our own mapping; moving keeps contents.
+        unsafe { pages::move_range_to(self.as_ptr(), self.map_len(), node) }
+    }
+
     /// [`Region::placement`] of every `step`-th page only: bounded cost for big regions.
     /// Counts are of sampled pages; multiply by `step` for an estimate.
     ///
@@ -564,163 +567,6 @@ impl Drop for Region {
         // SAFETY: we own the mapping and no borrow of it outlives `self`.
         let _ = unsafe { rustix::mm::munmap(self.as_ptr().cast(), self.map_len()) };
     }
-}
-
-/// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
-/// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.
-///
-/// # Safety
-///
-/// `[ptr, ptr + len)` must be memory the caller may re-place: a policy outlives the
-/// caller's use of the memory (an allocator reusing bound pages keeps the policy), and
-/// `MOVE` flags migrate pages that others may be using (contents are preserved).
-///
-/// # Errors
-/// `ptr` is not page-aligned, `len` overflows, the policy has an empty set, or `mbind`
-/// fails with an errno other than `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
-#[doc(alias = "mbind")]
-pub unsafe fn bind_range(
-    ptr: *mut u8,
-    len: usize,
-    policy: &MemPolicy,
-    flags: MbindFlags,
-) -> Result<Placement> {
-    let page = page_size();
-    if !(ptr as usize).is_multiple_of(page) {
-        return Err(Error::invalid(
-            "bind_range",
-            format!("address {ptr:p} is not aligned to the page size {page}"),
-        ));
-    }
-    if (ptr as usize).checked_add(len).is_none() {
-        return Err(Error::invalid(
-            "bind_range",
-            format!("address {ptr:p} + len {len} overflows"),
-        ));
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { mbind_checked(ptr.cast(), len, policy, ModeFlags::empty(), flags) }
-}
-
-/// `mbind` with validation and errno handling shared by every binding entry point.
-///
-/// # Safety
-/// As [`bind_range`].
-pub(crate) unsafe fn mbind_checked(
-    addr: *mut c_void,
-    len: usize,
-    policy: &MemPolicy,
-    mode_flags: ModeFlags,
-    flags: MbindFlags,
-) -> Result<Placement> {
-    policy.validate()?;
-    let mask = policy.kernel_mask();
-    let args = || {
-        format!(
-            "addr={addr:p} len={len} policy={policy} mode_flags={mode_flags:?} flags={flags:?} maxnode={}",
-            mask.maxnode()
-        )
-    };
-    // SAFETY: `mask` holds `maxnode / 64` words; the caller vouches for the range.
-    let result = unsafe {
-        sys::mbind(
-            addr,
-            len,
-            policy.mode() | mode_flags.bits(),
-            mask.words().as_ptr(),
-            mask.maxnode(),
-            flags.bits(),
-        )
-    };
-    // With MOVE_ALL, EPERM is the kernel's CAP_SYS_NICE check, unless the probe found
-    // the calls denied altogether (then it is the container's denial, which degrades).
-    let denied_here = || {
-        matches!(
-            crate::mempolicy_support(),
-            Ok(crate::MempolicySupport::Denied)
-        )
-    };
-    match result {
-        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() => {
-            Err(Error::invalid(
-                "mbind",
-                format!(
-                    "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
-                 answered EPERM ({})",
-                    args()
-                ),
-            ))
-        }
-        other => Placement::from_call(other, |errno| Error::os("mbind", errno, args())),
-    }
-}
-
-/// Histogram of the pages of `[start, start + len)` by node, via `move_pages` with no
-/// target nodes, in chunks so memory stays bounded.
-///
-/// # Safety
-/// The range must be mapped by the caller (pages outside it would be reported as
-/// `-EFAULT`, which is harmless, but the addresses must be the caller's to ask about).
-pub(crate) unsafe fn page_histogram(start: *mut u8, len: usize) -> Result<Observed<NodeHistogram>> {
-    // SAFETY: forwarded from the caller.
-    unsafe { page_histogram_sampled(start, len, 1) }
-}
-
-/// [`page_histogram`] of every `step`-th page only (`step` ≥ 1): bounded cost for huge
-/// ranges. The counts are of sampled pages.
-///
-/// # Safety
-/// As [`page_histogram`].
-pub(crate) unsafe fn page_histogram_sampled(
-    start: *mut u8,
-    len: usize,
-    step: usize,
-) -> Result<Observed<NodeHistogram>> {
-    const CHUNK: usize = 1024;
-    let step = step.max(1);
-    let page = page_size() * step;
-    let mut histogram = NodeHistogram::default();
-    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
-    let mut status = vec![0i32; CHUNK];
-    let total = len.div_ceil(page);
-    let mut done = 0;
-    while done < total {
-        let n = CHUNK.min(total - done);
-        pages.clear();
-        pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
-        // SAFETY: `pages` and `status` hold `n` elements; a null `nodes` only queries.
-        let result = unsafe {
-            sys::move_pages(
-                0,
-                n as u64,
-                pages.as_ptr(),
-                std::ptr::null(),
-                status.as_mut_ptr(),
-                0,
-            )
-        };
-        if let Err(errno) = result {
-            return match DegradeReason::from_errno(errno) {
-                Some(reason) => Ok(Observed::Degraded(reason)),
-                None => Err(Error::os(
-                    "move_pages",
-                    errno,
-                    format_args!("pid=0 count={n} first={:p} nodes=NULL", pages[0]),
-                )),
-            };
-        }
-        for &s in &status[..n] {
-            match s {
-                s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
-                // ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the
-                // shared zero page (kernels before 6.x report untouched pages this way).
-                s if s == -libc::ENOENT || s == -libc::EFAULT => histogram.not_present += 1,
-                _ => histogram.other += 1,
-            }
-        }
-        done += n;
-    }
-    Ok(Observed::Known(histogram))
 }
 
 fn round_len(op: &'static str, len: usize, page: usize) -> Result<usize> {

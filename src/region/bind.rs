@@ -1,0 +1,108 @@
+//! `mbind` for regions and for memory other crates own.
+
+use std::ffi::c_void;
+
+use numapin_sys as sys;
+
+use crate::error::{Errno, Error, Result};
+use crate::page_size;
+use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
+
+/// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
+/// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.
+///
+/// # Safety
+///
+/// `[ptr, ptr + len)` must be memory the caller may re-place: a policy outlives the
+/// caller's use of the memory (an allocator reusing bound pages keeps the policy), and
+/// `MOVE` flags migrate pages that others may be using (contents are preserved).
+///
+/// # Errors
+/// `ptr` is not page-aligned, `len` overflows, the policy has an empty set, or `mbind`
+/// fails with an errno other than `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+#[doc(alias = "mbind")]
+pub unsafe fn bind_range(
+    ptr: *mut u8,
+    len: usize,
+    policy: &MemPolicy,
+    flags: MbindFlags,
+) -> Result<Placement> {
+    let page = page_size();
+    if !(ptr as usize).is_multiple_of(page) {
+        return Err(Error::invalid(
+            "bind_range",
+            format!("address {ptr:p} is not aligned to the page size {page}"),
+        ));
+    }
+    if (ptr as usize).checked_add(len).is_none() {
+        return Err(Error::invalid(
+            "bind_range",
+            format!("address {ptr:p} + len {len} overflows"),
+        ));
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { mbind_checked(ptr.cast(), len, policy, ModeFlags::empty(), flags) }
+}
+
+/// `mbind` with validation and errno handling shared by every binding entry point.
+///
+/// # Safety
+/// As [`bind_range`].
+pub(crate) unsafe fn mbind_checked(
+    addr: *mut c_void,
+    len: usize,
+    policy: &MemPolicy,
+    mode_flags: ModeFlags,
+    flags: MbindFlags,
+) -> Result<Placement> {
+    policy.validate()?;
+    if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() && !crate::capability::sys_nice() {
+        return Err(crate::capability::missing_sys_nice(
+            "mbind",
+            "MPOL_MF_MOVE_ALL moves pages other processes share",
+        ));
+    }
+    let mask = policy.kernel_mask();
+    let args = || {
+        format!(
+            "addr={addr:p} len={len} policy={policy} mode_flags={mode_flags:?} flags={flags:?} maxnode={}",
+            mask.maxnode()
+        )
+    };
+    // SAFETY: `mask` holds `maxnode / 64` words; the caller vouches for the range.
+    let result = unsafe {
+        sys::mbind(
+            addr,
+            len,
+            policy.mode() | mode_flags.bits(),
+            mask.words().as_ptr(),
+            mask.maxnode(),
+            flags.bits(),
+        )
+    };
+    // With MOVE_ALL, EPERM is the kernel's CAP_SYS_NICE check (a capability held in a
+    // child user namespace passes the check above but not the kernel's), unless the
+    // probe found the calls denied altogether: that is a container's denial, which
+    // degrades.
+    match result {
+        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() => {
+            Err(Error::invalid(
+                "mbind",
+                format!(
+                    "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
+                 answered EPERM ({})",
+                    args()
+                ),
+            ))
+        }
+        other => Placement::from_call(other, |errno| Error::os("mbind", errno, args())),
+    }
+}
+
+/// Whether the probe found the NUMA calls denied (a container's seccomp profile).
+pub(crate) fn denied_here() -> bool {
+    matches!(
+        crate::mempolicy_support(),
+        Ok(crate::MempolicySupport::Denied)
+    )
+}

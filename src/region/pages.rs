@@ -1,0 +1,314 @@
+//! Where a range's pages are: `move_pages` queries.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+
+use numapin_sys as sys;
+
+use crate::error::{Errno, Error, Result};
+use crate::page_size;
+use crate::policy::{DegradeReason, Observed};
+
+/// Pages of a range per node, as the kernel reports them (`move_pages` with no target
+/// nodes: nothing is moved or faulted in).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeHistogram {
+    /// Present pages per node.
+    pub pages: BTreeMap<crate::Node, usize>,
+    /// Pages never touched or released (`-ENOENT`; `-EFAULT` for a page without a page
+    /// table or backed by the shared zero page, as older kernels report them).
+    pub not_present: usize,
+    /// Pages the kernel reported another error for.
+    pub other: usize,
+}
+
+impl NodeHistogram {
+    /// Present pages in all.
+    pub fn present(&self) -> usize {
+        self.pages.values().sum()
+    }
+
+    /// Present pages on `node`.
+    pub fn on(&self, node: crate::Node) -> usize {
+        self.pages.get(&node).copied().unwrap_or(0)
+    }
+}
+
+/// Histogram of the pages of `[start, start + len)` by node, via `move_pages` with no
+/// target nodes, in chunks so memory stays bounded.
+///
+/// # Safety
+/// The range must be mapped by the caller (pages outside it would be reported as
+/// `-EFAULT`, which is harmless, but the addresses must be the caller's to ask about).
+pub(crate) unsafe fn page_histogram(start: *mut u8, len: usize) -> Result<Observed<NodeHistogram>> {
+    // SAFETY: forwarded from the caller.
+    unsafe { page_histogram_sampled(start, len, 1) }
+}
+
+/// [`page_histogram`] of every `step`-th page only (`step` ≥ 1): bounded cost for huge
+/// ranges. The counts are of sampled pages.
+///
+/// # Safety
+/// As [`page_histogram`].
+pub(crate) unsafe fn page_histogram_sampled(
+    start: *mut u8,
+    len: usize,
+    step: usize,
+) -> Result<Observed<NodeHistogram>> {
+    const CHUNK: usize = 1024;
+    let step = step.max(1);
+    let page = page_size() * step;
+    let mut histogram = NodeHistogram::default();
+    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
+    let mut status = vec![0i32; CHUNK];
+    let total = len.div_ceil(page);
+    let mut done = 0;
+    while done < total {
+        let n = CHUNK.min(total - done);
+        pages.clear();
+        pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
+        // SAFETY: `pages` and `status` hold `n` elements; a null `nodes` only queries.
+        let result = unsafe {
+            sys::move_pages(
+                0,
+                n as u64,
+                pages.as_ptr(),
+                std::ptr::null(),
+                status.as_mut_ptr(),
+                0,
+            )
+        };
+        if let Err(errno) = result {
+            return match DegradeReason::from_errno(errno) {
+                Some(reason) => Ok(Observed::Degraded(reason)),
+                None => Err(Error::os(
+                    "move_pages",
+                    errno,
+                    format_args!("pid=0 count={n} first={:p} nodes=NULL", pages[0]),
+                )),
+            };
+        }
+        for &s in &status[..n] {
+            match s {
+                s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
+                // ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the
+                // shared zero page (kernels before 6.x report untouched pages this way).
+                s if s == -libc::ENOENT || s == -libc::EFAULT => histogram.not_present += 1,
+                _ => histogram.other += 1,
+            }
+        }
+        done += n;
+    }
+    Ok(Observed::Known(histogram))
+}
+
+/// What a migration did, counted from the kernel's own per-page answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MoveReport {
+    /// Pages that reached the target during this call.
+    pub moved: usize,
+    /// Present pages on the target afterwards (moved or there already).
+    pub on_target: usize,
+    /// Present pages still elsewhere afterwards.
+    pub left_behind: usize,
+    /// Pages not present (never touched or released): nothing to move.
+    pub not_present: usize,
+    /// Pages `move_pages` refused, by errno (`EBUSY`: page busy or pinned; `EACCES`:
+    /// shared with other processes, needs `MOVE_ALL`; `ENOMEM`: target full; ...).
+    /// `Region::migrate` (mbind) gives no reasons: its refusals are `left_behind`.
+    pub refused: Vec<(Errno, usize)>,
+}
+
+impl MoveReport {
+    fn refuse(&mut self, errno: Errno) {
+        match self.refused.iter_mut().find(|(e, _)| *e == errno) {
+            Some((_, n)) => *n += 1,
+            None => self.refused.push((errno, 1)),
+        }
+    }
+}
+
+/// Moves every present page of `[start, start + len)` to `node` with `move_pages`.
+///
+/// # Safety
+/// The range must be the caller's own mapping; pages move (contents preserved).
+pub(crate) unsafe fn move_range_to(
+    start: *mut u8,
+    len: usize,
+    node: crate::Node,
+) -> Result<Observed<MoveReport>> {
+    const CHUNK: usize = 1024;
+    let page = page_size();
+    // SAFETY: forwarded from the caller.
+    let before = match unsafe { page_histogram(start, len)? } {
+        Observed::Known(h) => h.on(node),
+        Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
+    };
+    let mut report = MoveReport::default();
+    let total = len.div_ceil(page);
+    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
+    let targets = vec![i32::from(node.0); CHUNK];
+    let mut status = vec![0i32; CHUNK];
+    let mut done = 0;
+    while done < total {
+        let n = CHUNK.min(total - done);
+        pages.clear();
+        pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
+        // SAFETY: the three arrays hold `n` elements; the caller owns the pages.
+        let result = unsafe {
+            sys::move_pages(
+                0,
+                n as u64,
+                pages.as_ptr(),
+                targets.as_ptr(),
+                status.as_mut_ptr(),
+                sys::MOVE_PAGES_MOVE,
+            )
+        };
+        if let Err(errno) = result {
+            return match DegradeReason::from_errno(errno) {
+                Some(reason) => Ok(Observed::Degraded(reason)),
+                None => Err(Error::os(
+                    "move_pages",
+                    errno,
+                    format_args!(
+                        "pid=0 count={n} first={:p} node={node} flags=MPOL_MF_MOVE",
+                        pages[0]
+                    ),
+                )),
+            };
+        }
+        for &s in &status[..n] {
+            match s {
+                s if s == i32::from(node.0) => report.on_target += 1,
+                s if s >= 0 => report.left_behind += 1,
+                s if s == -libc::ENOENT || s == -libc::EFAULT => report.not_present += 1,
+                s => report.refuse(Errno::from_raw_os_error(-s)),
+            }
+        }
+        done += n;
+    }
+    report.moved = report.on_target.saturating_sub(before);
+    Ok(Observed::Known(report))
+}
+
+/// Counts a range against a target set after an `mbind(MOVE)`.
+pub(crate) fn report_against(
+    before: &NodeHistogram,
+    after: &NodeHistogram,
+    to: &crate::NodeSet,
+) -> MoveReport {
+    let on = |h: &NodeHistogram| {
+        h.pages
+            .iter()
+            .filter(|(n, _)| to.contains(**n))
+            .map(|(_, p)| p)
+            .sum::<usize>()
+    };
+    MoveReport {
+        moved: on(after).saturating_sub(on(before)),
+        on_target: on(after),
+        left_behind: after.present() - on(after),
+        not_present: after.not_present,
+        refused: Vec::new(),
+    }
+}
+
+/// Moves all pages of process `pid` (0: this one) from the nodes `from` to the nodes
+/// `to` (`migrate_pages(2)`). Returns the pages that could not be moved.
+///
+/// Moving another process's pages needs `CAP_SYS_NICE` unless its user ids match ours;
+/// that is checked first and named in the error.
+///
+/// # Errors
+/// Empty node sets, a missing capability, no such process (`ESRCH`), or any errno but
+/// `EPERM`/`ENOSYS` from a process that may do this (those give
+/// [`Observed::Degraded`]).
+#[doc(alias = "migrate_pages")]
+pub fn migrate_process(
+    pid: i32,
+    from: &crate::NodeSet,
+    to: &crate::NodeSet,
+) -> Result<Observed<usize>> {
+    const OP: &str = "migrate_pages";
+    if from.is_empty() || to.is_empty() {
+        return Err(Error::invalid(
+            OP,
+            format!("from {{{from}}} and to {{{to}}} must both name nodes"),
+        ));
+    }
+    // SAFETY: getpid cannot fail.
+    let own = pid == 0 || pid == unsafe { libc::getpid() };
+    let denied = super::bind::denied_here();
+    if !own && !denied && !crate::capability::sys_nice() && !same_user(pid)? {
+        return Err(crate::capability::missing_sys_nice(
+            OP,
+            &format!("process {pid} belongs to another user"),
+        ));
+    }
+    // Both masks sized alike: the kernel reads the same maxnode for both.
+    let possible = crate::possible_node_count()
+        .max(from.last().map_or(0, |n| n.index() + 1))
+        .max(to.last().map_or(0, |n| n.index() + 1));
+    let (old, new) = (
+        crate::KernelMask::new(from, possible),
+        crate::KernelMask::new(to, possible),
+    );
+    // SAFETY: both masks hold `maxnode / 64` words.
+    let result = unsafe {
+        sys::migrate_pages(
+            pid,
+            old.maxnode(),
+            old.words().as_ptr(),
+            new.words().as_ptr(),
+        )
+    };
+    match result {
+        Ok(left) => Ok(Observed::Known(left as usize)),
+        Err(Errno::PERM) if !own && !denied => Err(crate::capability::missing_sys_nice(
+            OP,
+            &format!("the kernel refused to move process {pid}'s pages (EPERM)"),
+        )),
+        Err(errno) => match DegradeReason::from_errno(errno) {
+            Some(reason) => Ok(Observed::Degraded(reason)),
+            None => Err(Error::os(
+                OP,
+                errno,
+                format_args!("pid={pid} from={from} to={to}"),
+            )),
+        },
+    }
+}
+
+/// Whether process `pid`'s real or saved user id matches our real or effective one, the
+/// rule under which `migrate_pages` needs no capability.
+fn same_user(pid: i32) -> Result<bool> {
+    let path = format!("/proc/{pid}/status");
+    let status = match std::fs::read_to_string(&path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::os(
+                "migrate_pages",
+                Errno::SRCH,
+                format_args!("pid={pid}: no such process"),
+            ));
+        }
+        Err(e) => return Err(Error::io("read", path, e)),
+    };
+    let ids: Vec<u32> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|v| v.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    // SAFETY: getuid/geteuid cannot fail.
+    let (uid, euid) = unsafe { (libc::getuid(), libc::geteuid()) };
+    let (real, saved) = (ids.first().copied(), ids.get(2).copied());
+    Ok([real, saved]
+        .iter()
+        .flatten()
+        .any(|&id| id == uid || id == euid))
+}

@@ -1,0 +1,241 @@
+//! memfd regions: seals, hugetlb pages, memory breakdown, and moving pages.
+
+mod common;
+
+use common::{Expect, degrade_here, expect};
+use numapin::{Error, HugePageSize, MbindFlags, MemPolicy, NodeSet, Observed, Region, Seals, diag};
+
+fn page() -> usize {
+    numapin::page_size()
+}
+
+#[test]
+fn seals_stop_resizing_and_future_writes_but_not_this_mapping() {
+    let mut r = Region::memfd("numapin-seal", 4 * page()).unwrap();
+    r.seal(Seals::GROW | Seals::SHRINK).unwrap();
+    assert_eq!(r.seals().unwrap(), Seals::GROW | Seals::SHRINK);
+    let file = r.memfd_file().unwrap();
+    assert_eq!(
+        file.set_len(8 * page() as u64).unwrap_err().raw_os_error(),
+        Some(libc::EPERM)
+    );
+    assert_eq!(
+        file.set_len(page() as u64).unwrap_err().raw_os_error(),
+        Some(libc::EPERM)
+    );
+
+    // WRITE is refused while this writable mapping exists, with the way out named.
+    match r.seal(Seals::WRITE) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("FUTURE_WRITE"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    r.seal(Seals::FUTURE_WRITE).unwrap();
+    r.as_mut_slice().unwrap()[0] = 7; // the existing mapping still writes
+    assert_eq!(r.as_slice()[0], 7);
+    use std::os::unix::fs::FileExt;
+    let err = r.memfd_file().unwrap().write_at(b"x", 0).unwrap_err();
+    assert_eq!(
+        err.raw_os_error(),
+        Some(libc::EPERM),
+        "write(2) after FUTURE_WRITE"
+    );
+    // Anonymous regions have no seals.
+    assert!(
+        Region::anonymous(page())
+            .unwrap()
+            .seal(Seals::GROW)
+            .is_err()
+    );
+}
+
+#[test]
+fn hugetlb_memfd_without_reserved_pages_says_how_to_reserve_them() {
+    let size = HugePageSize::Size2M;
+    let wanted = 4;
+    let available = size.available();
+    match Region::memfd_with("numapin-huge", wanted * size.bytes(), Some(size)) {
+        Ok(mut r) => {
+            // Pages were reserved: every page can be touched, no SIGBUS.
+            assert!(available.unwrap_or(0) >= wanted);
+            r.populate_write().unwrap();
+            r.as_mut_slice().unwrap().fill(3);
+            assert_eq!(r.memory().unwrap().hugetlb, (wanted * size.bytes()) as u64);
+        }
+        Err(e @ Error::HugePages { .. }) => {
+            assert!(
+                available.unwrap_or(0) < wanted,
+                "{e} with {available:?} free"
+            );
+            // Where a pool was promised (the VM reserves one), the success path must run.
+            assert!(
+                std::env::var("NUMAPIN_HUGEPAGES").is_err(),
+                "{e} though the environment reserved huge pages"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains("vm.nr_hugepages") && text.contains(&format!("{wanted} huge pages")),
+                "{text}"
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+    // Lengths round up to the huge page size.
+    if let Ok(r) = Region::memfd_with("numapin-huge-round", 1, Some(size)) {
+        assert_eq!(r.len(), size.bytes());
+    }
+}
+
+#[test]
+fn memory_breakdown_tells_anonymous_from_shared() {
+    let mut anon = Region::anonymous(64 * page()).unwrap();
+    anon.advise(numapin::Advice::DontDump).unwrap();
+    anon.as_mut_slice().unwrap().fill(1);
+    let a = anon.memory().unwrap();
+    assert_eq!(
+        (a.rss, a.anonymous, a.file_backed()),
+        ((64 * page()) as u64, (64 * page()) as u64, 0)
+    );
+    assert_eq!(a.private, a.rss);
+
+    let mut shm = Region::memfd("numapin-breakdown", 32 * page()).unwrap();
+    shm.as_mut_slice().unwrap().fill(2);
+    let m = shm.memory().unwrap();
+    assert_eq!(
+        (m.rss, m.anonymous, m.file_backed()),
+        ((32 * page()) as u64, 0, (32 * page()) as u64)
+    );
+    anon.lock().unwrap();
+    assert_eq!(anon.memory().unwrap().locked, (64 * page()) as u64);
+    anon.unlock().unwrap();
+    let process = diag::process_memory().unwrap();
+    assert!(process.rss >= a.rss + m.rss && process.anonymous >= a.anonymous);
+}
+
+#[test]
+fn migrate_and_move_pages_report_what_moved() {
+    let nodes = NodeSet::allowed().unwrap();
+    let target = nodes.iter().last().unwrap();
+    let mut r = Region::anonymous(64 * page()).unwrap();
+    r.as_mut_slice().unwrap()[..32 * page()].fill(5);
+    match (expect(), r.move_pages_to(target).unwrap()) {
+        (Expect::Full, Observed::Known(report)) => {
+            assert_eq!(
+                (report.on_target, report.not_present, report.left_behind),
+                (32, 32, 0),
+                "{report:?}"
+            );
+            assert!(report.refused.is_empty(), "{report:?}");
+        }
+        (_, Observed::Degraded(reason)) => assert_eq!(Some(reason), degrade_here()),
+        (e, other) => panic!("{e:?}: {other:?}"),
+    }
+    let to: NodeSet = std::iter::once(target).collect();
+    match (expect(), r.migrate(&to).unwrap()) {
+        (Expect::Full, Observed::Known(report)) => {
+            assert_eq!(
+                (report.on_target, report.left_behind),
+                (32, 0),
+                "{report:?}"
+            );
+            assert_eq!(
+                r.policy_at(0).unwrap(),
+                Observed::Known((MemPolicy::Bind(to), numapin::ModeFlags::empty()))
+            );
+        }
+        (_, Observed::Degraded(reason)) => assert_eq!(Some(reason), degrade_here()),
+        (e, other) => panic!("{e:?}: {other:?}"),
+    }
+    assert!(r.as_slice()[..32 * page()].iter().all(|&b| b == 5));
+    // An invalid target node is an error everywhere the call runs.
+    if expect() == Expect::Full {
+        let missing = numapin::Node(numapin::possible_node_count() as u16 + 5);
+        assert!(r.move_pages_to(missing).is_err());
+    }
+}
+
+#[test]
+fn capability_checks_name_cap_sys_nice() {
+    std::thread::spawn(|| {
+        // Capabilities are per thread: drop CAP_SYS_NICE here only.
+        let _ = caps::drop(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_SYS_NICE,
+        );
+        assert!(!numapin::capability::sys_nice());
+        let r = Region::anonymous(page()).unwrap();
+        let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
+        match (expect(), r.bind(&p, MbindFlags::MOVE_ALL)) {
+            (Expect::Full, Err(Error::InvalidArgument { reason, .. })) => {
+                assert!(
+                    reason.contains("CAP_SYS_NICE") && reason.contains("MOVE_ALL"),
+                    "{reason}"
+                );
+            }
+            (Expect::Full, other) => panic!("{other:?}"),
+            (_, Ok(placement)) => assert_eq!(
+                Some(placement),
+                degrade_here().map(numapin::Placement::Degraded)
+            ),
+            (_, Err(e)) => assert!(e.to_string().contains("CAP_SYS_NICE"), "{e}"),
+        }
+        // migrate_pages of this very process needs no capability.
+        let nodes = NodeSet::allowed().unwrap();
+        match numapin::migrate_process(0, &nodes, &nodes).unwrap() {
+            Observed::Known(left) => assert_eq!((expect(), left), (Expect::Full, 0)),
+            Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_here()),
+        }
+        // Nor does a nonexistent process get past the checks.
+        assert!(numapin::migrate_process(i32::MAX, &nodes, &nodes).is_err());
+        assert!(numapin::migrate_process(0, &NodeSet::new(), &nodes).is_err());
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn moving_another_users_pages_without_cap_sys_nice_is_named_up_front() {
+    use std::os::unix::process::CommandExt;
+    let child = std::process::Command::new("sleep")
+        .arg("30")
+        .uid(65534)
+        .gid(65534)
+        .spawn();
+    let Ok(mut child) = child else {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOT RUN: moving_another_users_pages_without_cap_sys_nice_is_named_up_front needs to start a process as uid 65534 (root outside a user namespace)"
+        );
+        return;
+    };
+    let pid = child.id() as i32;
+    let result = std::thread::spawn(move || {
+        let _ = caps::drop(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_SYS_NICE,
+        );
+        let nodes = NodeSet::allowed().unwrap();
+        numapin::migrate_process(pid, &nodes, &nodes)
+    })
+    .join()
+    .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    match (expect(), result) {
+        (Expect::Full | Expect::Unsupported, Err(Error::InvalidArgument { reason, .. })) => {
+            assert!(
+                reason.contains("CAP_SYS_NICE") && reason.contains("another user"),
+                "{reason}"
+            )
+        }
+        // Denied: the container's refusal degrades, as for every NUMA call.
+        (Expect::Denied, Ok(Observed::Degraded(reason))) => {
+            assert_eq!(Some(reason), degrade_here())
+        }
+        (e, other) => panic!("{e:?}: {other:?}"),
+    }
+}
