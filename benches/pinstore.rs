@@ -9,6 +9,13 @@
 #[path = "../examples/support/mod.rs"]
 mod support;
 
+#[path = "pinstore/memory.rs"]
+mod memory;
+
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOCATOR: memory::switch::Switch = memory::switch::Switch;
+
 use std::fs::File;
 use std::time::Instant;
 
@@ -130,6 +137,9 @@ fn scaling_row(experts: usize, layout: Layout, policy: &MemPolicy) {
 }
 
 fn main() {
+    if memory::run_child(&SyntheticModel::default()) {
+        return;
+    }
     let nodes = NodeSet::allowed().expect("allowed nodes");
     if let Some(experts) = std::env::var("NUMAPIN_BENCH_SCALING")
         .ok()
@@ -233,6 +243,9 @@ fn main() {
     drop(cases);
     drop(mapped);
     drop(file);
+    drop(source);
+    memory::allocator_rows(&path, runs);
+    memory::sharing_rows(&model, &path, runs);
     let _ = std::fs::remove_dir_all(&dir);
 
     println!();

@@ -6,9 +6,22 @@
 //!
 //! Flags: `--layers N --experts N --weight-bytes N --scale-bytes N
 //! --layout interleave|layer-per-node|unplaced --nodes <nodestring> --file <path>
-//! --threads N --no-huge-pages --baseline --json`.
+//! --threads N --no-huge-pages --baseline --json --purge --no-purge`.
+//!
+//! Built with `--features jemalloc`, jemalloc is the global allocator (with
+//! `retain:false` baked in) and the example purges its arenas after the load by default,
+//! printing RSS before and after and the live bytes.
 
 mod support;
+
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOCATOR: numapin::jemalloc::Jemalloc = numapin::jemalloc::Jemalloc;
+
+#[cfg(feature = "jemalloc")]
+#[allow(non_upper_case_globals)]
+#[unsafe(export_name = "_rjem_malloc_conf")]
+pub static malloc_conf: &[u8; 13] = b"retain:false\0";
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +40,7 @@ struct Args {
     huge_pages: bool,
     baseline: bool,
     json: bool,
+    purge: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -39,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         huge_pages: true,
         baseline: false,
         json: false,
+        purge: cfg!(feature = "jemalloc"),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,6 +74,8 @@ fn parse_args() -> Result<Args, String> {
             "--no-huge-pages" => args.huge_pages = false,
             "--baseline" => args.baseline = true,
             "--json" => args.json = true,
+            "--purge" => args.purge = true,
+            "--no-purge" => args.purge = false,
             "--help" | "-h" => {
                 println!(
                     "{}",
@@ -72,6 +89,9 @@ fn parse_args() -> Result<Args, String> {
             }
             other => return Err(format!("unknown flag {other:?} (try --help)")),
         }
+    }
+    if args.purge && !cfg!(feature = "jemalloc") {
+        return Err("--purge needs jemalloc: build with `--features jemalloc`".into());
     }
     if args.model.layers == 0 || args.model.experts == 0 || args.model.weight_bytes == 0 {
         return Err("--layers, --experts and --weight-bytes must be at least 1".into());
@@ -156,6 +176,7 @@ fn run() -> Result<(), String> {
         options.loader_threads = t;
     }
     let (run, store) = run_store(&model, &file, layout, options, true)?;
+    let purge = if args.purge { Some(purge()?) } else { None };
     drop(store);
     let baseline = args
         .baseline
@@ -167,9 +188,15 @@ fn run() -> Result<(), String> {
             Some(Ok(b)) => format!(",\"baseline\":{}", b.to_json()),
             Some(Err(e)) => format!(",\"baseline\":{{\"error\":{}}}", json_string(e)),
         };
+        let purge = purge.map_or(String::new(), |p| {
+            format!(
+                ",\"purge\":{{\"rss_before\":{},\"rss_after\":{},\"live_bytes\":{}}}",
+                p.rss_before, p.rss_after, p.live_bytes
+            )
+        });
         let run_json = run.to_json();
         println!(
-            "{},\"nodes\":{},\"layout\":{},\"verified\":true{baseline}}}",
+            "{},\"nodes\":{},\"layout\":{},\"verified\":true{purge}{baseline}}}",
             &run_json[..run_json.len() - 1],
             json_string(&nodes.to_string()),
             json_string(&args.layout)
@@ -177,7 +204,39 @@ fn run() -> Result<(), String> {
         return Ok(());
     }
     print_report(&run, baseline.as_ref(), &nodes, &args.layout);
+    if let Some(p) = purge {
+        println!(
+            "  jemalloc purge   RSS {} -> {} (live heap bytes {})",
+            gib(p.rss_before),
+            gib(p.rss_after),
+            p.live_bytes
+        );
+    }
     Ok(())
+}
+
+/// RSS around a purge of every jemalloc arena, and the live heap bytes after it.
+struct Purge {
+    rss_before: u64,
+    rss_after: u64,
+    live_bytes: u64,
+}
+
+#[cfg(feature = "jemalloc")]
+fn purge() -> Result<Purge, String> {
+    let rss_before = diag::rss_bytes().map_err(|e| e.to_string())?;
+    numapin::jemalloc::purge_all().map_err(|e| e.to_string())?;
+    let stats = numapin::jemalloc::stats().map_err(|e| e.to_string())?;
+    Ok(Purge {
+        rss_before,
+        rss_after: diag::rss_bytes().map_err(|e| e.to_string())?,
+        live_bytes: stats.allocated as u64,
+    })
+}
+
+#[cfg(not(feature = "jemalloc"))]
+fn purge() -> Result<Purge, String> {
+    Err("--purge needs jemalloc: build with `--features jemalloc`".into())
 }
 
 fn gib(bytes: u64) -> String {

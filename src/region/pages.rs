@@ -240,7 +240,9 @@ pub fn migrate_process(
     // SAFETY: getpid cannot fail.
     let own = pid == 0 || pid == unsafe { libc::getpid() };
     let denied = super::bind::denied_here();
-    if !own && !denied && !crate::capability::sys_nice() && !same_user(pid)? {
+    // Read the target's ids first: a missing process is ESRCH in every environment.
+    let same_user = if own { true } else { same_user(pid)? };
+    if !own && !denied && !crate::capability::sys_nice() && !same_user {
         return Err(crate::capability::missing_sys_nice(
             OP,
             &format!("process {pid} belongs to another user"),

@@ -271,7 +271,18 @@ struct Case {
     command: String,
 }
 
+/// The steps of a VM run; `NUMAPIN_VM_ONLY=name,...` keeps only those (for iterating on
+/// one binary; CI runs all).
 fn cases(tests: &[TestBinary]) -> Vec<Case> {
+    let mut cases = all_cases(tests);
+    if let Ok(only) = std::env::var("NUMAPIN_VM_ONLY") {
+        let only: Vec<&str> = only.split(',').collect();
+        cases.retain(|c| only.contains(&c.name.as_str()));
+    }
+    cases
+}
+
+fn all_cases(tests: &[TestBinary]) -> Vec<Case> {
     let mut cases: Vec<Case> = tests
         .iter()
         .filter(|t| t.name != "map_limit")
