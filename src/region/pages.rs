@@ -55,51 +55,85 @@ pub(crate) unsafe fn page_histogram_sampled(
     len: usize,
     step: usize,
 ) -> Result<Observed<NodeHistogram>> {
-    const CHUNK: usize = 1024;
-    let step = step.max(1);
-    let page = page_size() * step;
     let mut histogram = NodeHistogram::default();
-    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
-    let mut status = vec![0i32; CHUNK];
+    // SAFETY: forwarded from the caller; a query moves nothing.
+    let outcome = unsafe {
+        for_each_page_status(start, len, step, None, |s| match s {
+            s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
+            s if is_not_present(s) => histogram.not_present += 1,
+            _ => histogram.other += 1,
+        })?
+    };
+    Ok(match outcome {
+        Some(reason) => Observed::Degraded(reason),
+        None => Observed::Known(histogram),
+    })
+}
+
+/// ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the shared zero
+/// page (kernels before 6.x report untouched pages this way).
+fn is_not_present(status: i32) -> bool {
+    status == -libc::ENOENT || status == -libc::EFAULT
+}
+
+/// Calls `move_pages` over every `step`-th page of `[start, start + len)` in bounded
+/// chunks, querying (`target` None) or moving to `target`, and hands each page's status
+/// to `per_page`. `Some(reason)` when the call is denied or unsupported here.
+///
+/// # Safety
+/// The range must be the caller's own mapping; with a target, its pages move (contents
+/// preserved).
+unsafe fn for_each_page_status(
+    start: *mut u8,
+    len: usize,
+    step: usize,
+    target: Option<crate::Node>,
+    mut per_page: impl FnMut(i32),
+) -> Result<Option<DegradeReason>> {
+    const CHUNK: usize = 1024;
+    let page = page_size() * step.max(1);
     let total = len.div_ceil(page);
+    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK.min(total));
+    let targets = target.map(|node| vec![i32::from(node.0); CHUNK.min(total)]);
+    let mut status = vec![0i32; CHUNK.min(total)];
+    let (nodes, flags) = match &targets {
+        Some(t) => (t.as_ptr(), sys::MOVE_PAGES_MOVE),
+        None => (std::ptr::null(), 0),
+    };
     let mut done = 0;
     while done < total {
         let n = CHUNK.min(total - done);
         pages.clear();
         pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
-        // SAFETY: `pages` and `status` hold `n` elements; a null `nodes` only queries.
+        // SAFETY: `pages`, `status` and a non-null `nodes` hold at least `n` elements; the
+        // caller owns the pages.
         let result = unsafe {
             sys::move_pages(
                 0,
                 n as u64,
                 pages.as_ptr(),
-                std::ptr::null(),
+                nodes,
                 status.as_mut_ptr(),
-                0,
+                flags,
             )
         };
         if let Err(errno) = result {
             return match DegradeReason::from_errno(errno) {
-                Some(reason) => Ok(Observed::Degraded(reason)),
+                Some(reason) => Ok(Some(reason)),
                 None => Err(Error::os(
                     "move_pages",
                     errno,
-                    format_args!("pid=0 count={n} first={:p} nodes=NULL", pages[0]),
+                    format_args!(
+                        "pid=0 count={n} first={:p} target={target:?} flags={flags}",
+                        pages[0]
+                    ),
                 )),
             };
         }
-        for &s in &status[..n] {
-            match s {
-                s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
-                // ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the
-                // shared zero page (kernels before 6.x report untouched pages this way).
-                s if s == -libc::ENOENT || s == -libc::EFAULT => histogram.not_present += 1,
-                _ => histogram.other += 1,
-            }
-        }
+        status[..n].iter().for_each(|&s| per_page(s));
         done += n;
     }
-    Ok(Observed::Known(histogram))
+    Ok(None)
 }
 
 /// What a migration did, counted from the kernel's own per-page answers.
@@ -137,56 +171,23 @@ pub(crate) unsafe fn move_range_to(
     len: usize,
     node: crate::Node,
 ) -> Result<Observed<MoveReport>> {
-    const CHUNK: usize = 1024;
-    let page = page_size();
     // SAFETY: forwarded from the caller.
     let before = match unsafe { page_histogram(start, len)? } {
         Observed::Known(h) => h.on(node),
         Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
     };
     let mut report = MoveReport::default();
-    let total = len.div_ceil(page);
-    let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK);
-    let targets = vec![i32::from(node.0); CHUNK];
-    let mut status = vec![0i32; CHUNK];
-    let mut done = 0;
-    while done < total {
-        let n = CHUNK.min(total - done);
-        pages.clear();
-        pages.extend((done..done + n).map(|i| start.wrapping_add(i * page).cast::<c_void>()));
-        // SAFETY: the three arrays hold `n` elements; the caller owns the pages.
-        let result = unsafe {
-            sys::move_pages(
-                0,
-                n as u64,
-                pages.as_ptr(),
-                targets.as_ptr(),
-                status.as_mut_ptr(),
-                sys::MOVE_PAGES_MOVE,
-            )
-        };
-        if let Err(errno) = result {
-            return match DegradeReason::from_errno(errno) {
-                Some(reason) => Ok(Observed::Degraded(reason)),
-                None => Err(Error::os(
-                    "move_pages",
-                    errno,
-                    format_args!(
-                        "pid=0 count={n} first={:p} node={node} flags=MPOL_MF_MOVE",
-                        pages[0]
-                    ),
-                )),
-            };
-        }
-        for &s in &status[..n] {
-            match s {
-                s if s == i32::from(node.0) => report.on_target += 1,
-                s if s >= 0 => report.left_behind += 1,
-                s if s == -libc::ENOENT || s == -libc::EFAULT => report.not_present += 1,
-                s => report.refuse(Errno::from_raw_os_error(-s)),
-            }
-        }
-        done += n;
+    // SAFETY: forwarded from the caller.
+    let outcome = unsafe {
+        for_each_page_status(start, len, 1, Some(node), |s| match s {
+            s if s == i32::from(node.0) => report.on_target += 1,
+            s if s >= 0 => report.left_behind += 1,
+            s if is_not_present(s) => report.not_present += 1,
+            s => report.refuse(Errno::from_raw_os_error(-s)),
+        })?
+    };
+    if let Some(reason) = outcome {
+        return Ok(Observed::Degraded(reason));
     }
     report.moved = report.on_target.saturating_sub(before);
     Ok(Observed::Known(report))

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::load::{self, Job};
+use super::load;
 use super::{ExpertSource, Kind, LayerSpec, check_fits};
 use crate::error::{Errno, Error, Result};
 use crate::node::Node;
@@ -114,15 +114,7 @@ impl SlabPerExpert {
                 // SAFETY: the block holds `len` bytes and nothing else refers to it yet.
                 let dest = unsafe { std::slice::from_raw_parts_mut(slab.ptr, slab.len) };
                 let part = source.part(kind);
-                load::fill(
-                    vec![Job {
-                        dest,
-                        part,
-                        expert,
-                        kind,
-                    }],
-                    1,
-                )?;
+                load::fill_slot(dest, part, expert, kind)?;
             }
         }
         Ok(())

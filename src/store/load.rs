@@ -164,6 +164,19 @@ pub(crate) fn fill(jobs: Vec<Job<'_>>, threads: usize) -> Result<usize> {
     }
 }
 
+/// Fills one slot on the calling thread.
+pub(crate) fn fill_slot(dest: &mut [u8], part: Part<'_>, expert: usize, kind: Kind) -> Result<()> {
+    fill_one(
+        Job {
+            dest,
+            part,
+            expert,
+            kind,
+        },
+        &AtomicUsize::new(0),
+    )
+}
+
 fn fill_one(job: Job<'_>, reads: &AtomicUsize) -> Result<()> {
     match job.part {
         Part::Memory(bytes) => {

@@ -4,12 +4,14 @@
 
 mod arena;
 pub mod baseline;
+mod budget;
 mod load;
 mod shared;
+mod stats;
 pub mod synthetic;
 mod table;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -18,11 +20,11 @@ pub use arena::Kind;
 use load::Job;
 pub use load::{ExpertSource, MAX_READ};
 pub use shared::{Export, Manifest, ManifestRegion};
+pub use stats::{PAGE_SAMPLE, StoreStats};
 
-use crate::diag;
 use crate::error::{Error, Result};
-use crate::node::{Node, NodeSet};
-use crate::policy::{DegradeReason, MemPolicy, Observed, Placement};
+use crate::node::NodeSet;
+use crate::policy::{MemPolicy, Observed, Placement};
 
 /// How layers are placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,42 +104,6 @@ pub struct LayerReport {
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,
 }
-
-/// Figures of the whole store, measured when asked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreStats {
-    /// Layers packed.
-    pub layers: usize,
-    /// Expert slots whose weights are loaded.
-    pub experts_loaded: usize,
-    /// Loaded bytes (weights and scales).
-    pub bytes: u64,
-    /// Mappings the store's regions occupy, counted in `/proc/self/smaps`.
-    pub vmas: usize,
-    /// `mbind` calls made.
-    pub mbind_calls: usize,
-    /// Resident pages per node, estimated from a `move_pages` sample of at most
-    /// [`PAGE_SAMPLE`] pages (each sampled page counts for `sample_step` pages).
-    pub pages_per_node: BTreeMap<Node, u64>,
-    /// One page in this many was sampled (1: every page).
-    pub sample_step: usize,
-    /// Resident bytes of the store's mappings (`smaps` `Rss`; a mapping the kernel merged
-    /// with an equal neighbour counts whole).
-    pub resident_bytes: u64,
-    /// Of which transparent huge pages (`AnonHugePages`).
-    pub anon_huge_bytes: u64,
-    /// Of which mapped by other processes too (`Shared_*`: an exported store that
-    /// workers attached).
-    pub shared_bytes: u64,
-    /// Of which private to this process (`Private_*`).
-    pub private_bytes: u64,
-    /// Bound, or the first degradation met (`None`: [`Layout::Unplaced`], or nothing
-    /// bound yet).
-    pub placement: Option<Placement>,
-}
-
-/// The most pages [`PinStore::stats`] asks `move_pages` about.
-pub const PAGE_SAMPLE: usize = 1 << 16;
 
 #[derive(Debug)]
 struct Layer {
@@ -407,53 +373,6 @@ impl PinStore {
         })
     }
 
-    /// Checks, before loading anything, that `layers` more layers of `spec` fit in the
-    /// map budget (`vm.max_map_count`, or [`StoreOptions::vma_budget`], minus the
-    /// mappings this process has now): a model that cannot fit is refused up front
-    /// instead of failing mid-load.
-    ///
-    /// # Errors
-    /// [`Error::MapBudget`] naming the mappings needed, left, the limit and the current
-    /// count; or the figures cannot be read.
-    pub fn check_model_budget(&self, layers: usize, spec: &LayerSpec) -> Result<()> {
-        let per_layer = 1 + usize::from(spec.scale_bytes > 0);
-        let needed = layers.checked_mul(per_layer).ok_or_else(|| {
-            Error::invalid(
-                "PinStore::check_model_budget",
-                format!("{layers} layers overflow"),
-            )
-        })?;
-        self.check_budget(
-            format!("a model of {layers} layers"),
-            needed,
-            spec.experts * per_layer,
-        )
-    }
-
-    /// `regions` new mappings, plus room for the loader threads a fill of `jobs` slots
-    /// spawns (each needs a few mappings while it runs: a thread that cannot get them
-    /// aborts the process, so they are budgeted too).
-    fn check_budget(&self, what: String, regions: usize, jobs: usize) -> Result<()> {
-        let needed =
-            regions + load::MAPS_PER_THREAD * load::helpers(self.options.loader_threads, jobs);
-        let limit = match self.options.vma_budget {
-            Some(budget) => budget,
-            None => diag::max_map_count()?,
-        };
-        let current = diag::map_count()?;
-        let available = limit.saturating_sub(current);
-        if needed > available {
-            return Err(Error::MapBudget {
-                what,
-                needed,
-                available,
-                limit,
-                current,
-            });
-        }
-        Ok(())
-    }
-
     fn note_placement(&self, placement: Placement) -> Placement {
         let Ok(mut slot) = self.placement.lock() else {
             return placement;
@@ -479,13 +398,7 @@ impl PinStore {
             return Ok(&[]);
         };
         if expert >= arena.loaded.len() {
-            return Err(Error::invalid(
-                "PinStore",
-                format!(
-                    "expert {expert} is out of range: layer {layer} has {}",
-                    arena.loaded.len()
-                ),
-            ));
+            return Err(out_of_range(layer, expert, arena.loaded.len()));
         }
         arena.loaded_slice(expert).ok_or_else(|| {
             Error::invalid(
@@ -531,13 +444,7 @@ impl PinStore {
             Error::invalid("PinStore", format!("layer {layer} has no {}", kind.name()))
         })?;
         if expert >= arena.loaded.len() {
-            return Err(Error::invalid(
-                "PinStore",
-                format!(
-                    "expert {expert} is out of range: layer {layer} has {}",
-                    arena.loaded.len()
-                ),
-            ));
+            return Err(out_of_range(layer, expert, arena.loaded.len()));
         }
         arena.region.policy_at(arena.slot_range(expert).start)
     }
@@ -573,10 +480,7 @@ impl PinStore {
             .ok_or_else(|| Error::invalid("PinStore", format!("layer {layer} is not packed")))?;
         let experts = l.weights.loaded.len();
         if expert >= experts {
-            return Err(Error::invalid(
-                "PinStore",
-                format!("expert {expert} is out of range: layer {layer} has {experts}"),
-            ));
+            return Err(out_of_range(layer, expert, experts));
         }
         Ok(l.arena_mut(kind))
     }
@@ -607,76 +511,18 @@ impl PinStore {
             let len = lengths[kind as usize];
             let range = arena.slot_range(expert);
             let dest = &mut arena.region.as_mut_slice()?[range];
-            load::fill(
-                vec![Job {
-                    dest,
-                    part,
-                    expert,
-                    kind,
-                }],
-                1,
-            )?;
+            load::fill_slot(dest, part, expert, kind)?;
             arena.loaded[expert] = Some(len);
         }
         Ok(())
     }
+}
 
-    /// Measures the store: loaded figures, its mappings in `/proc/self/smaps`, `mbind`
-    /// calls, and resident pages per node from a bounded `move_pages` sample.
-    ///
-    /// # Errors
-    /// `/proc/self/maps` cannot be read, or `move_pages` fails with an errno other than
-    /// `EPERM`/`ENOSYS` (which leave `pages_per_node` empty).
-    pub fn stats(&self) -> Result<StoreStats> {
-        let layers: Vec<&Layer> = self.layers.iter().map(|(_, l)| &**l).collect();
-        let spans: Vec<(usize, usize)> = layers
-            .iter()
-            .flat_map(|l| l.arenas().map(Arena::span))
-            .collect();
-        let total_pages: usize = spans
-            .iter()
-            .map(|(a, b)| (b - a) / crate::page_size())
-            .sum();
-        let sample_step = total_pages.div_ceil(PAGE_SAMPLE).max(1);
-        let mut pages_per_node = BTreeMap::new();
-        for arena in layers.iter().flat_map(|l| l.arenas()) {
-            match arena.region.placement_sampled(sample_step)? {
-                Observed::Known(h) => {
-                    for (node, n) in h.pages {
-                        *pages_per_node.entry(node).or_insert(0u64) += (n * sample_step) as u64;
-                    }
-                }
-                Observed::Degraded(_) => break,
-            }
-        }
-        let smaps = diag::smaps_overlapping(&spans)?;
-        let loaded = |a: &Arena| a.loaded.iter().flatten().map(|&n| n as u64).sum::<u64>();
-        Ok(StoreStats {
-            layers: layers.len(),
-            experts_loaded: layers
-                .iter()
-                .map(|l| l.weights.loaded.iter().flatten().count())
-                .sum(),
-            bytes: layers.iter().flat_map(|l| l.arenas()).map(loaded).sum(),
-            vmas: smaps.len(),
-            resident_bytes: smaps.iter().map(|e| e.rss).sum(),
-            anon_huge_bytes: smaps.iter().map(|e| e.anon_huge).sum(),
-            shared_bytes: smaps.iter().map(|e| e.shared).sum(),
-            private_bytes: smaps.iter().map(|e| e.private).sum(),
-            mbind_calls: self.mbind_calls.load(Ordering::Relaxed),
-            pages_per_node,
-            sample_step,
-            placement: self.placement.lock().ok().and_then(|p| *p),
-        })
-    }
-
-    /// The degradation reason, if placement was refused here.
-    pub fn degraded(&self) -> Option<DegradeReason> {
-        match self.placement.lock().ok().and_then(|p| *p) {
-            Some(Placement::Degraded(reason)) => Some(reason),
-            _ => None,
-        }
-    }
+fn out_of_range(layer: usize, expert: usize, experts: usize) -> Error {
+    Error::invalid(
+        "PinStore",
+        format!("expert {expert} is out of range: layer {layer} has {experts}"),
+    )
 }
 
 fn describe(layer: usize, expert: usize, kind: Kind) -> String {
@@ -691,13 +537,7 @@ fn check_fits(
     source: &ExpertSource<'_>,
 ) -> Result<[usize; 2]> {
     if expert >= spec.experts {
-        return Err(Error::invalid(
-            "PinStore",
-            format!(
-                "expert {expert} is out of range: layer {layer} has {}",
-                spec.experts
-            ),
-        ));
+        return Err(out_of_range(layer, expert, spec.experts));
     }
     let mut lengths = [0; 2];
     for (kind, max) in [
