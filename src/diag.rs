@@ -1,4 +1,10 @@
 //! What the kernel says about this process: map counts, `numa_maps`, `smaps`, RSS.
+//!
+//! # Safety
+//!
+//! Two queries take raw addresses: `mincore` (writes one byte per page into a vector
+//! sized for the range) and `get_mempolicy(MPOL_F_ADDR)` (reads a policy). Neither
+//! touches the memory they ask about.
 #![allow(unsafe_code)]
 
 use std::collections::BTreeMap;

@@ -1,4 +1,8 @@
 //! What this process may do here, and the machine it runs on.
+//!
+//! # Safety
+//!
+//! The probe maps one page of its own, asks `mbind` about it and unmaps it.
 #![allow(unsafe_code)]
 
 use std::fmt;
