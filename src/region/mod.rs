@@ -122,17 +122,7 @@ impl Region {
     #[doc(alias = "mmap")]
     pub fn anonymous(len: usize) -> Result<Region> {
         let len = round_len("Region::anonymous", len, page_size())?;
-        // SAFETY: a fresh anonymous mapping aliases nothing.
-        let ptr = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| Error::os("mmap", e, format_args!("len={len} anonymous private")))?;
-        Ok(Region::owned(ptr, len, Backing::Anonymous))
+        Ok(Region::owned(map_anonymous(len)?, len, Backing::Anonymous))
     }
 
     /// A private anonymous mapping whose start is a multiple of `align` (a power of two,
@@ -155,16 +145,7 @@ impl Region {
         let span = len
             .checked_add(align)
             .ok_or_else(|| Error::invalid(OP, format!("len {len} + align {align} overflows")))?;
-        // SAFETY: a fresh anonymous mapping aliases nothing.
-        let base = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                span,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| Error::os("mmap", e, format_args!("len={span} anonymous private")))?;
+        let base = map_anonymous(span)?;
         let start = (base as usize).next_multiple_of(align);
         let head = start - base as usize;
         let tail = span - head - len;
@@ -189,42 +170,7 @@ impl Region {
     /// `len` is 0, `offset` is not page-aligned, the range runs past the end of the file
     /// (touching it would raise SIGBUS), or `mmap` fails.
     pub fn map_file(file: &File, offset: u64, len: usize) -> Result<Region> {
-        const OP: &str = "Region::map_file";
-        let page = page_size();
-        if !offset.is_multiple_of(page as u64) {
-            return Err(Error::invalid(
-                OP,
-                format!("offset {offset} is not a multiple of the page size {page}"),
-            ));
-        }
-        if len == 0 {
-            return Err(Error::invalid(OP, "length 0"));
-        }
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io("fstat", "mapped file", e))?
-            .len();
-        let end = offset.checked_add(len as u64);
-        if end.is_none_or(|end| end > size) {
-            return Err(Error::invalid(
-                OP,
-                format!("offset {offset} + len {len} runs past the end of the file ({size} bytes)"),
-            ));
-        }
-        let map_len = round_len(OP, len, page)?;
-        // SAFETY: a new read-only mapping; no slice of it exists yet. Another process
-        // truncating the file could still make access fault, as with any file mapping.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                ProtFlags::READ,
-                MapFlags::SHARED,
-                file.as_fd(),
-                offset,
-            )
-        }
-        .map_err(|e| Error::os("mmap", e, format_args!("file offset={offset} len={len}")))?;
+        let (ptr, map_len) = map_read_only("Region::map_file", file, offset, len)?;
         let mut region = Region::owned(ptr, map_len, Backing::File);
         region.len = len;
         Ok(region)
@@ -567,6 +513,73 @@ impl Drop for Region {
         // SAFETY: we own the mapping and no borrow of it outlives `self`.
         let _ = unsafe { rustix::mm::munmap(self.as_ptr().cast(), self.map_len()) };
     }
+}
+
+/// A fresh private anonymous read-write mapping of `len` (page-multiple) bytes.
+fn map_anonymous(len: usize) -> Result<*mut c_void> {
+    // SAFETY: a fresh anonymous mapping aliases nothing.
+    unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE,
+        )
+    }
+    .map_err(|e| Error::os("mmap", e, format_args!("len={len} anonymous private")))
+}
+
+/// Maps `len` bytes of `file` from `offset` read-only and shared, after checking what
+/// would otherwise be a bare `EINVAL` or a later SIGBUS: an unaligned offset, a zero
+/// length, a range past the end of the file. Returns the address and the mapped length.
+fn map_read_only(
+    op: &'static str,
+    file: &File,
+    offset: u64,
+    len: usize,
+) -> Result<(*mut c_void, usize)> {
+    let page = page_size();
+    if !offset.is_multiple_of(page as u64) {
+        return Err(Error::invalid(
+            op,
+            format!("offset {offset} is not a multiple of the page size {page}"),
+        ));
+    }
+    if len == 0 {
+        return Err(Error::invalid(op, "length 0"));
+    }
+    let size = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", "mapped file", e))?
+        .len();
+    if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+        return Err(Error::invalid(
+            op,
+            format!("offset {offset} + len {len} runs past the end of the file ({size} bytes)"),
+        ));
+    }
+    let map_len = round_len(op, len, page)?;
+    // SAFETY: a new read-only mapping; no slice of it exists yet. The range lies within
+    // the file; another process truncating it could still make access fault, as with any
+    // file mapping (an exported store is sealed against shrinking).
+    let ptr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            ProtFlags::READ,
+            MapFlags::SHARED,
+            file.as_fd(),
+            offset,
+        )
+    }
+    .map_err(|e| {
+        Error::os(
+            "mmap",
+            e,
+            format_args!("{op}: offset={offset} len={len} read-only shared"),
+        )
+    })?;
+    Ok((ptr, map_len))
 }
 
 fn round_len(op: &'static str, len: usize, page: usize) -> Result<usize> {

@@ -231,37 +231,7 @@ impl Region {
     /// `len` is 0 or longer than the file (touching past its end would SIGBUS), or `mmap`
     /// fails.
     pub fn attach_shared(file: File, len: usize) -> Result<Region> {
-        const OP: &str = "Region::attach_shared";
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io("fstat", "attached memfd", e))?
-            .len();
-        let map_len = round_len(OP, len, page_size())?;
-        if map_len as u64 > size {
-            return Err(Error::invalid(
-                OP,
-                format!("{len} bytes wanted but the shared file has {size}"),
-            ));
-        }
-        // SAFETY: a new read-only mapping of a file we hold; nothing refers to it yet. The
-        // exporter seals the file against shrinking, so it cannot SIGBUS under us.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                ProtFlags::READ,
-                MapFlags::SHARED,
-                file.as_fd(),
-                0,
-            )
-        }
-        .map_err(|e| {
-            Error::os(
-                "mmap",
-                e,
-                format_args!("attached memfd len={map_len} read-only"),
-            )
-        })?;
+        let (ptr, map_len) = super::map_read_only("Region::attach_shared", &file, 0, len)?;
         Ok(Region::owned(ptr, map_len, Backing::Attached(file)))
     }
 }
