@@ -118,6 +118,10 @@ fn migrate_and_move_pages_report_what_moved() {
     let nodes = NodeSet::allowed().unwrap();
     let target = nodes.iter().last().unwrap();
     let mut r = Region::anonymous(64 * page()).unwrap();
+    // Base pages in a mapping of its own: with THP `always` (the VM) a merged neighbour
+    // can hand these pages to a huge page, which move_pages refuses with EACCES.
+    r.advise(numapin::Advice::NoHugePage).unwrap();
+    r.advise(numapin::Advice::DontDump).unwrap();
     r.as_mut_slice().unwrap()[..32 * page()].fill(5);
     match (expect(), r.move_pages_to(target).unwrap()) {
         (Expect::Full, Observed::Known(report)) => {
