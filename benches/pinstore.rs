@@ -167,7 +167,8 @@ fn main() {
     // The file is page-cached now (just written); the memory copy of it is the ceiling's
     // source.
     let source = std::fs::read(&path).expect("read model");
-    let mapped = Region::map_file(&file, 0, source.len()).expect("map file");
+    // SAFETY: the benchmark's own temp file; nothing writes or truncates it while mapped.
+    let mapped = unsafe { Region::map_file(&file, 0, source.len()) }.expect("map file");
 
     let options = StoreOptions {
         loader_threads: 2,

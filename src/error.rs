@@ -91,6 +91,25 @@ pub enum Error {
         /// Mappings the process has now.
         current: usize,
     },
+    /// The store was exported (or attached): its memory is sealed, read-only and shared
+    /// with other processes, so it no longer changes.
+    #[error(
+        "{op}: the store is frozen: it was exported or attached, and its memory is sealed \
+         read-only and shared with other processes (release, ensure and pack_layer are refused)"
+    )]
+    Frozen {
+        /// The refused operation.
+        op: &'static str,
+    },
+    /// A failed export lost the store's mappings: nothing can be read from it any more
+    /// (every read is this error, never a fault).
+    #[error("{op}: the store is unusable: {why}")]
+    Unusable {
+        /// The refused operation.
+        op: &'static str,
+        /// What went wrong earlier.
+        why: String,
+    },
     /// Reading a file (a procfs/sysfs entry or a data file) failed.
     #[error("{op} {path}: {source}")]
     Io {

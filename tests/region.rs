@@ -169,7 +169,8 @@ fn file_mappings_are_read_only_and_refuse_bind() {
     drop(f);
     let f = std::fs::File::open(&path).unwrap();
 
-    let mut r = Region::map_file(&f, page() as u64, page() + 10).unwrap();
+    // SAFETY: the file is this test's own; nothing writes or truncates it while mapped.
+    let mut r = unsafe { Region::map_file(&f, page() as u64, page() + 10) }.unwrap();
     assert_eq!(r.len(), page() + 10);
     assert!(r.as_slice().iter().all(|&b| b == 9));
     match r.bind(
@@ -185,16 +186,20 @@ fn file_mappings_are_read_only_and_refuse_bind() {
     assert!(r.populate_write().is_err());
     assert!(r.release(0..page()).is_err());
     // Past EOF would SIGBUS on access: refused up front.
-    assert!(Region::map_file(&f, 0, 3 * page() + 1).is_err());
-    assert!(Region::map_file(&f, 1, 10).is_err());
-    assert!(Region::map_file(&f, 0, 0).is_err());
+    // SAFETY: as above; these calls are refused before mapping anything.
+    unsafe {
+        assert!(Region::map_file(&f, 0, 3 * page() + 1).is_err());
+        assert!(Region::map_file(&f, 1, 10).is_err());
+        assert!(Region::map_file(&f, 0, 0).is_err());
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn memfd_regions_take_a_shared_policy() {
     let mut r = Region::memfd("numapin-test", 16 * page()).unwrap();
-    assert!(r.memfd_file().is_some());
+    // SAFETY: only asks whether there is a file.
+    assert!(unsafe { r.memfd_file() }.is_some());
     let nodes = NodeSet::allowed().unwrap();
     let placement = r
         .bind(&MemPolicy::Interleave(nodes), MbindFlags::empty())
@@ -218,4 +223,21 @@ fn memfd_regions_take_a_shared_policy() {
 fn regions_are_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<Region>();
+}
+
+#[test]
+fn populate_read_maps_pages_without_changing_them() {
+    let mut r = Region::anonymous(8 * page()).unwrap();
+    r.as_mut_slice().unwrap()[3 * page()] = 7;
+    let start = r.as_ptr() as usize;
+    assert_eq!(numapin::diag::resident_pages(start, 8 * page()).unwrap(), 1);
+    // Rounded out to whole pages: [page + 1, 3 * page + 1) covers pages 1, 2 and 3.
+    r.populate_read(page() + 1..3 * page() + 1).unwrap();
+    assert_eq!(numapin::diag::resident_pages(start, 8 * page()).unwrap(), 3);
+    assert_eq!(r.as_slice()[3 * page()], 7);
+    assert!(r.populate_read(0..8 * page() + 1).is_err());
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 2..1;
+    assert!(r.populate_read(reversed).is_err());
+    r.populate_read(5..5).unwrap();
 }

@@ -74,6 +74,13 @@ fn shares_a_loaded_store_with_a_child_process() {
 
     let export = store.export().unwrap();
     assert_eq!(export.files.len(), 2 * LAYERS);
+    // The exported files are immutable: nobody can truncate (SIGBUS) or write them.
+    for file in &export.files {
+        assert_eq!(
+            file.set_len(0).unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
+    }
     let dir = std::env::temp_dir().join(format!("numapin-shared-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let manifest_path = dir.join("manifest");

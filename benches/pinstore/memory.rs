@@ -302,7 +302,7 @@ pub fn sharing_rows(model: &SyntheticModel, path: &Path, runs: usize) {
         shared: true,
         ..StoreOptions::default()
     };
-    let store = PinStore::new(Layout::Interleave(nodes), options).expect("store");
+    let mut store = PinStore::new(Layout::Interleave(nodes), options).expect("store");
     for layer in 0..model.layers {
         store
             .pack_layer(layer, &model.spec(), &model.sources(&file, layer))

@@ -7,6 +7,13 @@
 //! mapped length, and unmaps them exactly once on drop. Calls that can change contents
 //! (`MADV_DONTNEED`, the page-touch fallback) take `&mut self`, so no slice handed out
 //! by `&self` can observe them.
+//!
+//! Memory that another party can change is kept out of safe code: a shared file mapping
+//! is made only by the `unsafe` [`Region::map_file`], the file behind a memfd region is
+//! reached only through the `unsafe` [`Region::memfd_file`], and a memfd from elsewhere
+//! is attached only once the kernel guarantees it immutable (`F_SEAL_WRITE |
+//! F_SEAL_SHRINK | F_SEAL_GROW`, checked with `F_GET_SEALS`) and mapped private and
+//! read-only.
 #![allow(unsafe_code)]
 
 mod bind;
@@ -24,6 +31,7 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use numapin_sys as sys;
 use rustix::mm::{MapFlags, ProtFlags};
@@ -42,9 +50,13 @@ enum Backing {
     /// A read-only shared file mapping: pages live in the page cache wherever they were
     /// first read; a VMA policy does not move or place them.
     File,
-    /// A read-only mapping of a memfd another process shared: its pages are placed by
-    /// the file's shared policy, which the exporter set.
-    Attached(File),
+    /// A private read-only mapping of a memfd sealed against writing, shrinking and
+    /// growing: an attached store, or a frozen exported one. No one can change its bytes;
+    /// its pages are placed by the file's shared policy.
+    Sealed(File),
+    /// A failed in-place remap unmapped the range: nothing is mapped any more, and the
+    /// region is empty (its address may already belong to another mapping).
+    Lost,
 }
 
 /// An owned, page-aligned mapping, unmapped on drop.
@@ -67,6 +79,8 @@ pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    /// Whether [`Region::lock`] is in force (an in-place remap must lock again).
+    locked: AtomicBool,
 }
 
 // SAFETY: a Region exclusively owns its mapping; the raw pointer is not shared with any
@@ -166,11 +180,36 @@ impl Region {
     /// Such pages belong to the page cache: [`Region::bind`] refuses them (copy into an
     /// anonymous or memfd region to place data).
     ///
+    /// # Safety
+    ///
+    /// The region hands out `&[u8]` over the file's pages. While the region lives, no one
+    /// — this process or another — may truncate the file below `offset + len` (reading
+    /// the lost pages raises SIGBUS) or write to that range of it (the bytes would change
+    /// under a shared borrow, which Rust assumes cannot happen; the optimiser may then
+    /// return stale values). This is memmap2's contract for `Mmap::map`. For memory that
+    /// must be shared safely, use a memfd sealed with `F_SEAL_WRITE | F_SEAL_SHRINK |
+    /// F_SEAL_GROW` and [`Region::attach_shared`], which checks the seals.
+    ///
     /// # Errors
     /// `len` is 0, `offset` is not page-aligned, the range runs past the end of the file
     /// (touching it would raise SIGBUS), or `mmap` fails.
-    pub fn map_file(file: &File, offset: u64, len: usize) -> Result<Region> {
-        let (ptr, map_len) = map_read_only("Region::map_file", file, offset, len)?;
+    ///
+    /// # Example
+    /// A safe function cannot map a file: the call needs `unsafe` and its contract.
+    /// ```compile_fail,E0133
+    /// let file = std::fs::File::open("/proc/self/exe").unwrap();
+    /// let region = numapin::Region::map_file(&file, 0, 4096).unwrap();
+    /// ```
+    /// ```no_run
+    /// let file = std::fs::File::open("/etc/hostname").unwrap();
+    /// // SAFETY: nothing truncates or writes /etc/hostname while `region` lives.
+    /// let region = unsafe { numapin::Region::map_file(&file, 0, 4)? };
+    /// println!("{:?}", &region.as_slice()[..4]);
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    pub unsafe fn map_file(file: &File, offset: u64, len: usize) -> Result<Region> {
+        let (ptr, map_len) =
+            map_read_only("Region::map_file", file, offset, len, MapFlags::SHARED)?;
         let mut region = Region::owned(ptr, map_len, Backing::File);
         region.len = len;
         Ok(region)
@@ -182,6 +221,7 @@ impl Region {
             ptr: NonNull::new(ptr.cast()).unwrap_or(NonNull::dangling()),
             len,
             backing,
+            locked: AtomicBool::new(false),
         }
     }
 
@@ -195,16 +235,41 @@ impl Region {
         self.len
     }
 
-    /// Never true: regions have at least one page.
+    /// True only for a region whose mapping was lost by a failed in-place remap (see
+    /// [`PinStore::export`](crate::store::PinStore::export)); regions have at least one
+    /// page otherwise.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
-    /// The memfd behind a [`Region::memfd`] region.
-    pub fn memfd_file(&self) -> Option<&File> {
+    /// The memfd behind a [`Region::memfd`] region, or the sealed file behind an
+    /// attached one.
+    ///
+    /// # Safety
+    ///
+    /// Through the file, safe code can change the bytes this region hands out as `&[u8]`:
+    /// `set_len` below the region's length makes reading it raise SIGBUS, and `write_at`
+    /// changes bytes under a live shared borrow. While the region or any slice of it
+    /// lives, the caller must not shrink the file, write to it, punch holes in it, or map
+    /// it writable elsewhere (nor hand it to a process that might), unless the file is
+    /// sealed against that ([`Region::seals`]: `SHRINK` and `WRITE` or `FUTURE_WRITE`).
+    /// Reading it, duplicating it for a process that maps it read-only, and adding seals
+    /// are fine.
+    ///
+    /// # Example
+    /// ```compile_fail,E0133
+    /// let region = numapin::Region::memfd("x", 4096).unwrap();
+    /// region.memfd_file().unwrap().set_len(0).unwrap(); // would SIGBUS a later read
+    /// ```
+    pub unsafe fn memfd_file(&self) -> Option<&File> {
+        self.file()
+    }
+
+    /// The file behind a memfd or sealed region, for this module's own careful use.
+    fn file(&self) -> Option<&File> {
         match &self.backing {
             Backing::Memfd(fd) => Some(fd.as_file()),
-            Backing::Attached(file) => Some(file),
+            Backing::Sealed(file) => Some(file),
             _ => None,
         }
     }
@@ -229,11 +294,16 @@ impl Region {
     fn writable(&self, op: &'static str) -> Result<()> {
         match self.backing {
             Backing::File => Err(Error::invalid(op, "the region is a read-only file mapping")),
-            Backing::Attached(_) => Err(Error::invalid(
+            Backing::Sealed(_) => Err(Error::invalid(
                 op,
-                "the region is an attached read-only view of another process's memory",
+                "the region is a read-only view of a sealed memfd (an attached or exported \
+                 store): its bytes cannot change",
             )),
-            _ => Ok(()),
+            Backing::Lost => Err(Error::invalid(
+                op,
+                "the region's mapping was lost by a failed remap",
+            )),
+            Backing::Anonymous | Backing::Memfd(_) => Ok(()),
         }
     }
 
@@ -316,6 +386,51 @@ impl Region {
         }
     }
 
+    /// Faults the pages of `range` in readable (`MADV_POPULATE_READ`, Linux 5.14), so
+    /// that they are mapped (and show in `numa_maps`) without being written; on kernels
+    /// without it (`EINVAL`), reads one byte of each page instead. Contents are
+    /// unchanged. `range` is rounded out to whole pages.
+    ///
+    /// # Errors
+    /// The range is outside the region, or `madvise` fails (`EFAULT`, `ENOMEM`).
+    pub fn populate_read(&self, range: Range<usize>) -> Result<()> {
+        const OP: &str = "Region::populate_read";
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "range {range:?} is not inside the region of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        let page = page_size();
+        let start = range.start - range.start % page;
+        let end = range.end.next_multiple_of(page).min(self.map_len());
+        // SAFETY: inside our own mapping; populating for reading changes no contents.
+        let result = unsafe {
+            sys::madvise(
+                self.as_ptr().add(start).cast(),
+                end - start,
+                sys::MADV_POPULATE_READ,
+            )
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(Errno::INVAL) => {
+                for offset in (start..end).step_by(page) {
+                    // SAFETY: offset < map_len, inside our readable mapping.
+                    unsafe { self.as_ptr().add(offset).read_volatile() };
+                }
+                Ok(())
+            }
+            Err(e) => Err(self.madvise_error(e, sys::MADV_POPULATE_READ)),
+        }
+    }
+
     /// Locks the region in RAM (`mlock(2)`), after checking `RLIMIT_MEMLOCK` against
     /// what the process has locked already (unless it holds `CAP_IPC_LOCK`).
     ///
@@ -325,6 +440,12 @@ impl Region {
     #[doc(alias = "mlock")]
     pub fn lock(&self) -> Result<()> {
         check_memlock(self.map_len() as u64)?;
+        self.mlock()?;
+        self.locked.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn mlock(&self) -> Result<()> {
         // SAFETY: our own range; locking changes no contents.
         unsafe { rustix::mm::mlock(self.as_ptr().cast(), self.map_len()) }.map_err(|e| {
             Error::os(
@@ -347,7 +468,9 @@ impl Region {
                 e,
                 format_args!("addr={:p} len={}", self.as_ptr(), self.map_len()),
             )
-        })
+        })?;
+        self.locked.store(false, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Gives the pages of `range` back to the kernel. The address range and its policy
@@ -507,6 +630,10 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        if let Backing::Lost = self.backing {
+            // Nothing of ours is mapped there any more; the range may be someone else's.
+            return;
+        }
         // munmap of a range we mapped can only fail on arguments we never pass (or
         // ENOMEM splitting a VMA, impossible when unmapping a whole mapping); a
         // destructor has no one to report to.
@@ -537,6 +664,7 @@ fn map_read_only(
     file: &File,
     offset: u64,
     len: usize,
+    flags: MapFlags,
 ) -> Result<(*mut c_void, usize)> {
     let page = page_size();
     if !offset.is_multiple_of(page as u64) {
@@ -559,15 +687,15 @@ fn map_read_only(
         ));
     }
     let map_len = round_len(op, len, page)?;
-    // SAFETY: a new read-only mapping; no slice of it exists yet. The range lies within
-    // the file; another process truncating it could still make access fault, as with any
-    // file mapping (an exported store is sealed against shrinking).
+    // SAFETY: a new read-only mapping at an address the kernel picks; no slice of it
+    // exists yet. Whether its bytes can change later is the caller's concern: map_file is
+    // unsafe for that reason, attach_shared checks the seals first.
     let ptr = unsafe {
         rustix::mm::mmap(
             std::ptr::null_mut(),
             map_len,
             ProtFlags::READ,
-            MapFlags::SHARED,
+            flags,
             file.as_fd(),
             offset,
         )
@@ -576,7 +704,7 @@ fn map_read_only(
         Error::os(
             "mmap",
             e,
-            format_args!("{op}: offset={offset} len={len} read-only shared"),
+            format_args!("{op}: offset={offset} len={len} read-only flags={flags:?}"),
         )
     })?;
     Ok((ptr, map_len))

@@ -3,7 +3,8 @@
 use std::fs::File;
 use std::os::fd::AsFd;
 
-use memfd::{FileSeal, HugetlbSize, MemfdOptions};
+use memfd::{HugetlbSize, MemfdOptions};
+use rustix::fs::SealFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 
 use super::{Backing, Region, round_len};
@@ -73,19 +74,66 @@ bitflags::bitflags! {
 }
 
 impl Seals {
-    fn file_seals(self) -> Vec<FileSeal> {
-        [
-            (Seals::SHRINK, FileSeal::SealShrink),
-            (Seals::GROW, FileSeal::SealGrow),
-            (Seals::WRITE, FileSeal::SealWrite),
-            (Seals::FUTURE_WRITE, FileSeal::SealFutureWrite),
-            (Seals::SEAL, FileSeal::SealSeal),
-        ]
-        .into_iter()
-        .filter(|(flag, _)| self.contains(*flag))
-        .map(|(_, seal)| seal)
-        .collect()
+    /// The seals that make a memfd's bytes immutable: no writes (and no writable shared
+    /// mapping), no shrinking (no SIGBUS), no growing.
+    pub const IMMUTABLE: Seals = Seals::WRITE.union(Seals::SHRINK).union(Seals::GROW);
+
+    const KERNEL: [(Seals, SealFlags); 5] = [
+        (Seals::SHRINK, SealFlags::SHRINK),
+        (Seals::GROW, SealFlags::GROW),
+        (Seals::WRITE, SealFlags::WRITE),
+        (Seals::FUTURE_WRITE, SealFlags::FUTURE_WRITE),
+        (Seals::SEAL, SealFlags::SEAL),
+    ];
+
+    fn to_kernel(self) -> SealFlags {
+        Seals::KERNEL
+            .iter()
+            .filter(|(flag, _)| self.contains(*flag))
+            .fold(SealFlags::empty(), |acc, (_, k)| acc | *k)
     }
+
+    fn from_kernel(flags: SealFlags) -> Seals {
+        Seals::KERNEL
+            .iter()
+            .filter(|(_, k)| flags.contains(*k))
+            .fold(Seals::empty(), |acc, (flag, _)| acc | *flag)
+    }
+}
+
+/// The seals of `file` (`F_GET_SEALS`).
+fn file_seals(op: &'static str, file: &File) -> Result<Seals> {
+    match rustix::fs::fcntl_get_seals(file) {
+        Ok(flags) => Ok(Seals::from_kernel(flags)),
+        Err(Errno::INVAL) => Err(Error::invalid(
+            op,
+            "the file is not a memfd that allows sealing (F_GET_SEALS answered EINVAL): \
+             only a sealed memfd can be mapped without trusting every other process",
+        )),
+        Err(e) => Err(Error::os("fcntl", e, "F_GET_SEALS")),
+    }
+}
+
+/// Adds `seals` to `file` unless it has them all already (`F_ADD_SEALS`).
+fn add_seals(op: &'static str, file: &File, seals: Seals) -> Result<()> {
+    if file_seals(op, file)?.contains(seals) {
+        return Ok(());
+    }
+    rustix::fs::fcntl_add_seals(file, seals.to_kernel()).map_err(|e| match e {
+        Errno::BUSY => Error::invalid(
+            op,
+            format!(
+                "{seals:?}: F_SEAL_WRITE is refused (EBUSY) while a writable shared mapping \
+                 of the memfd exists (here or in a process it was handed to); seal with \
+                 FUTURE_WRITE to keep such a mapping writable and refuse new writers"
+            ),
+        ),
+        Errno::PERM => Error::invalid(
+            op,
+            format!("{seals:?}: the memfd is sealed against new seals (F_SEAL_SEAL, EPERM)"),
+        ),
+        e => Error::os("fcntl", e, format_args!("F_ADD_SEALS {seals:?}")),
+    })
 }
 
 fn memfd_error(op: &'static str, name: &str, e: memfd::Error) -> Error {
@@ -180,22 +228,10 @@ impl Region {
     /// while this region's writable mapping exists, use [`Seals::FUTURE_WRITE`];
     /// `EPERM`: [`Seals::SEAL`] was set before).
     pub fn seal(&self, seals: Seals) -> Result<()> {
-        let Backing::Memfd(fd) = &self.backing else {
-            return Err(Error::invalid(
-                "Region::seal",
-                "only memfd regions can be sealed",
-            ));
-        };
-        fd.add_seals(&seals.file_seals()).map_err(|e| match e {
-            memfd::Error::AddSeals(io) if io.raw_os_error() == Some(libc::EBUSY) => Error::invalid(
-                "Region::seal",
-                format!(
-                    "{seals:?}: F_SEAL_WRITE is refused (EBUSY) while a writable mapping exists; \
-                     seal with FUTURE_WRITE to keep this mapping writable and refuse new writers"
-                ),
-            ),
-            other => memfd_error("fcntl(F_ADD_SEALS)", "memfd", other),
-        })
+        let file = self
+            .file()
+            .ok_or_else(|| Error::invalid("Region::seal", "only memfd regions can be sealed"))?;
+        add_seals("Region::seal", file, seals)
     }
 
     /// The seals of a memfd region's file.
@@ -203,35 +239,145 @@ impl Region {
     /// # Errors
     /// The region is not a memfd, or `F_GET_SEALS` fails.
     pub fn seals(&self) -> Result<Seals> {
-        let Backing::Memfd(fd) = &self.backing else {
-            return Err(Error::invalid(
-                "Region::seals",
-                "only memfd regions have seals",
-            ));
-        };
-        let set = fd
-            .seals()
-            .map_err(|e| memfd_error("fcntl(F_GET_SEALS)", "memfd", e))?;
-        Ok([
-            (FileSeal::SealShrink, Seals::SHRINK),
-            (FileSeal::SealGrow, Seals::GROW),
-            (FileSeal::SealWrite, Seals::WRITE),
-            (FileSeal::SealFutureWrite, Seals::FUTURE_WRITE),
-            (FileSeal::SealSeal, Seals::SEAL),
-        ]
-        .into_iter()
-        .filter(|(seal, _)| set.contains(seal))
-        .fold(Seals::empty(), |acc, (_, flag)| acc | flag))
+        let file = self
+            .file()
+            .ok_or_else(|| Error::invalid("Region::seals", "only memfd regions have seals"))?;
+        file_seals("Region::seals", file)
     }
 
-    /// Maps `len` bytes of a memfd another process shared (an inherited or received fd),
-    /// read-only and shared: the same pages, no copy, placed by the file's shared policy.
+    /// Maps `len` bytes of a memfd another process shared (an inherited or received fd):
+    /// the same pages, no copy, placed by the file's shared policy. Safe because the
+    /// kernel guarantees the bytes cannot change: the file must carry
+    /// [`Seals::IMMUTABLE`] (`F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW`, checked with
+    /// `F_GET_SEALS`), and it is mapped private and read-only (`MAP_PRIVATE`, which also
+    /// works on kernels before 6.7, where a read-only `MAP_SHARED` mapping of a
+    /// write-sealed memfd fails with `EPERM`; `MAP_NORESERVE`, without which a hugetlb
+    /// memfd would reserve pages for copies that never happen).
     ///
     /// # Errors
-    /// `len` is 0 or longer than the file (touching past its end would SIGBUS), or `mmap`
-    /// fails.
+    /// The file is not a memfd, lacks one of the three seals, is shorter than `len`
+    /// (touching past its end would SIGBUS), `len` is 0, or `mmap` fails.
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::{Region, Seals};
+    /// let file = std::fs::File::open("/proc/self/exe").unwrap();
+    /// // A plain file can be truncated by anyone who can write it: refused.
+    /// assert!(Region::attach_shared(file, 4096).is_err());
+    /// ```
     pub fn attach_shared(file: File, len: usize) -> Result<Region> {
-        let (ptr, map_len) = super::map_read_only("Region::attach_shared", &file, 0, len)?;
-        Ok(Region::owned(ptr, map_len, Backing::Attached(file)))
+        const OP: &str = "Region::attach_shared";
+        let seals = file_seals(OP, &file)?;
+        if !seals.contains(Seals::IMMUTABLE) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the memfd carries {seals:?}, not WRITE | SHRINK | GROW: another process \
+                     could change or truncate it under this mapping (PinStore::export seals \
+                     what it hands out)"
+                ),
+            ));
+        }
+        let (ptr, map_len) =
+            super::map_read_only(OP, &file, 0, len, MapFlags::PRIVATE | MapFlags::NORESERVE)?;
+        Ok(Region::owned(ptr, map_len, Backing::Sealed(file)))
+    }
+
+    /// The sealed memfd behind an attached region, or behind an exported store's frozen
+    /// region. Safe to hand out, unlike [`Region::memfd_file`]: the file carries
+    /// [`Seals::IMMUTABLE`], so the kernel refuses every write, resize or hole punch.
+    pub fn sealed_file(&self) -> Option<&File> {
+        match &self.backing {
+            Backing::Sealed(file) => Some(file),
+            _ => None,
+        }
+    }
+
+    /// Makes a memfd region immutable in place: re-maps it at the same address, private
+    /// and read-only (`MAP_FIXED | MAP_PRIVATE | MAP_NORESERVE`, `PROT_READ`: the same
+    /// pages), locks it again if it was locked, then seals the file with
+    /// [`Seals::IMMUTABLE`]. A region already sealed only gets its seals checked.
+    /// Pages are not populated here: the caller populates what it will serve
+    /// ([`Region::populate_read`]).
+    ///
+    /// If the remap fails, the kernel has already unmapped the range: the region becomes
+    /// empty ([`Region::is_empty`]) and forgets the address.
+    ///
+    /// # Errors
+    /// The region is not a memfd, or `mmap`, `mlock` or `F_ADD_SEALS` fail.
+    pub(crate) fn freeze_shared(&mut self) -> Result<()> {
+        const OP: &str = "PinStore::export";
+        match &self.backing {
+            Backing::Memfd(_) => {}
+            Backing::Sealed(file) => return add_seals(OP, file, Seals::IMMUTABLE),
+            _ => return Err(Error::invalid(OP, "only memfd regions can be shared")),
+        }
+        let Backing::Memfd(fd) = std::mem::replace(&mut self.backing, Backing::Lost) else {
+            return Err(Error::invalid(OP, "only memfd regions can be shared"));
+        };
+        let file = fd.into_file();
+        let len = self.map_len();
+        // SAFETY: MAP_FIXED over exactly this region's own mapping, with the file that
+        // backs it at the same offset: the same pages, now private and read-only.
+        // `&mut self` guarantees no slice of the region is live, and nothing else maps
+        // this range.
+        let remapped = unsafe {
+            rustix::mm::mmap(
+                self.as_ptr().cast(),
+                len,
+                ProtFlags::READ,
+                MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+                file.as_fd(),
+                0,
+            )
+        };
+        if let Err(e) = remapped {
+            let addr = self.as_ptr();
+            self.ptr = std::ptr::NonNull::dangling();
+            self.len = 0;
+            return Err(Error::os(
+                "mmap",
+                e,
+                format_args!(
+                    "{OP}: addr={addr:p} len={len} MAP_FIXED|MAP_PRIVATE|MAP_NORESERVE \
+                     read-only (the range is no longer mapped)"
+                ),
+            ));
+        }
+        self.backing = Backing::Sealed(file);
+        if self.locked.load(std::sync::atomic::Ordering::Relaxed) {
+            self.mlock()?;
+        }
+        let Backing::Sealed(file) = &self.backing else {
+            return Ok(());
+        };
+        add_seals(OP, file, Seals::IMMUTABLE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freezing_remaps_in_place_keeps_bytes_and_lock_and_seals() {
+        let len = 4 * page_size();
+        let mut region = Region::memfd("numapin-freeze", len).unwrap();
+        region.as_mut_slice().unwrap().fill(42);
+        region.lock().unwrap();
+        let addr = region.as_ptr();
+        region.freeze_shared().unwrap();
+        assert_eq!(region.as_ptr(), addr, "same address");
+        assert_eq!(region.len(), len);
+        assert!(region.as_slice().iter().all(|&b| b == 42));
+        assert!(region.seals().unwrap().contains(Seals::IMMUTABLE));
+        // The new mapping is locked again (mlock faults every page in).
+        assert_eq!(region.memory().unwrap().locked, len as u64);
+        // Read-only from now on, and freezing again only checks the seals.
+        assert!(region.as_mut_slice().is_err());
+        assert!(region.release(0..page_size()).is_err());
+        region.freeze_shared().unwrap();
+        // Anonymous memory cannot be frozen.
+        assert!(Region::anonymous(len).unwrap().freeze_shared().is_err());
     }
 }

@@ -123,8 +123,22 @@ impl Arena {
     /// The loaded bytes of slot `i`.
     pub(crate) fn loaded_slice(&self, i: usize) -> Option<&[u8]> {
         let len = (*self.loaded.get(i)?)?;
-        let start = i * self.stride;
-        Some(&self.region.as_slice()[start..start + len])
+        let start = i.checked_mul(self.stride)?;
+        self.region.as_slice().get(start..start.checked_add(len)?)
+    }
+
+    /// Makes the arena immutable and shareable (see `Region::freeze_shared`), then maps
+    /// every loaded slot's pages in this process, so that they are resident in its page
+    /// tables (and `numa_maps`) as before the remap.
+    pub(crate) fn freeze(&mut self) -> Result<()> {
+        self.region.freeze_shared()?;
+        for (i, len) in self.loaded.iter().enumerate() {
+            if let Some(len) = *len {
+                let start = i * self.stride;
+                self.region.populate_read(start..start + len)?;
+            }
+        }
+        Ok(())
     }
 
     /// The address range the region spans.

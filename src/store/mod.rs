@@ -154,6 +154,7 @@ impl Layer {
 pub struct PinStore {
     layout: Layout,
     options: StoreOptions,
+    state: State,
     layers: table::Table<Box<Layer>>,
     packing: Mutex<BTreeSet<usize>>,
     mbind_calls: AtomicUsize,
@@ -168,6 +169,17 @@ impl std::fmt::Debug for PinStore {
             .field("layers", &self.layers.iter().count())
             .finish()
     }
+}
+
+/// Whether a store can still change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Layers can be packed, released and reloaded.
+    Open,
+    /// Exported or attached: the arenas are sealed, read-only views; only reads work.
+    Frozen,
+    /// An export failed after the kernel had unmapped an arena: nothing can be read.
+    Broken,
 }
 
 /// Removes a layer's "being packed" mark however `pack_layer` ends.
@@ -206,6 +218,7 @@ impl PinStore {
         Ok(PinStore {
             layout,
             options,
+            state: State::Open,
             layers: table::Table::new(),
             packing: Mutex::new(BTreeSet::new()),
             mbind_calls: AtomicUsize::new(0),
@@ -246,6 +259,7 @@ impl PinStore {
         spec: &LayerSpec,
         sources: &[ExpertSource<'_>],
     ) -> Result<LayerReport> {
+        self.check_open(PACK)?;
         let lengths = self.validate(layer, spec, sources)?;
         let _mark = self.mark_packing(layer)?;
         let regions = 1 + usize::from(spec.scale_bytes > 0);
@@ -385,7 +399,19 @@ impl PinStore {
         placement
     }
 
+    /// Refuses changes to a frozen (exported or attached) or broken store.
+    fn check_open(&self, op: &'static str) -> Result<()> {
+        match self.state {
+            State::Open => Ok(()),
+            State::Frozen => Err(Error::Frozen { op }),
+            State::Broken => Err(broken(op)),
+        }
+    }
+
     fn layer(&self, layer: usize) -> Result<&Layer> {
+        if self.state == State::Broken {
+            return Err(broken("PinStore"));
+        }
         self.layers
             .get(layer)
             .map(|b| &**b)
@@ -463,8 +489,10 @@ impl PinStore {
     /// [`PinStore::ensure`] loads it again, which faults under the same policy.
     ///
     /// # Errors
-    /// The layer is not packed or the expert is out of range.
+    /// The layer is not packed, the expert is out of range, or the store was exported or
+    /// attached ([`Error::Frozen`]).
     pub fn release_kind(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<()> {
+        self.check_open("PinStore::release")?;
         let arena = self.arena_mut(layer, expert, kind)?;
         let Some(arena) = arena else { return Ok(()) };
         let range = arena.slot_range(expert);
@@ -490,9 +518,11 @@ impl PinStore {
     /// they are.
     ///
     /// # Errors
-    /// As [`PinStore::release_kind`], a source larger than the slot, or a read fails (the
+    /// As [`PinStore::release_kind`] (including [`Error::Frozen`]), a source larger than
+    /// the slot, or a read fails (the
     /// slot then stays released).
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
+        self.check_open("PinStore::ensure")?;
         let l = self.layer(layer)?;
         let spec = LayerSpec {
             experts: l.weights.loaded.len(),
@@ -515,6 +545,15 @@ impl PinStore {
             arena.loaded[expert] = Some(len);
         }
         Ok(())
+    }
+}
+
+fn broken(op: &'static str) -> Error {
+    Error::Unusable {
+        op,
+        why: "an earlier export failed while re-mapping an arena, and the kernel had \
+              already unmapped it"
+            .into(),
     }
 }
 

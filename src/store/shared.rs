@@ -6,9 +6,9 @@ use std::fmt::Write as _;
 use std::fs::File;
 
 use super::arena::{Arena, Kind};
-use super::{Layer, Layout, PinStore, StoreOptions};
+use super::{Layer, Layout, PinStore, State, StoreOptions};
 use crate::error::{Error, Result};
-use crate::region::{Region, Seals};
+use crate::region::Region;
 
 /// One exported region: which layer and tensor, its length, stride, slot size, and the
 /// bytes loaded in each slot (`None`: released).
@@ -116,8 +116,10 @@ impl Manifest {
     }
 }
 
-/// What [`PinStore::export`] hands out: the manifest and one memfd per region (close on
-/// exec; clear that flag on the ones a child should inherit).
+/// What [`PinStore::export`] hands out: the manifest and one sealed memfd per region
+/// (close on exec; clear that flag on the ones a child should inherit). The files carry
+/// `F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW`: whoever holds them can read and map them,
+/// and nobody can change them.
 #[derive(Debug)]
 pub struct Export {
     /// The layout.
@@ -127,15 +129,57 @@ pub struct Export {
 }
 
 impl PinStore {
-    /// Hands out the store's memfd arenas for other processes to attach: duplicated fds
-    /// and a manifest. Each file is sealed against growing and shrinking first, so no
-    /// attached mapping can SIGBUS. Releasing or reloading a slot afterwards is visible
-    /// to every process that attached it (it is the same memory).
+    /// Freezes the store and hands out its memfd arenas for other processes to attach:
+    /// duplicated fds and a manifest.
+    ///
+    /// Freezing makes the store immutable, proven by the kernel: each arena is re-mapped
+    /// in place (same address, same pages) private and read-only, locked again if it was
+    /// locked, its loaded slots faulted in for reading, and its file sealed with
+    /// `F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW`. From then on
+    /// [`PinStore::release`], [`PinStore::ensure`] and [`PinStore::pack_layer`] answer
+    /// [`Error::Frozen`]; reads work as before. Exporting again hands out the same files.
+    ///
+    /// `export` takes `&mut self`, so no slice of the store is live while it re-maps:
+    /// ```compile_fail,E0502
+    /// # use numapin::store::{Layout, PinStore, StoreOptions};
+    /// let mut store = PinStore::new(Layout::Unplaced, StoreOptions { shared: true, ..Default::default() })?;
+    /// let weights = store.weights(0, 0)?;
+    /// let export = store.export()?;
+    /// println!("{}", weights.len());
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
     ///
     /// # Errors
-    /// The store was not built with [`StoreOptions::shared`], or sealing or duplicating a
-    /// file fails.
-    pub fn export(&self) -> Result<Export> {
+    /// The store was not built with [`StoreOptions::shared`]; or re-mapping, locking,
+    /// populating, sealing or duplicating fails. A failed re-map has already unmapped
+    /// that arena (the kernel's `MAP_FIXED` semantics): the store is then unusable, and
+    /// every later call answers [`Error::Unusable`] rather than touching the lost range.
+    pub fn export(&mut self) -> Result<Export> {
+        const OP: &str = "PinStore::export";
+        if self.state == State::Broken {
+            return Err(super::broken(OP));
+        }
+        if !self.options.shared {
+            return Err(Error::invalid(
+                OP,
+                "the store is not memfd-backed: set StoreOptions::shared",
+            ));
+        }
+        self.state = State::Frozen;
+        let indices: Vec<usize> = self.layers.iter().map(|(i, _)| i).collect();
+        for &layer in &indices {
+            let Some(l) = self.layers.get_mut(layer) else {
+                continue;
+            };
+            for arena in std::iter::once(&mut l.weights).chain(l.scales.as_mut()) {
+                if let Err(e) = arena.freeze() {
+                    if arena.region.is_empty() {
+                        self.state = State::Broken;
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let mut manifest = Manifest::default();
         let mut files = Vec::new();
         for (layer, l) in self.layers.iter() {
@@ -144,13 +188,9 @@ impl PinStore {
                 (Kind::Scales, l.scales.as_ref()),
             ] {
                 let Some(arena) = arena else { continue };
-                let file = arena.region.memfd_file().ok_or_else(|| {
-                    Error::invalid(
-                        "PinStore::export",
-                        "the store is not memfd-backed: set StoreOptions::shared",
-                    )
+                let file = arena.region.sealed_file().ok_or_else(|| {
+                    Error::invalid(OP, format!("layer {layer} {} is not sealed", kind.name()))
                 })?;
-                arena.region.seal(Seals::GROW | Seals::SHRINK)?;
                 files.push(
                     file.try_clone()
                         .map_err(|e| Error::io("dup", "store memfd", e))?,
@@ -170,11 +210,17 @@ impl PinStore {
 
     /// Maps an exported store read-only: the same pages as the exporter's, no copy. The
     /// attached store serves [`PinStore::weights`] / [`PinStore::scales`] and
-    /// [`PinStore::stats`]; release and ensure are refused (the memory is the exporter's).
+    /// [`PinStore::stats`]; release, ensure and pack_layer answer [`Error::Frozen`].
+    ///
+    /// Every file must be a memfd sealed with `F_SEAL_WRITE | F_SEAL_SHRINK |
+    /// F_SEAL_GROW` (as [`PinStore::export`] leaves them) and at least as long as its
+    /// region: the kernel then guarantees that no process can change or truncate the
+    /// bytes this store hands out as `&[u8]`. Anything else — a plain file, an unsealed
+    /// or write-sealable memfd, a short one — is refused.
     ///
     /// # Errors
     /// The manifest and files disagree (count, lengths, slots that do not fit), a layer
-    /// has no weights region, or mapping fails.
+    /// has no weights region, a file is not sealed or too short, or mapping fails.
     pub fn attach(manifest: &Manifest, files: Vec<File>) -> Result<PinStore> {
         const OP: &str = "PinStore::attach";
         if manifest.regions.len() != files.len() {
@@ -187,13 +233,14 @@ impl PinStore {
                 ),
             ));
         }
-        let store = PinStore::new(
+        let mut store = PinStore::new(
             Layout::Unplaced,
             StoreOptions {
                 shared: true,
                 ..StoreOptions::default()
             },
         )?;
+        store.state = State::Frozen;
         let mut pending: std::collections::BTreeMap<usize, (Option<Arena>, Option<Arena>)> =
             Default::default();
         for (r, file) in manifest.regions.iter().zip(files) {
@@ -248,6 +295,42 @@ impl PinStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_store_answers_every_call_with_an_error() {
+        let options = StoreOptions {
+            shared: true,
+            ..StoreOptions::default()
+        };
+        let mut store = PinStore::new(Layout::Unplaced, options).unwrap();
+        let (w, s) = (vec![3u8; 100], vec![4u8; 10]);
+        let source = crate::store::ExpertSource::Memory {
+            weights: &w,
+            scales: &s,
+        };
+        let spec = crate::store::LayerSpec {
+            experts: 1,
+            weight_bytes: 100,
+            scale_bytes: 10,
+        };
+        store
+            .pack_layer(0, &spec, std::slice::from_ref(&source))
+            .unwrap();
+        // What a failed MAP_FIXED in export leaves behind.
+        store.state = State::Broken;
+        let unusable = |e: Error| matches!(e, Error::Unusable { .. });
+        assert!(unusable(store.weights(0, 0).unwrap_err()));
+        assert!(unusable(store.scales(0, 0).unwrap_err()));
+        assert!(unusable(store.stats().unwrap_err()));
+        assert!(unusable(store.export().unwrap_err()));
+        assert!(unusable(store.release(0, 0).unwrap_err()));
+        assert!(unusable(store.ensure(0, 0, &source).unwrap_err()));
+        assert!(unusable(
+            store
+                .pack_layer(1, &spec, std::slice::from_ref(&source))
+                .unwrap_err()
+        ));
+    }
 
     #[test]
     fn manifest_text_round_trips_and_rejects_garbage() {

@@ -54,6 +54,9 @@ impl PinStore {
     /// `/proc/self/maps` cannot be read, or `move_pages` fails with an errno other than
     /// `EPERM`/`ENOSYS` (which leave `pages_per_node` empty).
     pub fn stats(&self) -> Result<StoreStats> {
+        if self.state == super::State::Broken {
+            return Err(super::broken("PinStore::stats"));
+        }
         let layers: Vec<&Layer> = self.layers.iter().map(|(_, l)| &**l).collect();
         let spans: Vec<(usize, usize)> = layers
             .iter()
