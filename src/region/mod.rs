@@ -394,16 +394,7 @@ impl Region {
     /// # Errors
     /// The range is outside the region, or `madvise` fails (`EFAULT`, `ENOMEM`).
     pub fn populate_read(&self, range: Range<usize>) -> Result<()> {
-        const OP: &str = "Region::populate_read";
-        if range.start > range.end || range.end > self.len {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "range {range:?} is not inside the region of {} bytes",
-                    self.len
-                ),
-            ));
-        }
+        self.check_range("Region::populate_read", &range)?;
         if range.is_empty() {
             return Ok(());
         }
@@ -487,15 +478,7 @@ impl Region {
         const OP: &str = "Region::release";
         self.writable(OP)?;
         let page = page_size();
-        if range.start > range.end || range.end > self.len {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "range {range:?} is not inside the region of {} bytes",
-                    self.len
-                ),
-            ));
-        }
+        self.check_range(OP, &range)?;
         if !range.start.is_multiple_of(page) {
             return Err(Error::invalid(
                 OP,
@@ -589,6 +572,20 @@ impl Region {
     pub fn placement_sampled(&self, step: usize) -> Result<Observed<NodeHistogram>> {
         // SAFETY: the whole range is our own mapping.
         unsafe { page_histogram_sampled(self.as_ptr(), self.map_len(), step) }
+    }
+
+    /// Refuses a reversed range or one that reaches past the region.
+    fn check_range(&self, op: &'static str, range: &Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "range {range:?} is not inside the region of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn map_len(&self) -> usize {
