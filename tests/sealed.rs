@@ -170,7 +170,7 @@ fn an_attached_store_refuses_changes_with_frozen() {
 /// A manifest with one weights region of `len` bytes and a single loaded slot.
 fn one_region(len: usize) -> Manifest {
     Manifest::parse(&format!(
-        "numapin-store 1\nregion 0 weights len={len} stride={len} slot_bytes={len} loaded={len}\n"
+        "numapin-store 2\nregion layer=0 kind=weights len={len} stride={len} slot_bytes={len} slots=1 loaded={len}\n"
     ))
     .unwrap()
 }
@@ -259,4 +259,36 @@ fn attach_shared_checks_seals_too() {
     assert!(region.seals().unwrap().contains(Seals::IMMUTABLE));
     assert!(region.sealed_file().is_some());
     assert_eq!(region.as_slice(), &vec![0u8; len][..]);
+}
+
+#[test]
+fn attach_refuses_a_manifest_that_names_a_region_twice_or_a_layer_too_far() {
+    let len = numapin::page_size();
+    let region = numapin::store::ManifestRegion {
+        layer: 0,
+        kind: Kind::Weights,
+        len,
+        stride: len,
+        slot_bytes: len,
+        loaded: vec![Some(len)],
+    };
+    let twice = Manifest {
+        regions: vec![region.clone(), region.clone()],
+    };
+    let files = vec![
+        memfd_with(Seals::IMMUTABLE, len),
+        memfd_with(Seals::IMMUTABLE, len),
+    ];
+    let err = PinStore::attach(&twice, files).unwrap_err().to_string();
+    assert!(err.contains("appears twice"), "{err}");
+    let far = Manifest {
+        regions: vec![numapin::store::ManifestRegion {
+            layer: 1 << 20,
+            ..region
+        }],
+    };
+    let err = PinStore::attach(&far, vec![memfd_with(Seals::IMMUTABLE, len)])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("beyond the"), "{err}");
 }

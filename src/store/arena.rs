@@ -9,7 +9,7 @@ use crate::region::{Advice, Region};
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
 /// Which tensor of an expert.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     /// The expert's weight matrices (gate, up, down).
     Weights = 0,

@@ -6,6 +6,7 @@ mod arena;
 pub mod baseline;
 mod budget;
 mod load;
+mod manifest;
 mod shared;
 mod stats;
 pub mod synthetic;
@@ -19,7 +20,8 @@ use arena::Arena;
 pub use arena::Kind;
 use load::Job;
 pub use load::{ExpertSource, MAX_READ};
-pub use shared::{Export, Manifest, ManifestRegion};
+pub use manifest::{Manifest, ManifestRegion};
+pub use shared::Export;
 pub use stats::{PAGE_SAMPLE, StoreStats};
 
 use crate::error::{Error, Result};

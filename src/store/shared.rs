@@ -2,119 +2,13 @@
 //! arenas, exports their fds and a manifest, and worker processes attach them read-only,
 //! serving the same pages without copying or re-reading the file.
 
-use std::fmt::Write as _;
 use std::fs::File;
 
 use super::arena::{Arena, Kind};
+use super::manifest::{Manifest, ManifestRegion};
 use super::{Layer, Layout, PinStore, State, StoreOptions};
 use crate::error::{Error, Result};
 use crate::region::Region;
-
-/// One exported region: which layer and tensor, its length, stride, slot size, and the
-/// bytes loaded in each slot (`None`: released).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ManifestRegion {
-    /// The layer.
-    pub layer: usize,
-    /// Weights or scales.
-    pub kind: Kind,
-    /// Bytes of the region (and at most of its file).
-    pub len: usize,
-    /// Distance between slots.
-    pub stride: usize,
-    /// The most bytes a slot holds.
-    pub slot_bytes: usize,
-    /// Loaded bytes per slot.
-    pub loaded: Vec<Option<usize>>,
-}
-
-/// The layout of an exported store, in the order of [`Export::files`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Manifest {
-    /// The regions.
-    pub regions: Vec<ManifestRegion>,
-}
-
-const HEADER: &str = "numapin-store 1";
-
-impl Manifest {
-    /// A line-based text form, for a file or a pipe to the workers.
-    pub fn to_text(&self) -> String {
-        let mut out = format!("{HEADER}\n");
-        for r in &self.regions {
-            let loaded: Vec<String> = r
-                .loaded
-                .iter()
-                .map(|l| l.map_or("-".to_string(), |n| n.to_string()))
-                .collect();
-            let _ = writeln!(
-                out,
-                "region {} {} len={} stride={} slot_bytes={} loaded={}",
-                r.layer,
-                r.kind.name(),
-                r.len,
-                r.stride,
-                r.slot_bytes,
-                loaded.join(",")
-            );
-        }
-        out
-    }
-
-    /// Parses [`Manifest::to_text`].
-    ///
-    /// # Errors
-    /// Any line that is not what `to_text` writes, quoted.
-    pub fn parse(text: &str) -> Result<Manifest> {
-        let bad =
-            |line: &str, why: &str| Error::invalid("Manifest::parse", format!("{why}: {line:?}"));
-        let mut lines = text.lines();
-        if lines.next() != Some(HEADER) {
-            return Err(bad(
-                text.lines().next().unwrap_or(""),
-                "not a numapin store manifest",
-            ));
-        }
-        let mut regions = Vec::new();
-        for line in lines.filter(|l| !l.trim().is_empty()) {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            let [_, layer, kind, len, stride, slot_bytes, loaded] = words[..] else {
-                return Err(bad(line, "expected 7 fields"));
-            };
-            let field = |word: &str, key: &str| -> Result<usize> {
-                word.strip_prefix(key)
-                    .and_then(|v| v.parse().ok())
-                    .ok_or_else(|| bad(line, &format!("expected {key}<number>")))
-            };
-            let kind = match kind {
-                "weights" => Kind::Weights,
-                "scales" => Kind::Scales,
-                _ => return Err(bad(line, "kind is weights or scales")),
-            };
-            let loaded = loaded
-                .strip_prefix("loaded=")
-                .ok_or_else(|| bad(line, "expected loaded="))?
-                .split(',')
-                .map(|v| match v {
-                    "-" => Ok(None),
-                    v => v
-                        .parse()
-                        .map(Some)
-                        .map_err(|_| bad(line, "bad slot length")),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            regions.push(ManifestRegion {
-                layer: layer.parse().map_err(|_| bad(line, "bad layer"))?,
-                kind,
-                len: field(len, "len=")?,
-                stride: field(stride, "stride=")?,
-                slot_bytes: field(slot_bytes, "slot_bytes=")?,
-                loaded,
-            });
-        }
-        Ok(Manifest { regions })
-    }
-}
 
 /// What [`PinStore::export`] hands out: the manifest and one sealed memfd per region
 /// (close on exec; clear that flag on the ones a child should inherit). The files carry
@@ -248,6 +142,16 @@ impl PinStore {
             let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
                 && r.slot_bytes <= r.stride
                 && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
+            if r.layer >= super::table::MAX_INDEX {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "layer {} is beyond the {} layers a store holds",
+                        r.layer,
+                        super::table::MAX_INDEX
+                    ),
+                ));
+            }
             if !fits {
                 return Err(Error::invalid(
                     OP,
@@ -265,9 +169,15 @@ impl PinStore {
                 loaded: r.loaded.clone(),
             };
             let entry = pending.entry(r.layer).or_default();
-            match r.kind {
-                Kind::Weights => entry.0 = Some(arena),
-                Kind::Scales => entry.1 = Some(arena),
+            let place = match r.kind {
+                Kind::Weights => &mut entry.0,
+                Kind::Scales => &mut entry.1,
+            };
+            if place.replace(arena).is_some() {
+                return Err(Error::invalid(
+                    OP,
+                    format!("layer {} {} appears twice", r.layer, r.kind.name()),
+                ));
             }
         }
         for (layer, (weights, scales)) in pending {
@@ -330,28 +240,5 @@ mod tests {
                 .pack_layer(1, &spec, std::slice::from_ref(&source))
                 .unwrap_err()
         ));
-    }
-
-    #[test]
-    fn manifest_text_round_trips_and_rejects_garbage() {
-        let m = Manifest {
-            regions: vec![ManifestRegion {
-                layer: 3,
-                kind: Kind::Scales,
-                len: 8192,
-                stride: 4096,
-                slot_bytes: 100,
-                loaded: vec![Some(100), None],
-            }],
-        };
-        assert_eq!(Manifest::parse(&m.to_text()).unwrap(), m);
-        assert!(Manifest::parse("numapin-store 2\n").is_err());
-        assert!(Manifest::parse("numapin-store 1\nregion 1 weights len=1\n").is_err());
-        assert!(
-            Manifest::parse(
-                "numapin-store 1\nregion 1 both len=1 stride=1 slot_bytes=1 loaded=1\n"
-            )
-            .is_err()
-        );
     }
 }
