@@ -557,3 +557,28 @@ fn store_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<PinStore>();
 }
+
+#[test]
+fn scales_of_a_layer_without_scales_still_check_the_expert() {
+    let store = PinStore::new(Layout::Unplaced, StoreOptions::default()).unwrap();
+    let weights = [vec![1u8; 100], vec![2u8; 100]];
+    let sources: Vec<ExpertSource> = weights
+        .iter()
+        .map(|w| ExpertSource::Memory {
+            weights: w,
+            scales: &[],
+        })
+        .collect();
+    let spec = LayerSpec {
+        experts: 2,
+        weight_bytes: 100,
+        scale_bytes: 0,
+    };
+    store.pack_layer(0, &spec, &sources).unwrap();
+    assert_eq!(store.scales(0, 1).unwrap(), &[] as &[u8]);
+    for expert in [2, usize::MAX] {
+        let err = store.scales(0, expert).unwrap_err();
+        assert!(err.to_string().contains("out of range"), "{err}");
+        assert!(store.weights(0, expert).is_err());
+    }
+}

@@ -422,12 +422,15 @@ impl PinStore {
 
     fn slot(&self, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
         let l = self.layer(layer)?;
+        // The expert is checked against the layer whatever the tensor: a layer without
+        // scales has empty scales for its experts only.
+        let experts = l.weights.loaded.len();
+        if expert >= experts {
+            return Err(out_of_range(layer, expert, experts));
+        }
         let Some(arena) = l.arena(kind) else {
             return Ok(&[]);
         };
-        if expert >= arena.loaded.len() {
-            return Err(out_of_range(layer, expert, arena.loaded.len()));
-        }
         arena.loaded_slice(expert).ok_or_else(|| {
             Error::invalid(
                 "PinStore",
