@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use numapin_sys as sys;
 
 use crate::error::{Errno, Error, Result};
-use crate::node::{KernelMask, Node, NodeSet, possible_node_count};
+use crate::node::{KernelMask, MAX_NODES, Node, NodeSet, possible_node_count};
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
 ///
@@ -209,10 +209,21 @@ impl MemPolicy {
         }
     }
 
-    /// Checks what the kernel would reject with a bare `EINVAL`, and says why.
+    /// Checks what the kernel would reject with a bare `EINVAL` (or, worse, silently
+    /// reinterpret), and says why, naming the node.
     ///
     /// # Errors
-    /// A node-set policy with an empty set.
+    /// A node-set policy with an empty set; a node id at or beyond [`MAX_NODES`]
+    /// (`Preferred(Node(1024))` would otherwise become an empty mask, which the kernel
+    /// reads as local allocation); or a node id this machine cannot have (at or beyond
+    /// [`possible_node_count`]: `Bind({7})` on a one-node machine).
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::{MemPolicy, Node};
+    /// assert!(MemPolicy::Preferred(Node(4096)).validate().is_err());
+    /// assert!(MemPolicy::Preferred(Node(0)).validate().is_ok());
+    /// ```
     pub fn validate(&self) -> Result<()> {
         match self {
             MemPolicy::PreferredMany(s)
@@ -221,13 +232,36 @@ impl MemPolicy {
             | MemPolicy::WeightedInterleave(s)
                 if s.is_empty() =>
             {
-                Err(Error::invalid(
+                return Err(Error::invalid(
                     "MemPolicy",
                     format!("{} needs at least one node; the set is empty", self.name()),
-                ))
+                ));
             }
-            _ => Ok(()),
+            _ => {}
         }
+        if let MemPolicy::Preferred(node) = self
+            && node.index() >= MAX_NODES
+        {
+            return Err(Error::invalid(
+                "MemPolicy",
+                format!(
+                    "{}: node {node} is beyond the {MAX_NODES} node ids a kernel mask holds",
+                    self.name()
+                ),
+            ));
+        }
+        let possible = possible_node_count();
+        if let Some(node) = self.nodes().iter().find(|n| n.index() >= possible) {
+            return Err(Error::invalid(
+                "MemPolicy",
+                format!(
+                    "{self}: node {node} does not exist on this machine, whose kernel has \
+                     {possible} possible node id(s) (0-{})",
+                    possible - 1
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The name numa_maps uses for the mode.
@@ -282,6 +316,8 @@ impl fmt::Display for MemPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             MemPolicy::Default | MemPolicy::Local => f.write_str(self.name()),
+            // Printed from the id itself: one beyond MAX_NODES has no place in a NodeSet.
+            MemPolicy::Preferred(node) => write!(f, "{}:{node}", self.name()),
             _ => write!(f, "{}:{}", self.name(), self.nodes()),
         }
     }

@@ -344,3 +344,33 @@ fn move_all_needs_cap_sys_nice_in_the_initial_user_namespace() {
         (e, other) => panic!("{e:?}: {other:?}"),
     }
 }
+
+#[test]
+fn node_ids_the_mask_or_the_machine_cannot_hold_are_refused_by_name() {
+    let r = Region::anonymous(page()).unwrap();
+    // Beyond the mask width: used to become an empty mask, which the kernel reads as
+    // local allocation, with bind returning Ok(Bound).
+    for id in [1024u16, 4096, u16::MAX] {
+        let p = MemPolicy::Preferred(numapin::Node(id));
+        assert_eq!(p.to_string(), format!("prefer:{id}"));
+        let err = p.validate().unwrap_err().to_string();
+        assert!(err.contains(&format!("node {id}")), "{err}");
+        assert!(r.bind(&p, MbindFlags::empty()).is_err());
+        assert!(numapin::policy::set_thread_policy(&p).is_err());
+    }
+    // Beyond this machine's possible nodes: named before any call, in every environment.
+    let possible = numapin::possible_node_count();
+    if possible < numapin::MAX_NODES {
+        let node = numapin::Node(possible as u16);
+        let bind = MemPolicy::Bind(std::iter::once(node).collect());
+        match r.bind(&bind, MbindFlags::empty()) {
+            Err(e @ Error::InvalidArgument { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(&format!("node {node}")), "{text}");
+                assert!(text.contains("does not exist"), "{text}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(MemPolicy::Preferred(node).validate().is_err());
+    }
+}
