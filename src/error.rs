@@ -91,6 +91,86 @@ pub enum Error {
         /// Mappings the process has now.
         current: usize,
     },
+    /// A layer that is not packed (or not attached) was asked for.
+    #[error("{op}: layer {layer} is not packed")]
+    NotPacked {
+        /// The operation.
+        op: &'static str,
+        /// The layer.
+        layer: usize,
+    },
+    /// A layer was packed twice, or is being packed by another thread right now.
+    #[error("{op}: layer {layer} is {}", if *.in_progress { "being packed by another thread" } else { "already packed" })]
+    AlreadyPacked {
+        /// The operation.
+        op: &'static str,
+        /// The layer.
+        layer: usize,
+        /// Another thread's `pack_layer` of the same layer has not finished.
+        in_progress: bool,
+    },
+    /// A released slot was read: [`PinStore::ensure`](crate::store::PinStore::ensure)
+    /// loads it again.
+    #[error("{op}: layer {layer} expert {expert} {} is released; ensure() loads it again", .kind.name())]
+    Released {
+        /// The operation.
+        op: &'static str,
+        /// The layer.
+        layer: usize,
+        /// The expert.
+        expert: usize,
+        /// Which tensor.
+        kind: crate::store::Kind,
+    },
+    /// An index past the end: an expert of a layer, a slot, a node of a set.
+    #[error("{op}: {what} {index} is out of range: there are {len}")]
+    OutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// What was indexed (`"expert of layer 3"`).
+        what: String,
+        /// The index asked for.
+        index: usize,
+        /// How many there are.
+        len: usize,
+    },
+    /// The kernel refused an operation for want of a capability (a capability check,
+    /// not a seccomp profile: the probe found the call itself available).
+    #[error(
+        "{op} needs {cap}, which this process lacks here: {why}. Run as root, grant the \
+         capability (`setcap cap_sys_nice+ep`, or `--cap-add SYS_NICE` for a container; a \
+         capability held inside a user namespace does not reach host resources), or leave \
+         out the operation that needs it"
+    )]
+    MissingCapability {
+        /// The operation.
+        op: &'static str,
+        /// The capability (`"CAP_SYS_NICE"`).
+        cap: &'static str,
+        /// What needed it.
+        why: String,
+    },
+    /// A policy names nodes this process may not allocate on (outside `mems_allowed`,
+    /// or without memory).
+    #[error("{op}: node {node} is not one this process may allocate on (allowed: {allowed})")]
+    NodeNotAllowed {
+        /// The operation.
+        op: &'static str,
+        /// The first node that is not allowed.
+        node: crate::Node,
+        /// The nodes that are.
+        allowed: crate::NodeSet,
+    },
+    /// A kernel file (procfs, sysfs) held something this crate cannot read.
+    #[error("{path}: cannot parse {what}: {found:?}")]
+    Unparsable {
+        /// The file.
+        path: String,
+        /// What was expected.
+        what: &'static str,
+        /// What was there (truncated).
+        found: String,
+    },
     /// The store was exported (or attached): its memory is sealed, read-only and shared
     /// with other processes, so it no longer changes.
     #[error(
@@ -157,6 +237,30 @@ impl Error {
     }
 }
 
+impl From<Error> for std::io::Error {
+    /// OS errors become [`std::io::Error::from_raw_os_error`], so that
+    /// [`raw_os_error`](std::io::Error::raw_os_error) and `kind()` work as for any
+    /// syscall (the operation and arguments are lost: log the numapin error first if
+    /// you need them); file errors give back their own `io::Error`. Everything else keeps
+    /// its message, as [`std::io::ErrorKind::InvalidInput`] for bad arguments,
+    /// `PermissionDenied` for a missing capability, `Other` otherwise.
+    fn from(e: Error) -> Self {
+        let kind = match e {
+            Error::Io { source, .. } => return source,
+            Error::Os { errno, .. } => {
+                return std::io::Error::from_raw_os_error(errno.raw_os_error());
+            }
+            Error::InvalidArgument { .. }
+            | Error::Parse { .. }
+            | Error::OutOfRange { .. }
+            | Error::NodeNotAllowed { .. } => std::io::ErrorKind::InvalidInput,
+            Error::MissingCapability { .. } => std::io::ErrorKind::PermissionDenied,
+            _ => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
 /// `Result` with numapin's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -198,6 +302,14 @@ fn errno_meaning(op: &str, errno: Errno) -> &'static str {
              below the kernel's possible node count"
         }
         ("move_pages", Errno::NODEV) => "a target node is not online",
+        ("mallctl", Errno::PERM) => {
+            "jemalloc refused a read or write through a void key: this key takes no \
+             old or new value (pass NULL pointers)"
+        }
+        ("mallctl", Errno::NOENT) => "jemalloc has no such key (or it is not compiled in)",
+        ("mallctl", Errno::INVAL) => "jemalloc: wrong value size or value for this key",
+        ("mallctl", Errno::AGAIN) => "jemalloc: a temporary failure, try again",
+        ("mlock", Errno::NOMEM) => "RLIMIT_MEMLOCK reached, or part of the range is not mapped",
         (_, Errno::PERM) => {
             "not permitted (a seccomp profile, or a missing capability such as CAP_SYS_NICE)"
         }

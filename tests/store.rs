@@ -216,7 +216,12 @@ fn release_drops_the_slot_keeps_the_policy_and_ensure_restores() {
     );
     assert!(matches!(
         store.weights(0, 3),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Released {
+            layer: 0,
+            expert: 3,
+            kind: Kind::Weights,
+            ..
+        })
     ));
     assert_eq!(
         store.scales(0, 3).unwrap(),
@@ -424,25 +429,59 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
 
     // Still usable: pack, then the errors that need a packed layer.
     store.pack_layer(0, &spec, &good).unwrap();
-    invalid(store.pack_layer(0, &spec, &good), "already packed");
+    assert!(matches!(
+        store.pack_layer(0, &spec, &good),
+        Err(Error::AlreadyPacked {
+            layer: 0,
+            in_progress: false,
+            ..
+        })
+    ));
     assert!(matches!(
         store.weights(0, 2),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::OutOfRange {
+            index: 2,
+            len: 2,
+            ..
+        })
     ));
     assert!(matches!(
         store.weights(1, 0),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::NotPacked { layer: 1, .. })
     ));
-    assert!(store.release(0, 2).is_err());
-    assert!(store.ensure(0, 9, &good[0]).is_err());
+    assert!(matches!(
+        store.release(0, 2),
+        Err(Error::OutOfRange {
+            index: 2,
+            len: 2,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.ensure(0, 9, &good[0]),
+        Err(Error::OutOfRange {
+            index: 9,
+            len: 2,
+            ..
+        })
+    ));
     store.release(0, 1).unwrap();
+    assert!(matches!(
+        store.weights(0, 1),
+        Err(Error::Released {
+            layer: 0,
+            expert: 1,
+            kind: Kind::Weights,
+            ..
+        })
+    ));
     let bad_ensure = ExpertSource::Memory {
         weights: &big,
         scales: &[],
     };
     assert!(store.ensure(0, 1, &bad_ensure).is_err());
     assert!(
-        store.weights(0, 1).is_err(),
+        matches!(store.weights(0, 1), Err(Error::Released { .. })),
         "a failed ensure leaves the slot released"
     );
     store.ensure(0, 1, &good[1]).unwrap();
@@ -577,8 +616,11 @@ fn scales_of_a_layer_without_scales_still_check_the_expert() {
     store.pack_layer(0, &spec, &sources).unwrap();
     assert_eq!(store.scales(0, 1).unwrap(), &[] as &[u8]);
     for expert in [2, usize::MAX] {
-        let err = store.scales(0, expert).unwrap_err();
-        assert!(err.to_string().contains("out of range"), "{err}");
-        assert!(store.weights(0, expert).is_err());
+        for result in [store.scales(0, expert), store.weights(0, expert)] {
+            match result {
+                Err(Error::OutOfRange { index, len: 2, .. }) => assert_eq!(index, expert),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

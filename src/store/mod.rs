@@ -369,19 +369,23 @@ impl PinStore {
     }
 
     fn mark_packing(&self, layer: usize) -> Result<PackingMark<'_>> {
-        let already = || Error::invalid(PACK, format!("layer {layer} is already packed"));
         if self.layers.get(layer).is_some() {
-            return Err(already());
+            return Err(Error::AlreadyPacked {
+                op: PACK,
+                layer,
+                in_progress: false,
+            });
         }
         let mut set = self
             .packing
             .lock()
             .map_err(|_| Error::invalid(PACK, "a loader thread panicked earlier"))?;
         if !set.insert(layer) {
-            return Err(Error::invalid(
-                PACK,
-                format!("layer {layer} is being packed by another thread"),
-            ));
+            return Err(Error::AlreadyPacked {
+                op: PACK,
+                layer,
+                in_progress: true,
+            });
         }
         Ok(PackingMark {
             set: &self.packing,
@@ -417,7 +421,10 @@ impl PinStore {
         self.layers
             .get(layer)
             .map(|b| &**b)
-            .ok_or_else(|| Error::invalid("PinStore", format!("layer {layer} is not packed")))
+            .ok_or(Error::NotPacked {
+                op: "PinStore",
+                layer,
+            })
     }
 
     fn slot(&self, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
@@ -431,14 +438,11 @@ impl PinStore {
         let Some(arena) = l.arena(kind) else {
             return Ok(&[]);
         };
-        arena.loaded_slice(expert).ok_or_else(|| {
-            Error::invalid(
-                "PinStore",
-                format!(
-                    "{} is released; ensure() loads it again",
-                    describe(layer, expert, kind)
-                ),
-            )
+        arena.loaded_slice(expert).ok_or(Error::Released {
+            op: "PinStore",
+            layer,
+            expert,
+            kind,
         })
     }
 
@@ -507,10 +511,10 @@ impl PinStore {
     }
 
     fn arena_mut(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<Option<&mut Arena>> {
-        let l = self
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| Error::invalid("PinStore", format!("layer {layer} is not packed")))?;
+        let l = self.layers.get_mut(layer).ok_or(Error::NotPacked {
+            op: "PinStore",
+            layer,
+        })?;
         let experts = l.weights.loaded.len();
         if expert >= experts {
             return Err(out_of_range(layer, expert, experts));
@@ -563,10 +567,12 @@ fn broken(op: &'static str) -> Error {
 }
 
 fn out_of_range(layer: usize, expert: usize, experts: usize) -> Error {
-    Error::invalid(
-        "PinStore",
-        format!("expert {expert} is out of range: layer {layer} has {experts}"),
-    )
+    Error::OutOfRange {
+        op: "PinStore",
+        what: format!("expert of layer {layer}"),
+        index: expert,
+        len: experts,
+    }
 }
 
 fn describe(layer: usize, expert: usize, kind: Kind) -> String {
