@@ -158,8 +158,9 @@ pub enum Error {
         op: &'static str,
         /// The first node that is not allowed.
         node: crate::Node,
-        /// The nodes that are.
-        allowed: crate::NodeSet,
+        /// The nodes that are (boxed: a `NodeSet` is 128 bytes, and every `Result` of
+        /// this crate would carry them).
+        allowed: Box<crate::NodeSet>,
     },
     /// A kernel file (procfs, sysfs) held something this crate cannot read.
     #[error("{path}: cannot parse {what}: {found:?}")]
