@@ -50,7 +50,9 @@ pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
 pub use region::{
     Advice, HugePageSize, MoveReport, NodeHistogram, Region, Seals, bind_range, migrate_process,
 };
-pub use store::{ExpertSource, LayerReport, LayerSpec, Layout, PinStore, StoreOptions, StoreStats};
+pub use store::{
+    ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,
+};
 
 /// The base page size, read once.
 pub fn page_size() -> usize {

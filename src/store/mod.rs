@@ -56,6 +56,50 @@ pub struct StoreOptions {
     /// [`PinStore::export`] can hand them to other processes (default off). Huge pages
     /// then follow `/sys/kernel/mm/transparent_hugepage/shmem_enabled`.
     pub shared: bool,
+    /// Where slots start: the default [`SlotAlign::Page`] wastes less than a page per
+    /// slot; [`SlotAlign::HugePage`] lets `release` give back whole huge pages, at up to
+    /// 2 MiB of padding per slot.
+    pub slot_align: SlotAlign,
+}
+
+/// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
+///
+/// Whatever the alignment, an arena's region is 2 MiB-aligned with `MADV_HUGEPAGE` when
+/// [`StoreOptions::huge_pages`] is on, so transparent huge pages back the region, not
+/// each slot. What the alignment changes is `release`: releasing a page-aligned slot
+/// inside a THP region splits the huge pages at its edges (lazily: RSS drops at once,
+/// `MemFree` may not until the split pages are reclaimed), and khugepaged may collapse a
+/// partly released range into a huge page again. Measure a release with RSS or `mincore`,
+/// not `MemFree`. Huge-page-aligned slots release whole huge pages, at the price of
+/// padding every slot up to a multiple of 2 MiB (a 2 MiB + 1 byte slot takes 4 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SlotAlign {
+    /// The base page (4 KiB): the stride is the slot size rounded up to the page.
+    #[default]
+    Page,
+    /// The transparent huge page (2 MiB).
+    HugePage,
+    /// Any power of two at least the page size.
+    Bytes(usize),
+}
+
+impl SlotAlign {
+    /// The alignment in bytes.
+    ///
+    /// # Errors
+    /// [`SlotAlign::Bytes`] that is not a power of two at least the page size.
+    pub fn bytes(self) -> Result<usize> {
+        let page = crate::page_size();
+        match self {
+            SlotAlign::Page => Ok(page),
+            SlotAlign::HugePage => Ok(arena::HUGE_PAGE),
+            SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page => Ok(n),
+            SlotAlign::Bytes(n) => Err(Error::invalid(
+                "SlotAlign",
+                format!("{n} is not a power of two at least the page size {page}"),
+            )),
+        }
+    }
 }
 
 impl Default for StoreOptions {
@@ -66,6 +110,7 @@ impl Default for StoreOptions {
             loader_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             vma_budget: None,
             shared: false,
+            slot_align: SlotAlign::Page,
         }
     }
 }
@@ -217,6 +262,7 @@ impl PinStore {
         if options.loader_threads == 0 {
             return Err(Error::invalid("PinStore::new", "loader_threads is 0"));
         }
+        options.slot_align.bytes()?;
         Ok(PinStore {
             layout,
             options,
@@ -268,10 +314,23 @@ impl PinStore {
         self.check_budget(format!("layer {layer}"), regions, spec.experts * regions)?;
 
         let backing = arena::Backing::of(&self.options, layer);
-        let mut weights = Arena::reserve(Kind::Weights, spec.experts, spec.weight_bytes, &backing)?;
+        let align = self.options.slot_align.bytes()?;
+        let mut weights = Arena::reserve(
+            Kind::Weights,
+            spec.experts,
+            spec.weight_bytes,
+            align,
+            &backing,
+        )?;
         let mut scales = match spec.scale_bytes {
             0 => None,
-            n => Some(Arena::reserve(Kind::Scales, spec.experts, n, &backing)?),
+            n => Some(Arena::reserve(
+                Kind::Scales,
+                spec.experts,
+                n,
+                align,
+                &backing,
+            )?),
         };
 
         let policy = self.policy_for(layer);
