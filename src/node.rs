@@ -53,6 +53,12 @@ pub struct NodeSet {
 /// The fields are private so that every context is valid: `possible` is always in
 /// `1..=MAX_NODES` (a context with 0 possible nodes, or with more ids than any kernel can
 /// have, cannot be built).
+///
+/// ```compile_fail
+/// use numapin::{NodeContext, NodeSet};
+/// // Private fields: no context can bypass `new`'s clamps.
+/// let ctx = NodeContext { possible: 0, allowed: NodeSet::new() };
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeContext {
     possible: usize,

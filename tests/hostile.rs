@@ -422,8 +422,8 @@ fn loader_store() -> PinStore {
         Layout::Interleave(NodeSet::allowed().unwrap()),
         StoreOptions {
             huge_pages: false,
-            // More helpers than this host's cores: the case the budget has to get right.
-            loader_threads: 4,
+            // One helper beside the caller, as on a two-core host by default.
+            loader_threads: 2,
             ..StoreOptions::default()
         },
     )
@@ -433,8 +433,9 @@ fn loader_store() -> PinStore {
 const EXPERTS: usize = 16;
 
 /// Free map slots from none to more than a pack with all its helpers needs: every
-/// count ends in Ok or MapBudget, and with plenty free in Ok. Before the fix, the
-/// counts just above the old budget aborted the process (a helper's signal stack).
+/// count ends in Ok or MapBudget, and with plenty free in Ok. (One pack alone did not
+/// abort on this host before the fix; this sweep guards the edge the concurrent test
+/// below crosses.)
 #[test]
 fn pack_layer_at_every_headroom_near_the_limit() {
     const NAME: &str = "pack_layer_at_every_headroom_near_the_limit";
@@ -484,8 +485,9 @@ fn pack_layer_at_every_headroom_near_the_limit() {
     assert!(outcomes[first_ok..].iter().all(|&ok| ok), "{outcomes:?}");
 }
 
-/// Three packs started at once on one store with 8 map slots free: each ends in Ok or
-/// MapBudget (before the fix each checked alone, and the process aborted).
+/// Three packs started at once on one store with 0 to 20 map slots free (8 among them):
+/// each ends in Ok or MapBudget. Before the fix each checked alone: with 6 free the
+/// process aborted (SIGABRT), with 8 one pack failed with mmap's ENOMEM.
 #[test]
 fn three_concurrent_packs_near_the_limit() {
     const NAME: &str = "three_concurrent_packs_near_the_limit";
@@ -532,7 +534,7 @@ fn three_concurrent_packs_near_the_limit() {
         }
         return;
     }
-    for free in [8, 12, 20] {
+    for free in 0..=20 {
         let out = run_child(NAME, &[("NUMAPIN_HOSTILE_FREE", free.to_string())]);
         let lines: Vec<&str> = out.lines().filter(|l| l.contains("CONCURRENT")).collect();
         assert_eq!(lines.len(), 3, "{out}");
