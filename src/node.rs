@@ -49,16 +49,29 @@ pub struct NodeSet {
 
 /// What a node string is resolved against: how many node ids the kernel can have, and
 /// which nodes this process may allocate on (`all`, `!` and `+` refer to them).
+///
+/// The fields are private so that every context is valid: `possible` is always in
+/// `1..=MAX_NODES` (a context with 0 possible nodes, or with more ids than any kernel can
+/// have, cannot be built).
+///
+/// ```compile_fail
+/// use numapin::{NodeContext, NodeSet};
+/// // Private fields: no context can bypass `new`'s clamps.
+/// let ctx = NodeContext { possible: 0, allowed: NodeSet::new() };
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeContext {
-    /// Node ids `0..possible` are valid (`/sys/devices/system/node/possible`).
-    pub possible: usize,
-    /// Nodes with memory inside this process's `mems_allowed`.
-    pub allowed: NodeSet,
+    possible: usize,
+    allowed: NodeSet,
 }
 
 impl NodeContext {
     /// A context with explicit figures (tests, tools that inspect another machine).
+    ///
+    /// `possible` is clamped into `1..=MAX_NODES`: no kernel has no node or more than
+    /// [`MAX_NODES`], so a figure outside that range can only be a mistake, and clamping
+    /// keeps every id this crate accepts representable as a [`Node`]. `allowed` is kept as
+    /// given.
     pub fn new(possible: usize, allowed: NodeSet) -> Self {
         NodeContext {
             possible: possible.clamp(1, MAX_NODES),
@@ -72,6 +85,17 @@ impl NodeContext {
     /// Reading `/proc/self/status` fails.
     pub fn current() -> Result<Self> {
         Ok(NodeContext::new(possible_node_count(), NodeSet::allowed()?))
+    }
+
+    /// Node ids `0..possible` are valid (`/sys/devices/system/node/possible`); always in
+    /// `1..=MAX_NODES`.
+    pub fn possible(&self) -> usize {
+        self.possible
+    }
+
+    /// Nodes with memory inside this process's `mems_allowed`.
+    pub fn allowed(&self) -> NodeSet {
+        self.allowed
     }
 }
 
@@ -182,6 +206,14 @@ impl NodeSet {
         out
     }
 
+    /// Adds the ids `lo..=hi` (both below [`MAX_NODES`], `lo <= hi`) a word at a time.
+    fn insert_range(&mut self, lo: usize, hi: usize) {
+        self.bits
+            .iter_mut()
+            .zip(range_words(lo, hi))
+            .for_each(|(w, r)| *w |= r);
+    }
+
     /// The nodes with memory that this process may allocate on: `Mems_allowed` from
     /// `/proc/self/status` intersected with `/sys/devices/system/node/has_memory`.
     /// On a kernel without NUMA sysfs, node 0.
@@ -265,6 +297,14 @@ impl NodeSet {
             }
             Ok(id)
         };
+        // The allowed nodes by rank, computed once (a relative id is an index into it).
+        let mut ranks = [Node(0); MAX_NODES];
+        if relative {
+            ranks
+                .iter_mut()
+                .zip(ctx.allowed.iter())
+                .for_each(|(r, n)| *r = n);
+        }
         let mut set = NodeSet::new();
         for item in list.split(',') {
             let item = item.trim();
@@ -281,14 +321,18 @@ impl NodeSet {
             if lo > hi {
                 return Err(fail(item, "empty range (start above end)"));
             }
-            for id in lo..=hi {
-                let node = if relative {
-                    // `id < allowed.len()` was checked by parse_id.
-                    ctx.allowed.nth(id).unwrap_or(Node(0))
-                } else {
-                    Node(id as u16)
-                };
-                set.insert(node);
+            // O(words) per item, whatever the range: parsing stays linear in the input.
+            if relative {
+                // `hi < allowed.len()` was checked by parse_id, so both ranks exist: the
+                // allowed nodes from the `lo`-th to the `hi`-th are exactly the allowed
+                // nodes inside that id range.
+                let (first, last) = (ranks[lo].index(), ranks[hi].index());
+                let mut span = NodeSet::new();
+                span.insert_range(first, last);
+                set = set.union(&span.intersection(&ctx.allowed));
+            } else {
+                // `hi < possible <= MAX_NODES` was checked by parse_id.
+                set.insert_range(lo, hi);
             }
         }
         if invert {
@@ -404,6 +448,22 @@ impl fmt::Debug for KernelMask {
     }
 }
 
+/// The mask words of the ids `lo..=hi` (both below [`MAX_NODES`], `lo <= hi`).
+fn range_words(lo: usize, hi: usize) -> [u64; WORDS] {
+    let mut words = [0u64; WORDS];
+    for (i, w) in words.iter_mut().enumerate() {
+        let (base, top) = (i * 64, i * 64 + 63);
+        if hi < base || lo > top {
+            continue;
+        }
+        let from = lo.saturating_sub(base);
+        let to = hi.min(top) - base;
+        // Bits `from..=to` of this word: all ones shifted, without overflowing at 64.
+        *w = (u64::MAX >> (63 - (to - from))) << from;
+    }
+    words
+}
+
 /// The number of node ids this kernel can have (`/sys/devices/system/node/possible`,
 /// highest id + 1); 1 when that file is missing (a kernel without NUMA). Read once.
 pub fn possible_node_count() -> usize {
@@ -435,7 +495,7 @@ pub(crate) fn parse_kernel_list(text: &str) -> Option<NodeSet> {
         if hi >= MAX_NODES || lo > hi {
             return None;
         }
-        (lo..=hi).for_each(|i| set.insert(Node(i as u16)));
+        set.insert_range(lo, hi);
     }
     Some(set)
 }
@@ -576,6 +636,23 @@ mod tests {
     #[test]
     fn from_nodes_rejects_ids_beyond_the_limit() {
         assert!(NodeSet::from_nodes([MAX_NODES]).is_err());
+    }
+
+    #[test]
+    fn range_words_set_exactly_the_range() {
+        for (lo, hi) in [
+            (0, 0),
+            (0, 63),
+            (0, 64),
+            (63, 64),
+            (5, 1000),
+            (1023, 1023),
+            (0, 1023),
+        ] {
+            let mut s = NodeSet::new();
+            s.insert_range(lo, hi);
+            assert_eq!(s, NodeSet::from_nodes(lo..=hi).unwrap(), "{lo}-{hi}");
+        }
     }
 
     #[test]

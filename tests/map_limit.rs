@@ -154,7 +154,7 @@ fn budget_refuses_a_model_that_cannot_fit_up_front() {
         );
     };
     assert!(
-        matches!(error, Error::MapBudget { needed: 6, .. }),
+        matches!(error, Error::MapBudget { needed: 4, .. }),
         "{error}"
     );
     assert!(packed > 0);

@@ -565,7 +565,8 @@ impl Region {
     }
 
     /// [`Region::placement`] of every `step`-th page only: bounded cost for big regions.
-    /// Counts are of sampled pages; multiply by `step` for an estimate.
+    /// Counts are of sampled pages; multiply by `step` for an estimate. Step 0 is taken
+    /// as 1 (every page); a step larger than the region samples its first page only.
     ///
     /// # Errors
     /// As [`Region::placement`].

@@ -45,8 +45,9 @@ pub(crate) unsafe fn page_histogram(start: *mut u8, len: usize) -> Result<Observ
     unsafe { page_histogram_sampled(start, len, 1) }
 }
 
-/// [`page_histogram`] of every `step`-th page only (`step` ≥ 1): bounded cost for huge
-/// ranges. The counts are of sampled pages.
+/// [`page_histogram`] of every `step`-th page only: bounded cost for huge ranges. The
+/// counts are of sampled pages. Step 0 is taken as 1; a step larger than the range
+/// samples its first page only.
 ///
 /// # Safety
 /// As [`page_histogram`].
@@ -91,7 +92,9 @@ unsafe fn for_each_page_status(
     mut per_page: impl FnMut(i32),
 ) -> Result<Option<DegradeReason>> {
     const CHUNK: usize = 1024;
-    let page = page_size() * step.max(1);
+    // Saturating: a step whose stride passes the end of the address space samples the
+    // first page only (and a wrapped stride of 0 would divide by zero). Step 0 is 1.
+    let page = page_size().saturating_mul(step.max(1));
     let total = len.div_ceil(page);
     let mut pages: Vec<*mut c_void> = Vec::with_capacity(CHUNK.min(total));
     let targets = target.map(|node| vec![i32::from(node.0); CHUNK.min(total)]);

@@ -2,10 +2,11 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 
 use super::arena::Kind;
+use super::budget::MapGate;
 use crate::error::{Error, Result};
 
 /// The longest single `pread` the loader issues.
@@ -113,24 +114,35 @@ pub(crate) struct Job<'a> {
     pub(crate) kind: Kind,
 }
 
-/// Mappings one spawned loader thread needs while it runs (its stack and guard page,
-/// and the signal stack and guard page Rust's runtime adds).
-pub(crate) const MAPS_PER_THREAD: usize = 4;
+/// Mappings one loader thread adds while it runs, measured on this host (test
+/// `loader_thread_map_cost` in tests/hostile.rs): its stack and guard page, the signal
+/// stack and guard page Rust's runtime maps inside the new thread, and the glibc malloc
+/// arena (2 mappings, never freed; up to 8 × cores of them) its first allocation creates.
+/// A thread spawned after another has exited reuses the cached stack and arena and adds
+/// only 2; the budget assumes a fresh one.
+pub const MAPS_PER_THREAD: usize = 6;
 
-/// Helper threads a fill of `jobs` jobs with `threads` loader threads spawns (the
+/// Helper threads a fill of `jobs` jobs with `threads` loader threads may spawn (the
 /// calling thread is one of the loaders).
 pub(crate) fn helpers(threads: usize, jobs: usize) -> usize {
     threads.clamp(1, jobs.max(1)) - 1
 }
 
 /// Fills every job's slot with the calling thread and up to `threads - 1` helpers;
-/// returns the `pread` count. Stops at the first error. A helper that cannot be spawned
-/// (no memory, no map slot) leaves its share to the others.
-pub(crate) fn fill(jobs: Vec<Job<'_>>, threads: usize) -> Result<usize> {
+/// returns the `pread` count. Stops at the first error.
+///
+/// Each helper is spawned under a reservation of [`MAPS_PER_THREAD`] mappings from
+/// `maps`, held until the helper runs and has made its first allocation: by then its
+/// stack, signal stack and malloc arena exist, and the next reservation (this fill's or a
+/// concurrent pack's) counts them. A helper whose mappings do not fit, or that cannot be
+/// spawned, is not started and leaves its share to the others: the fill itself never
+/// fails for want of threads.
+pub(crate) fn fill(jobs: Vec<Job<'_>>, threads: usize, maps: &MapGate) -> Result<usize> {
     let reads = AtomicUsize::new(0);
     let helpers = helpers(threads, jobs.len());
     let queue = Mutex::new(jobs);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let started = (Mutex::new(0usize), Condvar::new());
     let work = || {
         loop {
             if first_error.lock().is_ok_and(|e| e.is_some()) {
@@ -146,15 +158,34 @@ pub(crate) fn fill(jobs: Vec<Job<'_>>, threads: usize) -> Result<usize> {
             }
         }
     };
+    let helper = || {
+        // The first allocation gives this thread its malloc arena now, under the
+        // spawner's reservation, not later outside it.
+        drop(std::hint::black_box(Box::new(0u8)));
+        let (count, ready) = &started;
+        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        ready.notify_all();
+        work();
+    };
     std::thread::scope(|scope| {
-        for _ in 0..helpers {
+        for spawned in 0..helpers {
+            let what = || format!("loader thread {} of {threads}", spawned + 2);
+            let Ok(reservation) = maps.reserve(what, MAPS_PER_THREAD) else {
+                break;
+            };
             if std::thread::Builder::new()
                 .name("numapin-loader".into())
-                .spawn_scoped(scope, work)
+                .spawn_scoped(scope, helper)
                 .is_err()
             {
                 break;
             }
+            let (count, ready) = &started;
+            let mut count = count.lock().unwrap_or_else(|e| e.into_inner());
+            while *count <= spawned {
+                count = ready.wait(count).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(reservation);
         }
         work();
     });

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use arena::Arena;
 pub use arena::Kind;
 use load::Job;
-pub use load::{ExpertSource, MAX_READ};
+pub use load::{ExpertSource, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ};
 pub use manifest::{Manifest, ManifestRegion};
 pub use shared::Export;
 pub use stats::{PAGE_SAMPLE, StoreStats};
@@ -206,6 +206,8 @@ pub struct PinStore {
     packing: Mutex<BTreeSet<usize>>,
     mbind_calls: AtomicUsize,
     placement: Mutex<Option<Placement>>,
+    /// The store's map lock: every region and loader thread is made under it.
+    maps: budget::MapGate,
 }
 
 impl std::fmt::Debug for PinStore {
@@ -265,12 +267,13 @@ impl PinStore {
         options.slot_align.bytes()?;
         Ok(PinStore {
             layout,
-            options,
             state: State::Open,
             layers: table::Table::new(),
             packing: Mutex::new(BTreeSet::new()),
             mbind_calls: AtomicUsize::new(0),
             placement: Mutex::new(None),
+            maps: budget::MapGate::new(options.vma_budget),
+            options,
         })
     }
 
@@ -311,26 +314,31 @@ impl PinStore {
         let lengths = self.validate(layer, spec, sources)?;
         let _mark = self.mark_packing(layer)?;
         let regions = 1 + usize::from(spec.scale_bytes > 0);
-        self.check_budget(format!("layer {layer}"), regions, spec.experts * regions)?;
+        let slots = spec.experts.checked_mul(regions).ok_or_else(|| {
+            Error::invalid(
+                PACK,
+                format!(
+                    "layer {layer}: {} experts × {regions} regions overflow usize",
+                    spec.experts
+                ),
+            )
+        })?;
+        self.check_budget(format!("layer {layer}"), regions)?;
 
+        // Each region is mapped under the store's map lock, right after its own check
+        // (see the `budget` module): concurrent packs see each other's regions.
         let backing = arena::Backing::of(&self.options, layer);
         let align = self.options.slot_align.bytes()?;
-        let mut weights = Arena::reserve(
-            Kind::Weights,
-            spec.experts,
-            spec.weight_bytes,
-            align,
-            &backing,
-        )?;
+        let reserve = |kind: Kind, slot_bytes: usize| {
+            let _reservation = self
+                .maps
+                .reserve(|| format!("layer {layer} {}", kind.name()), 1)?;
+            Arena::reserve(kind, spec.experts, slot_bytes, align, &backing)
+        };
+        let mut weights = reserve(Kind::Weights, spec.weight_bytes)?;
         let mut scales = match spec.scale_bytes {
             0 => None,
-            n => Some(Arena::reserve(
-                Kind::Scales,
-                spec.experts,
-                n,
-                align,
-                &backing,
-            )?),
+            n => Some(reserve(Kind::Scales, n)?),
         };
 
         let policy = self.policy_for(layer);
@@ -349,7 +357,7 @@ impl PinStore {
             }
         }
 
-        let mut jobs = Vec::with_capacity(spec.experts * regions);
+        let mut jobs = Vec::with_capacity(slots);
         let mut arenas = vec![(Kind::Weights, &mut weights)];
         arenas.extend(scales.as_mut().map(|a| (Kind::Scales, a)));
         for (kind, arena) in &mut arenas {
@@ -364,7 +372,7 @@ impl PinStore {
                 });
             }
         }
-        let reads = load::fill(jobs, self.options.loader_threads)?;
+        let reads = load::fill(jobs, self.options.loader_threads, &self.maps)?;
         for (kind, arena) in arenas {
             arena.loaded = lengths.iter().map(|l| Some(l[kind as usize])).collect();
         }
