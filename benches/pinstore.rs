@@ -19,9 +19,9 @@ static ALLOCATOR: memory::switch::Switch = memory::switch::Switch;
 use std::fs::File;
 use std::time::Instant;
 
-use numapin::store::synthetic::SyntheticModel;
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::{Advice, MbindFlags, MemPolicy, NodeSet, Region, diag};
+use numapin_testkit::synthetic::SyntheticModel;
 use support::{Run, minor_faults, run_baseline, run_store};
 
 const HUGE: usize = 2 << 20;
@@ -122,7 +122,7 @@ fn scaling_row(experts: usize, layout: Layout, policy: &MemPolicy) {
     store.pack_layer(0, &spec, &sources).expect("pack");
     let store_vmas = store.stats().expect("stats").vmas;
     drop(store);
-    let mut slabs = numapin::store::baseline::SlabPerExpert::new();
+    let mut slabs = numapin_testkit::baseline::SlabPerExpert::new();
     let slab_vmas = match slabs.load_layer(0, &spec, &sources, Some(policy)) {
         Ok(()) => slabs
             .vmas()

@@ -26,9 +26,9 @@ pub static malloc_conf: &[u8; 13] = b"retain:false\0";
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use numapin::store::synthetic::SyntheticModel;
 use numapin::store::{Layout, StoreOptions};
 use numapin::{NodeSet, diag};
+use numapin_testkit::synthetic::SyntheticModel;
 use support::{Run, json_string, run_baseline, run_store};
 
 struct Args {

@@ -41,6 +41,7 @@ mod node;
 pub mod policy;
 mod probe;
 mod region;
+mod source;
 pub mod store;
 
 pub use error::{Errno, Error, Result};
@@ -49,6 +50,7 @@ pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Plac
 pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
 pub use region::{
     Advice, HugePageSize, MoveReport, NodeHistogram, Region, Seals, bind_range, migrate_process,
+    range_placement,
 };
 pub use store::{
     ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,

@@ -10,9 +10,9 @@
 mod common;
 
 use common::{Expect, expect};
-use numapin::store::baseline::SlabPerExpert;
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::{Advice, Errno, Error, MemPolicy, NodeSet, Region, diag};
+use numapin_testkit::baseline::SlabPerExpert;
 
 fn limit() -> usize {
     let limit = diag::max_map_count().unwrap();

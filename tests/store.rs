@@ -137,14 +137,16 @@ fn file_sources_load_exactly_with_and_without_coalescing() {
     // Layer 0: weights as three adjacent pieces (gate, up, down): one read each tensor.
     let third = w / 3;
     let adjacent: Vec<ExpertSource> = (0..experts)
-        .map(|e| ExpertSource::File {
-            file: &file,
-            weights: vec![
-                (base(e), third),
-                (base(e) + third as u64, third),
-                (base(e) + 2 * third as u64, w - 2 * third),
-            ],
-            scales: vec![(base(e) + w as u64, s)],
+        .map(|e| {
+            ExpertSource::from_file(
+                &file,
+                &[
+                    (base(e), third),
+                    (base(e) + third as u64, third),
+                    (base(e) + 2 * third as u64, w - 2 * third),
+                ],
+                &[(base(e) + w as u64, s)],
+            )
         })
         .collect();
     let report = store.pack_layer(0, &spec, &adjacent).unwrap();
@@ -153,11 +155,7 @@ fn file_sources_load_exactly_with_and_without_coalescing() {
     // Layer 1: the same bytes named in reverse order of pieces: no coalescing possible.
     let split = |e: usize| vec![(base(e) + third as u64, w - third), (base(e), third)];
     let reversed: Vec<ExpertSource> = (0..experts)
-        .map(|e| ExpertSource::File {
-            file: &file,
-            weights: split(e),
-            scales: vec![(base(e) + w as u64, s)],
-        })
+        .map(|e| ExpertSource::from_file(&file, &split(e), &[(base(e) + w as u64, s)]))
         .collect();
     let report = store.pack_layer(1, &spec, &reversed).unwrap();
     assert_eq!(report.reads, 3 * experts);
@@ -397,11 +395,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     );
     let short = vec![
         good[0].clone(),
-        ExpertSource::File {
-            file: &file,
-            weights: vec![(4096, 100), (8190, 10)],
-            scales: vec![],
-        },
+        ExpertSource::from_file(&file, &[(4096, 100), (8190, 10)], &[]),
     ];
     invalid(store.pack_layer(0, &spec, &short), "file offset 8190");
     let overflow = LayerSpec {
@@ -626,4 +620,52 @@ fn scales_of_a_layer_without_scales_still_check_the_expert() {
             }
         }
     }
+}
+
+#[test]
+fn an_expert_straddling_two_files_loads_exactly_and_the_spec_fits_its_sources() {
+    let dir = temp_dir("two-shards");
+    let (a, b) = (dir.join("shard-a"), dir.join("shard-b"));
+    let bytes_a: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    let bytes_b: Vec<u8> = (0..10_000u32).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+    std::fs::write(&a, &bytes_a).unwrap();
+    std::fs::write(&b, &bytes_b).unwrap();
+    let (fa, fb) = (
+        std::fs::File::open(&a).unwrap(),
+        std::fs::File::open(&b).unwrap(),
+    );
+    // gate and up at the end of shard a, down at the start of shard b (adjacent offsets in
+    // two files: two reads, never one), scales from shard b.
+    let source = ExpertSource::File {
+        weights: vec![
+            numapin::store::Piece::new(&fa, 9_000, 500),
+            numapin::store::Piece::new(&fa, 9_500, 500),
+            numapin::store::Piece::new(&fb, 0, 700),
+        ],
+        scales: vec![numapin::store::Piece::new(&fb, 9_000, 64)],
+    };
+    let sources = vec![source.clone(), source];
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    assert_eq!(
+        spec,
+        LayerSpec {
+            experts: 2,
+            weight_bytes: 1700,
+            scale_bytes: 64
+        }
+    );
+    let store = PinStore::new(interleave(), StoreOptions::default()).unwrap();
+    let report = store.pack_layer(0, &spec, &sources).unwrap();
+    assert_eq!(
+        report.reads,
+        2 * (2 + 1),
+        "one read per file run per tensor"
+    );
+    let mut want = bytes_a[9_000..10_000].to_vec();
+    want.extend_from_slice(&bytes_b[..700]);
+    for e in 0..2 {
+        assert_eq!(store.weights(0, e).unwrap(), &want[..]);
+        assert_eq!(store.scales(0, e).unwrap(), &bytes_b[9_000..9_064]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

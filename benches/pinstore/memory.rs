@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use numapin::NodeSet;
 use numapin::diag;
-use numapin::store::synthetic::SyntheticModel;
 use numapin::store::{ExpertSource, Kind, Layout, Manifest, PinStore, StoreOptions};
+use numapin_testkit::synthetic::SyntheticModel;
 
 /// Picks glibc malloc or jemalloc once per process, from `NUMAPIN_BENCH_ALLOC`, read with
 /// getenv before the first allocation completes (so every block is freed by the

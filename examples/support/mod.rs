@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::time::Instant;
 
-use numapin::store::baseline::SlabPerExpert;
-use numapin::store::synthetic::SyntheticModel;
 use numapin::store::{Kind, Layout, PinStore, StoreOptions};
 use numapin::{Node, Observed, Placement, diag};
+use numapin_testkit::baseline::SlabPerExpert;
+use numapin_testkit::synthetic::SyntheticModel;
 
 /// What one load cost.
 #[derive(Debug, Clone, Default)]

@@ -640,6 +640,30 @@ impl Drop for Region {
     }
 }
 
+/// Where the pages of memory another crate owns are (`move_pages(2)` with no target
+/// nodes: nothing is moved or faulted in) — [`Region::placement`] for foreign memory.
+///
+/// # Safety
+///
+/// `[ptr, ptr + len)` must be mapped in this process for the duration of the call (the
+/// kernel only reads page tables; an unmapped page is reported, not touched).
+///
+/// # Errors
+/// `ptr` is not page-aligned or `ptr + len` overflows, or `move_pages` fails with an
+/// errno other than `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+#[doc(alias = "move_pages")]
+pub unsafe fn range_placement(ptr: *const u8, len: usize) -> Result<Observed<NodeHistogram>> {
+    let page = page_size();
+    if !(ptr as usize).is_multiple_of(page) || (ptr as usize).checked_add(len).is_none() {
+        return Err(Error::invalid(
+            "range_placement",
+            format!("address {ptr:p} is not page-aligned, or + len {len} overflows"),
+        ));
+    }
+    // SAFETY: forwarded from the caller; a query moves nothing.
+    unsafe { page_histogram(ptr.cast_mut(), len) }
+}
+
 /// A fresh private anonymous read-write mapping of `len` (page-multiple) bytes.
 fn map_anonymous(len: usize) -> Result<*mut c_void> {
     // SAFETY: a fresh anonymous mapping aliases nothing.

@@ -1,30 +1,17 @@
 //! One bound region holding the same kind of tensor (weights or scales) of every expert of
 //! a layer, at a fixed stride.
 
+use std::fs::File;
+use std::ops::Range;
+
+use super::manifest::ManifestRegion;
 use crate::error::{Error, Result};
-use crate::policy::{MbindFlags, MemPolicy, Placement};
-use crate::region::{Advice, Region};
+use crate::policy::{MbindFlags, MemPolicy, Observed, Placement};
+use crate::region::{Advice, NodeHistogram, Region};
+use crate::source::Kind;
 
 /// Transparent huge page size on x86-64 and most arm64 kernels.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
-
-/// Which tensor of an expert.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Kind {
-    /// The expert's weight matrices (gate, up, down).
-    Weights = 0,
-    /// The expert's quantisation scales.
-    Scales = 1,
-}
-
-impl Kind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Kind::Weights => "weights",
-            Kind::Scales => "scales",
-        }
-    }
-}
 
 /// What an arena's region is made of.
 pub(crate) enum Backing {
@@ -51,11 +38,11 @@ impl Backing {
 /// A region with `slots` slots of `stride` bytes, each holding up to `slot_bytes`.
 #[derive(Debug)]
 pub(crate) struct Arena {
-    pub(crate) region: Region,
-    pub(crate) stride: usize,
-    pub(crate) slot_bytes: usize,
+    region: Region,
+    stride: usize,
+    slot_bytes: usize,
     /// Bytes loaded in each slot; `None` when never loaded or released.
-    pub(crate) loaded: Vec<Option<usize>>,
+    loaded: Vec<Option<usize>>,
 }
 
 /// The stride for slots of `slot_bytes`: the size rounded up to `align` (a power of two
@@ -110,39 +97,154 @@ impl Arena {
         })
     }
 
+    /// An attached arena: a sealed memfd mapped read-only, described by `r`.
+    pub(crate) fn attach(r: &ManifestRegion, file: File) -> Result<Arena> {
+        Ok(Arena {
+            region: Region::attach_shared(file, r.len)?,
+            stride: r.stride,
+            slot_bytes: r.slot_bytes,
+            loaded: r.loaded.clone(),
+        })
+    }
+
+    /// The manifest line of this arena.
+    pub(crate) fn to_manifest(&self, layer: usize, kind: Kind) -> ManifestRegion {
+        ManifestRegion {
+            layer,
+            kind,
+            len: self.region.len(),
+            stride: self.stride,
+            slot_bytes: self.slot_bytes,
+            loaded: self.loaded.clone(),
+        }
+    }
+
     pub(crate) fn bind(&self, policy: &MemPolicy) -> Result<Placement> {
         self.region.bind(policy, MbindFlags::empty())
     }
 
+    pub(crate) fn populate(&mut self) -> Result<()> {
+        self.region.populate_write()
+    }
+
+    pub(crate) fn stride(&self) -> usize {
+        self.stride
+    }
+
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Slots in the arena.
+    pub(crate) fn slots(&self) -> usize {
+        self.loaded.len()
+    }
+
+    /// Bytes loaded in slot `i` (`None`: released or out of range).
+    pub(crate) fn loaded(&self, i: usize) -> Option<usize> {
+        *self.loaded.get(i)?
+    }
+
+    /// Slots that hold data.
+    pub(crate) fn loaded_count(&self) -> usize {
+        self.loaded.iter().flatten().count()
+    }
+
+    /// Bytes loaded in all slots.
+    pub(crate) fn loaded_bytes(&self) -> u64 {
+        self.loaded.iter().flatten().map(|&n| n as u64).sum()
+    }
+
     /// Byte range of slot `i` within the region (the whole stride).
-    pub(crate) fn slot_range(&self, i: usize) -> std::ops::Range<usize> {
+    pub(crate) fn slot_range(&self, i: usize) -> Range<usize> {
         i * self.stride..(i + 1) * self.stride
     }
 
     /// The loaded bytes of slot `i`.
-    pub(crate) fn loaded_slice(&self, i: usize) -> Option<&[u8]> {
-        let len = (*self.loaded.get(i)?)?;
+    pub(crate) fn slot(&self, i: usize) -> Option<&[u8]> {
+        let len = self.loaded(i)?;
         let start = i.checked_mul(self.stride)?;
         self.region.as_slice().get(start..start.checked_add(len)?)
     }
 
-    /// Makes the arena immutable and shareable (see `Region::freeze_shared`), then maps
-    /// every loaded slot's pages in this process, so that they are resident in its page
-    /// tables (and `numa_maps`) as before the remap.
-    pub(crate) fn freeze(&mut self) -> Result<()> {
-        self.region.freeze_shared()?;
-        for (i, len) in self.loaded.iter().enumerate() {
-            if let Some(len) = *len {
-                let start = i * self.stride;
-                self.region.populate_read(start..start + len)?;
-            }
+    /// Every slot, writable, in order (each the whole stride).
+    pub(crate) fn slots_mut(&mut self) -> Result<std::slice::ChunksMut<'_, u8>> {
+        let stride = self.stride.max(1);
+        Ok(self.region.as_mut_slice()?.chunks_mut(stride))
+    }
+
+    /// Slot `i`, writable (the whole stride).
+    pub(crate) fn slot_mut(&mut self, i: usize) -> Result<&mut [u8]> {
+        let range = self.slot_range(i);
+        let len = self.region.len();
+        self.region
+            .as_mut_slice()?
+            .get_mut(range.clone())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "PinStore",
+                    format!("slot range {range:?} is outside the region of {len} bytes"),
+                )
+            })
+    }
+
+    /// Records that slot `i` holds `len` bytes.
+    pub(crate) fn mark_loaded(&mut self, i: usize, len: usize) {
+        if let Some(slot) = self.loaded.get_mut(i) {
+            *slot = Some(len);
+        }
+    }
+
+    /// Gives slot `i`'s pages back (its addresses and the region's policy stay).
+    pub(crate) fn release_slot(&mut self, i: usize) -> Result<()> {
+        let range = self.slot_range(i);
+        self.region.release(range)?;
+        if let Some(slot) = self.loaded.get_mut(i) {
+            *slot = None;
         }
         Ok(())
+    }
+
+    /// The policy the kernel holds for slot `i`.
+    pub(crate) fn slot_policy(
+        &self,
+        i: usize,
+    ) -> Result<Observed<(MemPolicy, crate::policy::ModeFlags)>> {
+        self.region.policy_at(self.slot_range(i).start)
+    }
+
+    /// Where the region's pages are, from a sample of every `step`-th page.
+    pub(crate) fn placement_sampled(&self, step: usize) -> Result<Observed<NodeHistogram>> {
+        self.region.placement_sampled(step)
+    }
+
+    /// The sealed file behind a frozen or attached arena.
+    pub(crate) fn sealed_file(&self) -> Option<&File> {
+        self.region.sealed_file()
     }
 
     /// The address range the region spans.
     pub(crate) fn span(&self) -> (usize, usize) {
         let start = self.region.as_ptr() as usize;
         (start, start + self.region.len())
+    }
+
+    /// Makes the arena immutable and shareable (see `Region::freeze_shared`), then maps
+    /// every loaded slot's pages in this process, so that they are resident in its page
+    /// tables (and `numa_maps`) as before the remap. `Err(_, true)` when the region's
+    /// mapping was lost on the way.
+    pub(crate) fn freeze(&mut self) -> std::result::Result<(), (Error, bool)> {
+        self.region
+            .freeze_shared()
+            .map_err(|e| (e, self.region.is_empty()))?;
+        for (i, len) in self.loaded.iter().enumerate() {
+            if let Some(len) = *len {
+                let start = i * self.stride;
+                self.region
+                    .populate_read(start..start + len)
+                    .map_err(|e| (e, false))?;
+            }
+        }
+        Ok(())
     }
 }

@@ -15,7 +15,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use super::arena::Kind;
+use super::Kind;
 use super::table;
 use crate::error::{Error, Result};
 

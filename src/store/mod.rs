@@ -3,23 +3,23 @@
 //! mappings and `mbind` calls however many experts it has.
 
 mod arena;
-pub mod baseline;
 mod budget;
-mod load;
+mod layer;
 mod manifest;
 mod shared;
 mod stats;
-pub mod synthetic;
 mod table;
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::source::load::{self, Job};
+pub use crate::source::{
+    ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ, Piece,
+};
 use arena::Arena;
-pub use arena::Kind;
-use load::Job;
-pub use load::{ExpertSource, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ};
+use layer::Layer;
 pub use manifest::{Manifest, ManifestRegion};
 pub use shared::Export;
 pub use stats::{PAGE_SAMPLE, StoreStats};
@@ -127,6 +127,65 @@ pub struct LayerSpec {
     pub scale_bytes: usize,
 }
 
+impl LayerSpec {
+    /// The spec that fits `sources` exactly: one expert per source, and the largest
+    /// weights and scales among them.
+    ///
+    /// # Errors
+    /// A source's piece lengths overflow.
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::store::{ExpertSource, LayerSpec};
+    /// let (a, b) = (vec![0u8; 100], vec![0u8; 120]);
+    /// let sources = [
+    ///     ExpertSource::Memory { weights: &a, scales: &[] },
+    ///     ExpertSource::Memory { weights: &b, scales: &a[..4] },
+    /// ];
+    /// let spec = LayerSpec::fitting(&sources)?;
+    /// assert_eq!(spec, LayerSpec { experts: 2, weight_bytes: 120, scale_bytes: 4 });
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    pub fn fitting(sources: &[ExpertSource<'_>]) -> Result<LayerSpec> {
+        let mut spec = LayerSpec {
+            experts: sources.len(),
+            weight_bytes: 0,
+            scale_bytes: 0,
+        };
+        for source in sources {
+            for kind in Kind::ALL {
+                let bytes = source.bytes(kind)?;
+                let max = spec.bytes_mut(kind);
+                *max = (*max).max(bytes);
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The most bytes one expert's tensor `kind` can have.
+    pub fn bytes(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Weights => self.weight_bytes,
+            Kind::Scales => self.scale_bytes,
+        }
+    }
+
+    fn bytes_mut(&mut self, kind: Kind) -> &mut usize {
+        match kind {
+            Kind::Weights => &mut self.weight_bytes,
+            Kind::Scales => &mut self.scale_bytes,
+        }
+    }
+
+    /// The tensor kinds this layer has a region for (weights always; scales when
+    /// `scale_bytes > 0`).
+    pub fn kinds(&self) -> impl Iterator<Item = Kind> + '_ {
+        Kind::ALL
+            .into_iter()
+            .filter(|&k| k == Kind::Weights || self.bytes(k) > 0)
+    }
+}
+
 /// What [`PinStore::pack_layer`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerReport {
@@ -150,32 +209,6 @@ pub struct LayerReport {
     pub policy: Option<MemPolicy>,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,
-}
-
-#[derive(Debug)]
-struct Layer {
-    weights: Arena,
-    scales: Option<Arena>,
-}
-
-impl Layer {
-    fn arena(&self, kind: Kind) -> Option<&Arena> {
-        match kind {
-            Kind::Weights => Some(&self.weights),
-            Kind::Scales => self.scales.as_ref(),
-        }
-    }
-
-    fn arena_mut(&mut self, kind: Kind) -> Option<&mut Arena> {
-        match kind {
-            Kind::Weights => Some(&mut self.weights),
-            Kind::Scales => self.scales.as_mut(),
-        }
-    }
-
-    fn arenas(&self) -> impl Iterator<Item = &Arena> {
-        std::iter::once(&self.weights).chain(self.scales.as_ref())
-    }
 }
 
 /// Per-layer pin arenas for same-shape tensors.
@@ -313,77 +346,27 @@ impl PinStore {
         self.check_open(PACK)?;
         let lengths = self.validate(layer, spec, sources)?;
         let _mark = self.mark_packing(layer)?;
-        let regions = 1 + usize::from(spec.scale_bytes > 0);
-        let slots = spec.experts.checked_mul(regions).ok_or_else(|| {
-            Error::invalid(
-                PACK,
-                format!(
-                    "layer {layer}: {} experts × {regions} regions overflow usize",
-                    spec.experts
-                ),
-            )
-        })?;
-        self.check_budget(format!("layer {layer}"), regions)?;
-
-        // Each region is mapped under the store's map lock, right after its own check
-        // (see the `budget` module): concurrent packs see each other's regions.
-        let backing = arena::Backing::of(&self.options, layer);
-        let align = self.options.slot_align.bytes()?;
-        let reserve = |kind: Kind, slot_bytes: usize| {
-            let _reservation = self
-                .maps
-                .reserve(|| format!("layer {layer} {}", kind.name()), 1)?;
-            Arena::reserve(kind, spec.experts, slot_bytes, align, &backing)
-        };
-        let mut weights = reserve(Kind::Weights, spec.weight_bytes)?;
-        let mut scales = match spec.scale_bytes {
-            0 => None,
-            n => Some(reserve(Kind::Scales, n)?),
-        };
-
+        let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
-        let mut placement = None;
-        if let Some(policy) = &policy {
-            for arena in std::iter::once(&weights).chain(scales.as_ref()) {
-                let p = arena.bind(policy)?;
-                self.mbind_calls.fetch_add(1, Ordering::Relaxed);
-                placement = Some(self.note_placement(p));
-            }
-        }
+        let placement = match &policy {
+            Some(policy) => Some(self.bind(&arenas, policy)?),
+            None => None,
+        };
         if self.options.populate {
-            weights.region.populate_write()?;
-            if let Some(scales) = scales.as_mut() {
-                scales.region.populate_write()?;
+            for arena in arenas.iter_mut().flatten() {
+                arena.populate()?;
             }
         }
+        let reads = self.fill(layer, &mut arenas, sources, &lengths)?;
 
-        let mut jobs = Vec::with_capacity(slots);
-        let mut arenas = vec![(Kind::Weights, &mut weights)];
-        arenas.extend(scales.as_mut().map(|a| (Kind::Scales, a)));
-        for (kind, arena) in &mut arenas {
-            let kind = *kind;
-            let slices = arena.region.as_mut_slice()?.chunks_mut(arena.stride);
-            for (expert, (dest, source)) in slices.zip(sources).enumerate() {
-                jobs.push(Job {
-                    dest,
-                    part: source.part(kind),
-                    expert,
-                    kind,
-                });
-            }
-        }
-        let reads = load::fill(jobs, self.options.loader_threads, &self.maps)?;
-        for (kind, arena) in arenas {
-            arena.loaded = lengths.iter().map(|l| Some(l[kind as usize])).collect();
-        }
-        let bytes = lengths.iter().flatten().map(|&n| n as u64).sum();
-
+        let regions = arenas.iter().flatten().count();
+        let stride = |kind: Kind| arenas[kind.index()].as_ref().map_or(0, Arena::stride);
         let report = LayerReport {
             layer,
             experts: spec.experts,
-            weight_stride: weights.stride,
-            scale_stride: scales.as_ref().map_or(0, |a| a.stride),
-            bytes,
+            weight_stride: stride(Kind::Weights),
+            scale_stride: stride(Kind::Scales),
+            bytes: lengths.iter().flatten().map(|&n| n as u64).sum(),
             regions,
             mbind_calls: if policy.is_some() { regions } else { 0 },
             reads,
@@ -391,9 +374,89 @@ impl PinStore {
             placement,
         };
         self.layers
-            .set(layer, Box::new(Layer { weights, scales }))
-            .map_err(|_| Error::invalid(PACK, format!("layer {layer} is already packed")))?;
+            .set(layer, Box::new(Layer::new(*spec, arenas)))
+            .map_err(|_| Error::AlreadyPacked {
+                op: PACK,
+                layer,
+                in_progress: false,
+            })?;
         Ok(report)
+    }
+
+    /// Step 1: maps one region per tensor kind of the layer, each under the store's map
+    /// lock right after its own budget check (see the `budget` module), so that
+    /// concurrent packs see each other's regions. Nothing is touched yet.
+    fn reserve(&self, layer: usize, spec: &LayerSpec) -> Result<[Option<Arena>; 2]> {
+        let regions = spec.kinds().count();
+        self.check_budget(format!("layer {layer}"), regions)?;
+        let backing = arena::Backing::of(&self.options, layer);
+        let align = self.options.slot_align.bytes()?;
+        let mut arenas: [Option<Arena>; 2] = Default::default();
+        for kind in spec.kinds() {
+            let _reservation = self
+                .maps
+                .reserve(|| format!("layer {layer} {}", kind.name()), 1)?;
+            arenas[kind.index()] = Some(Arena::reserve(
+                kind,
+                spec.experts,
+                spec.bytes(kind),
+                align,
+                &backing,
+            )?);
+        }
+        Ok(arenas)
+    }
+
+    /// Step 2: binds each region once, before anything touches it.
+    fn bind(&self, arenas: &[Option<Arena>; 2], policy: &MemPolicy) -> Result<Placement> {
+        let mut placement = Placement::Bound;
+        for arena in arenas.iter().flatten() {
+            let p = arena.bind(policy)?;
+            self.mbind_calls.fetch_add(1, Ordering::Relaxed);
+            placement = self.note_placement(p);
+        }
+        Ok(placement)
+    }
+
+    /// Step 4 (after populating): fills every slot with the loader threads, each helper
+    /// thread spawned only if its mappings fit; marks the slots loaded. Returns the
+    /// `pread` count.
+    fn fill(
+        &self,
+        layer: usize,
+        arenas: &mut [Option<Arena>; 2],
+        sources: &[ExpertSource<'_>],
+        lengths: &[[usize; 2]],
+    ) -> Result<usize> {
+        let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
+            Error::invalid(
+                PACK,
+                format!("layer {layer}: {} experts overflow usize", sources.len()),
+            )
+        })?;
+        let mut jobs = Vec::with_capacity(slots);
+        for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
+            let Some(arena) = arena else { continue };
+            for (expert, (dest, source)) in arena.slots_mut()?.zip(sources).enumerate() {
+                jobs.push(Job {
+                    dest,
+                    tensor: source.tensor(kind),
+                    what: (layer, expert, kind),
+                });
+            }
+        }
+        let threads = self.options.loader_threads;
+        let reads = load::fill(jobs, threads, |spawned| {
+            let what = || format!("loader thread {} of {threads}", spawned + 2);
+            self.maps.reserve(what, load::MAPS_PER_THREAD).ok()
+        })?;
+        for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
+            let Some(arena) = arena else { continue };
+            for (expert, l) in lengths.iter().enumerate() {
+                arena.mark_loaded(expert, l[kind.index()]);
+            }
+        }
+        Ok(reads)
     }
 
     /// Checks the request; returns each expert's `[weights, scales]` byte counts.
@@ -498,14 +561,14 @@ impl PinStore {
         let l = self.layer(layer)?;
         // The expert is checked against the layer whatever the tensor: a layer without
         // scales has empty scales for its experts only.
-        let experts = l.weights.loaded.len();
+        let experts = l.experts();
         if expert >= experts {
             return Err(out_of_range(layer, expert, experts));
         }
         let Some(arena) = l.arena(kind) else {
             return Ok(&[]);
         };
-        arena.loaded_slice(expert).ok_or(Error::Released {
+        arena.slot(expert).ok_or(Error::Released {
             op: "PinStore",
             layer,
             expert,
@@ -545,10 +608,10 @@ impl PinStore {
         let arena = self.layer(layer)?.arena(kind).ok_or_else(|| {
             Error::invalid("PinStore", format!("layer {layer} has no {}", kind.name()))
         })?;
-        if expert >= arena.loaded.len() {
-            return Err(out_of_range(layer, expert, arena.loaded.len()));
+        if expert >= arena.slots() {
+            return Err(out_of_range(layer, expert, arena.slots()));
         }
-        arena.region.policy_at(arena.slot_range(expert).start)
+        arena.slot_policy(expert)
     }
 
     /// Releases both tensors of an expert. See [`PinStore::release_kind`].
@@ -571,10 +634,7 @@ impl PinStore {
         self.check_open("PinStore::release")?;
         let arena = self.arena_mut(layer, expert, kind)?;
         let Some(arena) = arena else { return Ok(()) };
-        let range = arena.slot_range(expert);
-        arena.region.release(range)?;
-        arena.loaded[expert] = None;
-        Ok(())
+        arena.release_slot(expert)
     }
 
     fn arena_mut(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<Option<&mut Arena>> {
@@ -582,7 +642,7 @@ impl PinStore {
             op: "PinStore",
             layer,
         })?;
-        let experts = l.weights.loaded.len();
+        let experts = l.experts();
         if expert >= experts {
             return Err(out_of_range(layer, expert, experts));
         }
@@ -599,26 +659,22 @@ impl PinStore {
     /// slot then stays released).
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
         self.check_open("PinStore::ensure")?;
-        let l = self.layer(layer)?;
-        let spec = LayerSpec {
-            experts: l.weights.loaded.len(),
-            weight_bytes: l.weights.slot_bytes,
-            scale_bytes: l.scales.as_ref().map_or(0, |a| a.slot_bytes),
-        };
+        let spec = *self.layer(layer)?.spec();
         let lengths = check_fits(layer, expert, &spec, source)?;
-        for kind in [Kind::Weights, Kind::Scales] {
+        for kind in Kind::ALL {
             let Some(arena) = self.arena_mut(layer, expert, kind)? else {
                 continue;
             };
-            if arena.loaded[expert].is_some() {
+            if arena.loaded(expert).is_some() {
                 continue;
             }
-            let part = source.part(kind);
-            let len = lengths[kind as usize];
-            let range = arena.slot_range(expert);
-            let dest = &mut arena.region.as_mut_slice()?[range];
-            load::fill_slot(dest, part, expert, kind)?;
-            arena.loaded[expert] = Some(len);
+            let len = lengths[kind.index()];
+            load::fill_slot(Job {
+                dest: arena.slot_mut(expert)?,
+                tensor: source.tensor(kind),
+                what: (layer, expert, kind),
+            })?;
+            arena.mark_loaded(expert, len);
         }
         Ok(())
     }
@@ -657,12 +713,10 @@ fn check_fits(
         return Err(out_of_range(layer, expert, spec.experts));
     }
     let mut lengths = [0; 2];
-    for (kind, max) in [
-        (Kind::Weights, spec.weight_bytes),
-        (Kind::Scales, spec.scale_bytes),
-    ] {
+    for kind in Kind::ALL {
+        let max = spec.bytes(kind);
         let what = || describe(layer, expert, kind);
-        let len = source.part(kind).checked_len(&what)?;
+        let len = source.tensor(kind).checked_len(PACK, &what)?;
         if len > max {
             return Err(Error::invalid(
                 PACK,
@@ -672,7 +726,7 @@ fn check_fits(
                 ),
             ));
         }
-        lengths[kind as usize] = len;
+        lengths[kind.index()] = len;
     }
     Ok(lengths)
 }

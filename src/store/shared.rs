@@ -4,11 +4,11 @@
 
 use std::fs::File;
 
-use super::arena::{Arena, Kind};
-use super::manifest::{Manifest, ManifestRegion};
-use super::{Layer, Layout, PinStore, State, StoreOptions};
+use super::arena::Arena;
+use super::layer::Layer;
+use super::manifest::Manifest;
+use super::{Kind, LayerSpec, Layout, PinStore, State, StoreOptions};
 use crate::error::{Error, Result};
-use crate::region::Region;
 
 /// What [`PinStore::export`] hands out: the manifest and one sealed memfd per region
 /// (close on exec; clear that flag on the ones a child should inherit). The files carry
@@ -65,9 +65,9 @@ impl PinStore {
             let Some(l) = self.layers.get_mut(layer) else {
                 continue;
             };
-            for arena in std::iter::once(&mut l.weights).chain(l.scales.as_mut()) {
-                if let Err(e) = arena.freeze() {
-                    if arena.region.is_empty() {
+            for arena in l.arenas_mut() {
+                if let Err((e, lost)) = arena.freeze() {
+                    if lost {
                         self.state = State::Broken;
                     }
                     return Err(e);
@@ -77,26 +77,15 @@ impl PinStore {
         let mut manifest = Manifest::default();
         let mut files = Vec::new();
         for (layer, l) in self.layers.iter() {
-            for (kind, arena) in [
-                (Kind::Weights, Some(&l.weights)),
-                (Kind::Scales, l.scales.as_ref()),
-            ] {
-                let Some(arena) = arena else { continue };
-                let file = arena.region.sealed_file().ok_or_else(|| {
+            for (kind, arena) in l.arenas_by_kind() {
+                let file = arena.sealed_file().ok_or_else(|| {
                     Error::invalid(OP, format!("layer {layer} {} is not sealed", kind.name()))
                 })?;
                 files.push(
                     file.try_clone()
                         .map_err(|e| Error::io("dup", "store memfd", e))?,
                 );
-                manifest.regions.push(ManifestRegion {
-                    layer,
-                    kind,
-                    len: arena.region.len(),
-                    stride: arena.stride,
-                    slot_bytes: arena.slot_bytes,
-                    loaded: arena.loaded.clone(),
-                });
+                manifest.regions.push(arena.to_manifest(layer, kind));
             }
         }
         Ok(Export { manifest, files })
@@ -135,8 +124,7 @@ impl PinStore {
             },
         )?;
         store.state = State::Frozen;
-        let mut pending: std::collections::BTreeMap<usize, (Option<Arena>, Option<Arena>)> =
-            Default::default();
+        let mut pending: std::collections::BTreeMap<usize, [Option<Arena>; 2]> = Default::default();
         for (r, file) in manifest.regions.iter().zip(files) {
             let slots = r.loaded.len();
             let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
@@ -162,17 +150,8 @@ impl PinStore {
                     ),
                 ));
             }
-            let arena = Arena {
-                region: Region::attach_shared(file, r.len)?,
-                stride: r.stride,
-                slot_bytes: r.slot_bytes,
-                loaded: r.loaded.clone(),
-            };
-            let entry = pending.entry(r.layer).or_default();
-            let place = match r.kind {
-                Kind::Weights => &mut entry.0,
-                Kind::Scales => &mut entry.1,
-            };
+            let arena = Arena::attach(r, file)?;
+            let place = &mut pending.entry(r.layer).or_default()[r.kind.index()];
             if place.replace(arena).is_some() {
                 return Err(Error::invalid(
                     OP,
@@ -180,22 +159,27 @@ impl PinStore {
                 ));
             }
         }
-        for (layer, (weights, scales)) in pending {
-            let weights = weights.ok_or_else(|| {
+        for (layer, arenas) in pending {
+            let weights = arenas[Kind::Weights.index()].as_ref().ok_or_else(|| {
                 Error::invalid(OP, format!("layer {layer} has no weights region"))
             })?;
-            if scales
-                .as_ref()
-                .is_some_and(|s| s.loaded.len() != weights.loaded.len())
-            {
+            let experts = weights.slots();
+            if arenas.iter().flatten().any(|a| a.slots() != experts) {
                 return Err(Error::invalid(
                     OP,
-                    format!("layer {layer}: weights and scales differ in slots"),
+                    format!("layer {layer}: its regions differ in slots"),
                 ));
             }
+            let spec = LayerSpec {
+                experts,
+                weight_bytes: weights.slot_bytes(),
+                scale_bytes: arenas[Kind::Scales.index()]
+                    .as_ref()
+                    .map_or(0, Arena::slot_bytes),
+            };
             store
                 .layers
-                .set(layer, Box::new(Layer { weights, scales }))
+                .set(layer, Box::new(Layer::new(spec, arenas)))
                 .map_err(|_| Error::invalid(OP, format!("layer {layer} appears twice")))?;
         }
         Ok(store)

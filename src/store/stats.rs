@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use super::PinStore;
 use super::arena::Arena;
-use super::{Layer, PinStore};
+use super::layer::Layer;
 use crate::diag;
 use crate::error::Result;
 use crate::node::Node;
@@ -69,7 +70,7 @@ impl PinStore {
         let sample_step = total_pages.div_ceil(PAGE_SAMPLE).max(1);
         let mut pages_per_node = BTreeMap::new();
         for arena in layers.iter().flat_map(|l| l.arenas()) {
-            match arena.region.placement_sampled(sample_step)? {
+            match arena.placement_sampled(sample_step)? {
                 Observed::Known(h) => {
                     for (node, n) in h.pages {
                         *pages_per_node.entry(node).or_insert(0u64) += (n * sample_step) as u64;
@@ -79,14 +80,15 @@ impl PinStore {
             }
         }
         let smaps = diag::smaps_overlapping(&spans)?;
-        let loaded = |a: &Arena| a.loaded.iter().flatten().map(|&n| n as u64).sum::<u64>();
+
         Ok(StoreStats {
             layers: layers.len(),
-            experts_loaded: layers
+            experts_loaded: layers.iter().map(|l| l.experts_loaded()).sum(),
+            bytes: layers
                 .iter()
-                .map(|l| l.weights.loaded.iter().flatten().count())
+                .flat_map(|l| l.arenas())
+                .map(Arena::loaded_bytes)
                 .sum(),
-            bytes: layers.iter().flat_map(|l| l.arenas()).map(loaded).sum(),
             vmas: smaps.len(),
             resident_bytes: smaps.iter().map(|e| e.rss).sum(),
             anon_huge_bytes: smaps.iter().map(|e| e.anon_huge).sum(),

@@ -6,8 +6,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use super::{ExpertSource, Kind, LayerSpec};
-use crate::error::{Error, Result};
+use numapin::store::{ExpertSource, Kind, LayerSpec, Piece};
+use numapin::{Error, Result};
 
 /// The shape of a synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +56,10 @@ impl SyntheticModel {
         (self.layers as u64)
             .checked_mul(self.experts as u64)
             .and_then(|n| n.checked_mul(self.expert_bytes() as u64))
-            .ok_or_else(|| Error::invalid("SyntheticModel", format!("{self:?} overflows")))
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "SyntheticModel",
+                reason: format!("{self:?} overflows"),
+            })
     }
 
     /// The layer spec every layer shares.
@@ -101,7 +104,11 @@ impl SyntheticModel {
     /// The file cannot be written, or the size overflows.
     pub fn write(&self, path: &Path) -> Result<()> {
         let total = self.total_bytes()?;
-        let io = |e| Error::io("write", path.display().to_string(), e);
+        let io = |source| Error::Io {
+            op: "write",
+            path: path.display().to_string(),
+            source,
+        };
         let mut out = BufWriter::with_capacity(1 << 20, File::create(path).map_err(io)?);
         let mut chunk = vec![0u8; 1 << 20];
         let mut offset = 0u64;
@@ -122,13 +129,16 @@ impl SyntheticModel {
             .map(|e| {
                 let w = self.offset(layer, e, Kind::Weights);
                 ExpertSource::File {
-                    file,
                     weights: vec![
-                        (w, third),
-                        (w + third as u64, third),
-                        (w + 2 * third as u64, self.weight_bytes - 2 * third),
+                        Piece::new(file, w, third),
+                        Piece::new(file, w + third as u64, third),
+                        Piece::new(file, w + 2 * third as u64, self.weight_bytes - 2 * third),
                     ],
-                    scales: vec![(self.offset(layer, e, Kind::Scales), self.scale_bytes)],
+                    scales: vec![Piece::new(
+                        file,
+                        self.offset(layer, e, Kind::Scales),
+                        self.scale_bytes,
+                    )],
                 }
             })
             .collect()
@@ -183,9 +193,12 @@ mod tests {
         else {
             panic!("file source expected")
         };
-        assert_eq!(weights.iter().map(|p| p.1).sum::<usize>(), 1000);
-        assert_eq!(weights[0].0, model.offset(1, 2, Kind::Weights));
-        assert_eq!(scales[0], (model.offset(1, 2, Kind::Scales), 13));
+        assert_eq!(weights.iter().map(|p| p.len).sum::<usize>(), 1000);
+        assert_eq!(weights[0].offset, model.offset(1, 2, Kind::Weights));
+        assert_eq!(
+            (scales[0].offset, scales[0].len),
+            (model.offset(1, 2, Kind::Scales), 13)
+        );
         let start = model.offset(1, 2, Kind::Scales) as usize;
         assert!(model.verify(1, 2, Kind::Scales, &bytes[start..start + 13]));
         assert!(!model.verify(1, 1, Kind::Scales, &bytes[start..start + 13]));

@@ -1,4 +1,4 @@
-//! The strategy [`PinStore`](super::PinStore) replaces, kept to measure against: every
+//! The strategy [`PinStore`](numapin::PinStore) replaces, kept to measure against: every
 //! expert tensor in its own `posix_memalign` allocation, bound on its own with `mbind`.
 //!
 //! Each bound slab is a mapping of its own that cannot merge with its unbound
@@ -10,16 +10,12 @@
 //!
 //! This module owns `posix_memalign` blocks: each is written only through the `&mut`
 //! slice made right after allocation and freed exactly once on drop.
-#![allow(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::load;
-use super::{ExpertSource, Kind, LayerSpec, check_fits};
-use crate::error::{Errno, Error, Result};
-use crate::node::Node;
-use crate::policy::{MbindFlags, MemPolicy, Observed, Placement};
+use numapin::store::{ExpertSource, Kind, LayerSpec};
+use numapin::{Errno, Error, MbindFlags, MemPolicy, Node, Observed, Placement, Result};
 
 /// One `posix_memalign` block.
 struct Slab {
@@ -73,11 +69,20 @@ impl SlabPerExpert {
         sources: &[ExpertSource<'_>],
         policy: Option<&MemPolicy>,
     ) -> Result<()> {
-        let page = crate::page_size();
+        let page = numapin::page_size();
         for (expert, source) in sources.iter().enumerate() {
-            let lengths = check_fits(layer, expert, spec, source)?;
-            for kind in [Kind::Weights, Kind::Scales] {
-                let len = lengths[kind as usize];
+            for kind in Kind::ALL {
+                let len = source.bytes(kind)?;
+                if len > spec.bytes(kind) {
+                    return Err(Error::InvalidArgument {
+                        op: "SlabPerExpert::load_layer",
+                        reason: format!(
+                            "layer {layer} expert {expert} {}: {len} bytes do not fit {}",
+                            kind.name(),
+                            spec.bytes(kind)
+                        ),
+                    });
+                }
                 if len == 0 {
                     continue;
                 }
@@ -86,14 +91,14 @@ impl SlabPerExpert {
                 // the pointer size.
                 let rc = unsafe { libc::posix_memalign(&mut raw, page, len) };
                 if rc != 0 {
-                    return Err(Error::os(
-                        "posix_memalign",
-                        Errno::from_raw_os_error(rc),
-                        format_args!(
+                    return Err(Error::Os {
+                        op: "posix_memalign",
+                        errno: Errno::from_raw_os_error(rc),
+                        args: format!(
                             "align={page} size={len} (slab {} of this store, layer {layer} expert {expert})",
                             self.slabs.len()
                         ),
-                    ));
+                    });
                 }
                 let slab = Slab {
                     ptr: raw.cast(),
@@ -105,7 +110,7 @@ impl SlabPerExpert {
                     // SAFETY: our own fresh block; the kernel rounds `len` up to the
                     // page, which stays inside the allocator's page-granular block.
                     let p =
-                        unsafe { crate::bind_range(slab.ptr, len, policy, MbindFlags::empty()) }?;
+                        unsafe { numapin::bind_range(slab.ptr, len, policy, MbindFlags::empty()) }?;
                     self.mbind_calls.fetch_add(1, Ordering::Relaxed);
                     if !p.is_bound() {
                         self.degraded = Some(p);
@@ -113,8 +118,7 @@ impl SlabPerExpert {
                 }
                 // SAFETY: the block holds `len` bytes and nothing else refers to it yet.
                 let dest = unsafe { std::slice::from_raw_parts_mut(slab.ptr, slab.len) };
-                let part = source.part(kind);
-                load::fill_slot(dest, part, expert, kind)?;
+                source.read_tensor(kind, dest)?;
             }
         }
         Ok(())
@@ -125,7 +129,7 @@ impl SlabPerExpert {
     /// # Errors
     /// `/proc/self/maps` cannot be read.
     pub fn vmas(&self) -> Result<usize> {
-        let page = crate::page_size();
+        let page = numapin::page_size();
         let spans: Vec<(usize, usize)> = self
             .slabs
             .iter()
@@ -134,7 +138,7 @@ impl SlabPerExpert {
                 (start, (s.ptr as usize + s.len).next_multiple_of(page))
             })
             .collect();
-        crate::diag::maps_overlapping(&spans)
+        numapin::diag::maps_overlapping(&spans)
     }
 
     /// Slabs allocated.
@@ -163,14 +167,14 @@ impl SlabPerExpert {
     /// # Errors
     /// `move_pages` fails with another errno.
     pub fn pages_per_node(&self) -> Result<Observed<BTreeMap<Node, u64>>> {
-        let page = crate::page_size();
+        let page = numapin::page_size();
         let mut total = BTreeMap::new();
         for slab in &self.slabs {
             let start = slab.ptr as usize / page * page;
             let end = (slab.ptr as usize + slab.len).next_multiple_of(page);
             // SAFETY: the pages of our own live block (the allocator's block covers the
             // page-rounded range, which move_pages only queries).
-            match unsafe { crate::region::page_histogram(start as *mut u8, end - start)? } {
+            match unsafe { numapin::range_placement(start as *const u8, end - start)? } {
                 Observed::Known(h) => {
                     for (node, n) in h.pages {
                         *total.entry(node).or_insert(0) += n as u64;

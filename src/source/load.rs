@@ -1,0 +1,262 @@
+//! The parallel loader: fills slots from their sources with the calling thread and a few
+//! helper threads, reading adjacent file pieces with one `pread`.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use super::{Kind, Piece, Tensor};
+use crate::error::{Error, Result};
+
+/// The longest single `pread` the loader issues.
+pub const MAX_READ: usize = 1 << 30;
+
+/// Mappings one loader thread adds while it runs, measured on this host (test
+/// `loader_thread_map_cost` in tests/hostile.rs): its stack and guard page, the signal
+/// stack and guard page Rust's runtime maps inside the new thread, and the glibc malloc
+/// arena (2 mappings, never freed; up to 8 × cores of them) its first allocation creates.
+/// A thread spawned after another has exited reuses the cached stack and arena and adds
+/// only 2; the budget assumes a fresh one.
+pub const MAPS_PER_THREAD: usize = 6;
+
+/// One read of a plan: `len` bytes of `file` at `offset` into the slot at `dest`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Read<'a> {
+    pub(crate) file: &'a File,
+    pub(crate) offset: u64,
+    pub(crate) dest: usize,
+    pub(crate) len: usize,
+}
+
+impl PartialEq for Read<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self.file, other.file)
+            && (self.offset, self.dest, self.len) == (other.offset, other.dest, other.len)
+    }
+}
+
+/// Pieces merged where one continues the previous one in the same file, then split at
+/// [`MAX_READ`].
+pub(crate) fn plan_reads<'a>(pieces: &[Piece<'a>]) -> Vec<Read<'a>> {
+    let mut merged: Vec<Read<'a>> = Vec::new();
+    let mut dest = 0;
+    for piece in pieces.iter().filter(|p| p.len > 0) {
+        match merged.last_mut() {
+            Some(last)
+                if std::ptr::eq(last.file, piece.file)
+                    && last.offset.checked_add(last.len as u64) == Some(piece.offset) =>
+            {
+                last.len += piece.len
+            }
+            _ => merged.push(Read {
+                file: piece.file,
+                offset: piece.offset,
+                dest,
+                len: piece.len,
+            }),
+        }
+        dest += piece.len;
+    }
+    merged
+        .into_iter()
+        .flat_map(|r| {
+            (0..r.len).step_by(MAX_READ).map(move |done| Read {
+                offset: r.offset + done as u64,
+                dest: r.dest + done,
+                len: MAX_READ.min(r.len - done),
+                ..r
+            })
+        })
+        .collect()
+}
+
+/// A slot to fill.
+pub(crate) struct Job<'a> {
+    pub(crate) dest: &'a mut [u8],
+    pub(crate) tensor: Tensor<'a>,
+    /// Says which slot this is, for error messages (`"layer 3 expert 7 weights"`).
+    pub(crate) what: (usize, usize, Kind),
+}
+
+/// Helper threads a fill of `jobs` jobs with `threads` loader threads may spawn (the
+/// calling thread is one of the loaders).
+pub(crate) fn helpers(threads: usize, jobs: usize) -> usize {
+    threads.clamp(1, jobs.max(1)) - 1
+}
+
+/// Fills every job's slot with the calling thread and up to `threads - 1` helpers;
+/// returns the `pread` count. Stops at the first error.
+///
+/// Each helper is spawned under a `permit(helper_number)`, held until the helper runs and
+/// has made its first allocation: by then its stack, signal stack and malloc arena exist,
+/// and whoever grants the next permit counts them (the store's map budget). A helper
+/// without a permit, or that cannot be spawned, is not started and leaves its share to
+/// the others: the fill itself never fails for want of threads.
+pub(crate) fn fill<P>(
+    jobs: Vec<Job<'_>>,
+    threads: usize,
+    permit: impl Fn(usize) -> Option<P>,
+) -> Result<usize> {
+    let reads = AtomicUsize::new(0);
+    let helpers = helpers(threads, jobs.len());
+    let queue = Mutex::new(jobs);
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let started = (Mutex::new(0usize), Condvar::new());
+    let work = || {
+        loop {
+            if first_error.lock().is_ok_and(|e| e.is_some()) {
+                return;
+            }
+            let Some(job) = queue.lock().ok().and_then(|mut q| q.pop()) else {
+                return;
+            };
+            if let Err(e) = fill_one(job, &reads)
+                && let Ok(mut slot) = first_error.lock()
+            {
+                slot.get_or_insert(e);
+            }
+        }
+    };
+    let helper = || {
+        // The first allocation gives this thread its malloc arena now, under the
+        // spawner's permit, not later outside it.
+        drop(std::hint::black_box(Box::new(0u8)));
+        let (count, ready) = &started;
+        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        ready.notify_all();
+        work();
+    };
+    std::thread::scope(|scope| {
+        for spawned in 0..helpers {
+            let Some(permit) = permit(spawned) else {
+                break;
+            };
+            if std::thread::Builder::new()
+                .name("numapin-loader".into())
+                .spawn_scoped(scope, helper)
+                .is_err()
+            {
+                break;
+            }
+            let (count, ready) = &started;
+            let mut count = count.lock().unwrap_or_else(|e| e.into_inner());
+            while *count <= spawned {
+                count = ready.wait(count).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(permit);
+        }
+        work();
+    });
+    match first_error.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Ok(reads.into_inner()),
+    }
+}
+
+/// Fills one slot on the calling thread.
+pub(crate) fn fill_slot(job: Job<'_>) -> Result<()> {
+    fill_one(job, &AtomicUsize::new(0))
+}
+
+fn fill_one(job: Job<'_>, reads: &AtomicUsize) -> Result<()> {
+    let (layer, expert, kind) = job.what;
+    match job.tensor {
+        Tensor::Memory(bytes) => {
+            let room = job.dest.len();
+            let dest = job.dest.get_mut(..bytes.len()).ok_or_else(|| {
+                Error::invalid(
+                    "load",
+                    format!(
+                        "layer {layer} expert {expert} {}: {} bytes do not fit a slot of {room}",
+                        kind.name(),
+                        bytes.len(),
+                    ),
+                )
+            })?;
+            dest.copy_from_slice(bytes);
+            Ok(())
+        }
+        Tensor::File(pieces) => {
+            for read in plan_reads(pieces) {
+                reads.fetch_add(1, Ordering::Relaxed);
+                let window = read
+                    .dest
+                    .checked_add(read.len)
+                    .and_then(|end| job.dest.get_mut(read.dest..end));
+                let result = match window {
+                    Some(window) => read.file.read_exact_at(window, read.offset),
+                    None => Err(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
+                };
+                result.map_err(|e| {
+                    Error::io(
+                        "pread",
+                        format!(
+                            "layer {layer} expert {expert} {}: {} bytes at file offset {}",
+                            kind.name(),
+                            read.len,
+                            read.offset
+                        ),
+                        e,
+                    )
+                })?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(file: &File, pieces: &[(u64, usize)]) -> Vec<(u64, usize, usize)> {
+        let pieces: Vec<Piece> = pieces
+            .iter()
+            .map(|&(o, l)| Piece::new(file, o, l))
+            .collect();
+        plan_reads(&pieces)
+            .iter()
+            .map(|r| (r.offset, r.dest, r.len))
+            .collect()
+    }
+
+    #[test]
+    fn adjacent_pieces_coalesce_and_others_do_not() {
+        let f = File::open("/proc/self/exe").unwrap();
+        assert_eq!(
+            plan(&f, &[(0, 10), (10, 5), (20, 5)]),
+            vec![(0, 0, 15), (20, 15, 5)]
+        );
+        assert_eq!(plan(&f, &[(20, 5), (0, 10)]), vec![(20, 0, 5), (0, 5, 10)]);
+        assert_eq!(plan(&f, &[(0, 0), (4, 4)]), vec![(4, 0, 4)]);
+        assert!(plan(&f, &[]).is_empty());
+    }
+
+    #[test]
+    fn pieces_of_two_files_never_coalesce() {
+        let (a, b) = (
+            File::open("/proc/self/exe").unwrap(),
+            File::open("/proc/self/exe").unwrap(),
+        );
+        let pieces = [Piece::new(&a, 0, 10), Piece::new(&b, 10, 10)];
+        let plan = plan_reads(&pieces);
+        assert_eq!(plan.len(), 2);
+        assert!(std::ptr::eq(plan[1].file, &b));
+        assert_eq!((plan[1].offset, plan[1].dest), (10, 10));
+    }
+
+    #[test]
+    fn reads_split_at_one_gib() {
+        let f = File::open("/proc/self/exe").unwrap();
+        let big = MAX_READ * 2 + 7;
+        assert_eq!(
+            plan(&f, &[(100, big)]),
+            vec![
+                (100, 0, MAX_READ),
+                (100 + MAX_READ as u64, MAX_READ, MAX_READ),
+                (100 + 2 * MAX_READ as u64, 2 * MAX_READ, 7)
+            ]
+        );
+    }
+}

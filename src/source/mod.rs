@@ -1,0 +1,227 @@
+//! Where a slot's bytes come from: bytes in memory, or pieces of files (each piece naming
+//! its own file, so that an expert whose tensors straddle two checkpoint shards loads
+//! without a copy), and the parallel loader that copies them into slots. Used by the store
+//! and the cache alike; it knows nothing of either.
+
+pub(crate) mod load;
+
+use std::fs::File;
+
+use crate::error::{Error, Result};
+
+pub use load::{MAPS_PER_THREAD, MAX_READ};
+
+/// Which tensor of an expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    /// The expert's weight matrices (gate, up, down).
+    Weights = 0,
+    /// The expert's quantisation scales.
+    Scales = 1,
+}
+
+impl Kind {
+    /// Every kind, in slot order: the one list a new tensor kind is added to.
+    pub const ALL: [Kind; 2] = [Kind::Weights, Kind::Scales];
+
+    /// The kind's name (`"weights"`), as in manifests and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Weights => "weights",
+            Kind::Scales => "scales",
+        }
+    }
+
+    /// The kind's position in [`Kind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A range of a file: `len` bytes at `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct Piece<'a> {
+    /// The open file (a checkpoint shard).
+    pub file: &'a File,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes.
+    pub len: usize,
+}
+
+impl<'a> Piece<'a> {
+    /// `len` bytes of `file` at `offset`.
+    pub fn new(file: &'a File, offset: u64, len: usize) -> Self {
+        Piece { file, offset, len }
+    }
+}
+
+/// Where one expert's bytes come from.
+///
+/// # Example
+/// ```
+/// use numapin::store::{ExpertSource, Piece};
+/// let file = std::fs::File::open("/proc/self/exe").unwrap();
+/// // gate and up are adjacent in the file (one read), down is elsewhere.
+/// let source = ExpertSource::File {
+///     weights: vec![Piece::new(&file, 0, 100), Piece::new(&file, 100, 100), Piece::new(&file, 4096, 50)],
+///     scales: vec![],
+/// };
+/// assert_eq!(source.weight_bytes()?, 250);
+/// assert_eq!(source.scale_bytes()?, 0);
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub enum ExpertSource<'a> {
+    /// Bytes already in memory.
+    Memory {
+        /// The weights.
+        weights: &'a [u8],
+        /// The scales (may be empty).
+        scales: &'a [u8],
+    },
+    /// Pieces of files, concatenated into the slot in order (e.g. gate, up, down). Each
+    /// piece names its file; adjacent pieces of one file are read with one `pread`.
+    File {
+        /// Pieces of the weights.
+        weights: Vec<Piece<'a>>,
+        /// Pieces of the scales.
+        scales: Vec<Piece<'a>>,
+    },
+}
+
+/// One tensor of one expert's source.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Tensor<'a> {
+    Memory(&'a [u8]),
+    File(&'a [Piece<'a>]),
+}
+
+impl<'a> ExpertSource<'a> {
+    /// Pieces of one file: `(offset, len)` for the weights and the scales.
+    pub fn from_file(file: &'a File, weights: &[(u64, usize)], scales: &[(u64, usize)]) -> Self {
+        let pieces = |list: &[(u64, usize)]| {
+            list.iter()
+                .map(|&(offset, len)| Piece::new(file, offset, len))
+                .collect()
+        };
+        ExpertSource::File {
+            weights: pieces(weights),
+            scales: pieces(scales),
+        }
+    }
+
+    pub(crate) fn tensor(&self, kind: Kind) -> Tensor<'_> {
+        match (self, kind) {
+            (ExpertSource::Memory { weights, .. }, Kind::Weights) => Tensor::Memory(weights),
+            (ExpertSource::Memory { scales, .. }, Kind::Scales) => Tensor::Memory(scales),
+            (ExpertSource::File { weights, .. }, Kind::Weights) => Tensor::File(weights),
+            (ExpertSource::File { scales, .. }, Kind::Scales) => Tensor::File(scales),
+        }
+    }
+
+    /// Bytes of the tensor `kind` (the sum of its pieces).
+    ///
+    /// # Errors
+    /// The piece lengths overflow `usize`.
+    pub fn bytes(&self, kind: Kind) -> Result<usize> {
+        match self.tensor(kind) {
+            Tensor::Memory(bytes) => Ok(bytes.len()),
+            Tensor::File(pieces) => pieces
+                .iter()
+                .try_fold(0usize, |sum, p| sum.checked_add(p.len))
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "ExpertSource",
+                        format!("the {} piece lengths overflow usize", kind.name()),
+                    )
+                }),
+        }
+    }
+
+    /// Copies the tensor `kind` into `dest` (its first [`ExpertSource::bytes`] bytes),
+    /// reading file pieces with `pread` (adjacent pieces of one file with one call).
+    ///
+    /// # Errors
+    /// `dest` is too short, or a read fails or ends early (the error names the file
+    /// offset and length).
+    pub fn read_tensor(&self, kind: Kind, dest: &mut [u8]) -> Result<()> {
+        let len = self.bytes(kind)?;
+        if dest.len() < len {
+            return Err(Error::invalid(
+                "ExpertSource::read_tensor",
+                format!(
+                    "the {} take {len} bytes but the buffer holds {}",
+                    kind.name(),
+                    dest.len()
+                ),
+            ));
+        }
+        load::fill_slot(load::Job {
+            dest,
+            tensor: self.tensor(kind),
+            what: (0, 0, kind),
+        })
+    }
+
+    /// Weight bytes.
+    ///
+    /// # Errors
+    /// As [`ExpertSource::bytes`].
+    pub fn weight_bytes(&self) -> Result<usize> {
+        self.bytes(Kind::Weights)
+    }
+
+    /// Scale bytes.
+    ///
+    /// # Errors
+    /// As [`ExpertSource::bytes`].
+    pub fn scale_bytes(&self) -> Result<usize> {
+        self.bytes(Kind::Scales)
+    }
+}
+
+impl Tensor<'_> {
+    /// The byte count, checking pieces against overflow and their files' lengths (each
+    /// file's length read once per call).
+    pub(crate) fn checked_len(&self, op: &'static str, what: &dyn Fn() -> String) -> Result<usize> {
+        match *self {
+            Tensor::Memory(bytes) => Ok(bytes.len()),
+            Tensor::File(pieces) => {
+                let mut sizes: Vec<(*const File, u64)> = Vec::new();
+                let mut total: usize = 0;
+                for piece in pieces {
+                    let key: *const File = piece.file;
+                    let size = match sizes.iter().find(|(f, _)| *f == key) {
+                        Some(&(_, size)) => size,
+                        None => {
+                            let size = piece
+                                .file
+                                .metadata()
+                                .map_err(|e| Error::io("fstat", what(), e))?
+                                .len();
+                            sizes.push((key, size));
+                            size
+                        }
+                    };
+                    let end = piece.offset.checked_add(piece.len as u64);
+                    if end.is_none_or(|end| end > size) {
+                        return Err(Error::invalid(
+                            op,
+                            format!(
+                                "{}: piece at file offset {} of {} bytes runs past the end of the file ({size} bytes)",
+                                what(),
+                                piece.offset,
+                                piece.len
+                            ),
+                        ));
+                    }
+                    total = total.checked_add(piece.len).ok_or_else(|| {
+                        Error::invalid(op, format!("{}: piece lengths overflow", what()))
+                    })?;
+                }
+                Ok(total)
+            }
+        }
+    }
+}
