@@ -44,7 +44,9 @@ mod region;
 pub mod store;
 
 pub use error::{Errno, Error, Result};
-pub use node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
+pub use node::{
+    KernelMask, MAX_NODES, Node, NodeContext, NodeSet, NodeSetIter, possible_node_count,
+};
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
 pub use region::{

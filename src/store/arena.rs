@@ -10,6 +10,11 @@ pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum Kind {
     /// The expert's weight matrices (gate, up, down).
     Weights = 0,

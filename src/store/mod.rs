@@ -82,6 +82,7 @@ pub struct LayerSpec {
 
 /// What [`PinStore::pack_layer`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LayerReport {
     /// The layer.
     pub layer: usize,

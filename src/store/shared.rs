@@ -13,6 +13,7 @@ use crate::region::{Region, Seals};
 /// One exported region: which layer and tensor, its length, stride, slot size, and the
 /// bytes loaded in each slot (`None`: released).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ManifestRegion {
     /// The layer.
     pub layer: usize,
@@ -30,6 +31,7 @@ pub struct ManifestRegion {
 
 /// The layout of an exported store, in the order of [`Export::files`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Manifest {
     /// The regions.
     pub regions: Vec<ManifestRegion>,

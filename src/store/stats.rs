@@ -12,6 +12,7 @@ use crate::policy::{DegradeReason, Observed, Placement};
 
 /// Figures of the whole store, measured when asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct StoreStats {
     /// Layers packed.
     pub layers: usize,
