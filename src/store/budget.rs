@@ -7,9 +7,10 @@ use crate::error::{Error, Result};
 
 impl PinStore {
     /// Checks, before loading anything, that `layers` more layers of `spec` fit in the
-    /// map budget (`vm.max_map_count`, or [`StoreOptions::vma_budget`], minus the
-    /// mappings this process has now): a model that cannot fit is refused up front
-    /// instead of failing mid-load.
+    /// map budget (`vm.max_map_count`, or
+    /// [`StoreOptions::vma_budget`](super::StoreOptions::vma_budget), minus the mappings
+    /// this process has now): a model that cannot fit is refused up front instead of
+    /// failing mid-load.
     ///
     /// # Errors
     /// [`Error::MapBudget`] naming the mappings needed, left, the limit and the current

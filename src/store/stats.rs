@@ -39,8 +39,8 @@ pub struct StoreStats {
     pub shared_bytes: u64,
     /// Of which private to this process (`Private_*`).
     pub private_bytes: u64,
-    /// Bound, or the first degradation met (`None`: [`Layout::Unplaced`], or nothing
-    /// bound yet).
+    /// Bound, or the first degradation met (`None`:
+    /// [`Layout::Unplaced`](super::Layout::Unplaced), or nothing bound yet).
     pub placement: Option<Placement>,
 }
 
