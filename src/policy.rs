@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use numapin_sys as sys;
 
 use crate::error::{Errno, Error, Result};
-use crate::node::{KernelMask, MAX_NODES, Node, NodeSet, possible_node_count};
+use crate::node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
 ///
@@ -81,6 +81,11 @@ bitflags::bitflags! {
 /// Why placement is unavailable here. Only these two errnos degrade; everything else
 /// is an [`Error`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum DegradeReason {
     /// `EPERM`: a seccomp profile (Docker's default without `CAP_SYS_NICE`) denies the
     /// NUMA syscalls.
@@ -125,6 +130,11 @@ impl fmt::Display for DegradeReason {
 
 /// The outcome of setting a policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 #[must_use = "a Degraded placement means memory is not where it was asked to be"]
 pub enum Placement {
     /// The kernel accepted the policy.
@@ -209,14 +219,14 @@ impl MemPolicy {
         }
     }
 
-    /// Checks what the kernel would reject with a bare `EINVAL` (or, worse, silently
-    /// reinterpret), and says why, naming the node.
+    /// Checks the policy's shape, whatever machine it runs on: what the kernel would
+    /// reject with a bare `EINVAL` (or, worse, silently reinterpret), naming the node.
+    /// [`MemPolicy::validate_here`] also checks the node ids against this machine.
     ///
     /// # Errors
-    /// A node-set policy with an empty set; a node id at or beyond [`MAX_NODES`]
+    /// A node-set policy with an empty set, or a node id at or beyond [`MAX_NODES`]
     /// (`Preferred(Node(1024))` would otherwise become an empty mask, which the kernel
-    /// reads as local allocation); or a node id this machine cannot have (at or beyond
-    /// [`possible_node_count`]: `Bind({7})` on a one-node machine).
+    /// reads as local allocation).
     ///
     /// # Example
     /// ```
@@ -250,6 +260,18 @@ impl MemPolicy {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// [`MemPolicy::validate`], then every node id against this machine's possible nodes
+    /// ([`possible_node_count`]): `Bind({7})` on a one-node machine is refused naming node
+    /// 7, instead of the kernel's `EINVAL` with four possible causes. Every call that
+    /// hands a policy to the kernel checks this first.
+    ///
+    /// # Errors
+    /// As [`MemPolicy::validate`], or a node this machine cannot have.
+    pub fn validate_here(&self) -> Result<()> {
+        self.validate()?;
         let possible = possible_node_count();
         if let Some(node) = self.nodes().iter().find(|n| n.index() >= possible) {
             return Err(Error::invalid(
@@ -383,7 +405,7 @@ pub fn set_thread_policy(policy: &MemPolicy) -> Result<Placement> {
 /// # Errors
 /// As [`set_thread_policy`].
 pub fn set_thread_policy_with(policy: &MemPolicy, flags: ModeFlags) -> Result<Placement> {
-    policy.validate()?;
+    policy.validate_here()?;
     let mask = policy.kernel_mask();
     let mode = policy.mode() | flags.bits();
     // SAFETY: `mask` holds `maxnode / 64` words, more than the kernel reads.
@@ -456,6 +478,251 @@ impl Drop for ScopedPolicy {
             // it fails anyway there is nobody to report to from a destructor, and the
             // thread keeps the scoped policy, which is a placement, not a safety, issue.
             let _ = set_thread_policy_with(&policy, flags);
+        }
+    }
+}
+
+impl MemPolicy {
+    /// Parses the [`Display`](fmt::Display) form, resolving node strings against `ctx`
+    /// (see [`NodeSet::parse_in`]): `default`, `local`, `prefer:1`, `prefer (many):0-1`,
+    /// `bind:0-2`, `interleave:all`, `weighted interleave:0-2`.
+    ///
+    /// numactl's option names are accepted too: `localalloc`, `preferred:1`,
+    /// `preferred-many:0-1`, `membind:0-2`, `weighted-interleave:0-2`. Names are exact
+    /// (lower case); spaces around the name and the node string are ignored. `Display`
+    /// always prints the first spelling, so `to_string` then `parse_in` gives the policy
+    /// back for every policy whose nodes exist in `ctx` and that
+    /// [`validate`](MemPolicy::validate)s.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown mode name, a node string after `default`
+    /// or `local`, a missing one after the other modes, more than one node after `prefer`,
+    /// or an empty set (as [`validate`](MemPolicy::validate)); [`Error::Parse`] from the
+    /// node string.
+    pub fn parse_in(input: &str, ctx: &NodeContext) -> Result<MemPolicy> {
+        MemPolicy::parse_with(input, |nodes| NodeSet::parse_in(nodes, ctx))
+    }
+
+    /// [`MemPolicy::parse_in`] with a node-string parser.
+    fn parse_with(input: &str, nodes: impl FnOnce(&str) -> Result<NodeSet>) -> Result<MemPolicy> {
+        let bad = |why: &str| Error::invalid("MemPolicy::from_str", format!("{why}: {input:?}"));
+        let (name, list) = match input.split_once(':') {
+            Some((name, list)) => (name.trim(), Some(list)),
+            None => (input.trim(), None),
+        };
+        let no_nodes = |policy: MemPolicy| match list {
+            None => Ok(policy),
+            Some(_) => Err(bad("this mode takes no node string")),
+        };
+        // `None`: `prefer`, which takes exactly one node.
+        let with_set: Option<fn(NodeSet) -> MemPolicy> = match name {
+            "default" => return no_nodes(MemPolicy::Default),
+            "local" | "localalloc" => return no_nodes(MemPolicy::Local),
+            "prefer" | "preferred" => None,
+            "prefer (many)" | "preferred-many" => Some(MemPolicy::PreferredMany),
+            "bind" | "membind" => Some(MemPolicy::Bind),
+            "interleave" => Some(MemPolicy::Interleave),
+            "weighted interleave" | "weighted-interleave" => Some(MemPolicy::WeightedInterleave),
+            _ => {
+                return Err(bad(
+                    "unknown mode (expected default, local, prefer, prefer (many), bind, \
+                     interleave or weighted interleave)",
+                ));
+            }
+        };
+        let list = list.ok_or_else(|| bad("this mode needs a node string after ':'"))?;
+        let set = nodes(list)?;
+        let policy = match with_set {
+            Some(with_set) => with_set(set),
+            None => {
+                let mut it = set.iter();
+                match (it.next(), it.next()) {
+                    (Some(node), None) => MemPolicy::Preferred(node),
+                    _ => {
+                        return Err(bad(
+                            "prefer takes exactly one node (prefer (many) takes a set)",
+                        ));
+                    }
+                }
+            }
+        };
+        policy.validate()?;
+        Ok(policy)
+    }
+}
+
+impl std::str::FromStr for MemPolicy {
+    type Err = Error;
+
+    /// [`MemPolicy::parse_in`] against this process's topology
+    /// ([`NodeContext::current`]): `"interleave:all".parse::<MemPolicy>()`.
+    fn from_str(input: &str) -> Result<MemPolicy> {
+        MemPolicy::parse_in(input, &NodeContext::current()?)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl serde::Serialize for MemPolicy {
+    /// The [`Display`](fmt::Display) form: `"interleave:0-3"`.
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for MemPolicy {
+    /// The [`Display`](fmt::Display) form with a literal node list, read without this
+    /// machine's topology (a report from a 4-node box deserializes on a 1-node one).
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<MemPolicy, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        MemPolicy::parse_with(&text, NodeSet::parse_literal).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::MAX_NODES;
+    use proptest::prelude::*;
+
+    fn set(ids: &[usize]) -> NodeSet {
+        NodeSet::from_nodes(ids.iter().copied()).unwrap()
+    }
+
+    /// Every variant over nodes `0..possible`, from a node id and a non-empty id set.
+    fn policy_strategy(possible: usize) -> impl Strategy<Value = MemPolicy> {
+        let ids = proptest::collection::btree_set(0..possible, 1..possible.clamp(2, 40));
+        (0usize..7, 0..possible, ids).prop_map(|(variant, id, ids)| {
+            let s = NodeSet::from_nodes(ids).unwrap();
+            match variant {
+                0 => MemPolicy::Default,
+                1 => MemPolicy::Local,
+                2 => MemPolicy::Preferred(Node(id as u16)),
+                3 => MemPolicy::PreferredMany(s),
+                4 => MemPolicy::Bind(s),
+                5 => MemPolicy::Interleave(s),
+                _ => MemPolicy::WeightedInterleave(s),
+            }
+        })
+    }
+
+    #[test]
+    fn parses_each_display_form() {
+        let c = NodeContext::new(4, set(&[0, 1, 2, 3]));
+        let cases = [
+            ("default", MemPolicy::Default),
+            ("local", MemPolicy::Local),
+            ("prefer:1", MemPolicy::Preferred(Node(1))),
+            ("prefer (many):0,1", MemPolicy::PreferredMany(set(&[0, 1]))),
+            ("bind:0-2", MemPolicy::Bind(set(&[0, 1, 2]))),
+            ("interleave:0-3", MemPolicy::Interleave(set(&[0, 1, 2, 3]))),
+            (
+                "weighted interleave:0-2",
+                MemPolicy::WeightedInterleave(set(&[0, 1, 2])),
+            ),
+        ];
+        for (text, policy) in cases {
+            assert_eq!(MemPolicy::parse_in(text, &c).unwrap(), policy, "{text:?}");
+            assert_eq!(policy.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn accepts_numactl_spellings_and_node_string_syntax() {
+        let c = NodeContext::new(4, set(&[0, 2, 3]));
+        let cases = [
+            ("localalloc", MemPolicy::Local),
+            // Display prints a run of two as `0,2`; a range of two parses all the same.
+            ("prefer (many):2-3", MemPolicy::PreferredMany(set(&[2, 3]))),
+            ("preferred:2", MemPolicy::Preferred(Node(2))),
+            ("preferred-many:0,3", MemPolicy::PreferredMany(set(&[0, 3]))),
+            ("membind:all", MemPolicy::Bind(set(&[0, 2, 3]))),
+            (
+                "weighted-interleave:!2",
+                MemPolicy::WeightedInterleave(set(&[0, 3])),
+            ),
+            (" interleave : +1-2 ", MemPolicy::Interleave(set(&[2, 3]))),
+            ("prefer:!0,3", MemPolicy::Preferred(Node(2))),
+        ];
+        for (text, policy) in cases {
+            assert_eq!(MemPolicy::parse_in(text, &c).unwrap(), policy, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_with_the_reason() {
+        let c = NodeContext::new(4, set(&[0, 1, 2, 3]));
+        let invalid = [
+            ("", "unknown mode"),
+            ("Bind:0", "unknown mode"),
+            ("interleaved:0", "unknown mode"),
+            ("default:0", "takes no node string"),
+            ("local:", "takes no node string"),
+            ("bind", "needs a node string"),
+            ("prefer:0-1", "exactly one node"),
+        ];
+        for (text, why) in invalid {
+            match MemPolicy::parse_in(text, &c) {
+                Err(Error::InvalidArgument { op, reason }) => {
+                    assert_eq!(op, "MemPolicy::from_str");
+                    assert!(reason.contains(why), "{text:?}: {reason}");
+                    assert!(reason.contains(&format!("{text:?}")), "{text:?}: {reason}");
+                }
+                other => panic!("{text:?} gave {other:?}"),
+            }
+        }
+        for (text, part) in [("bind:", ""), ("bind:4", "4"), ("interleave:0,,1", "0,,1")] {
+            match MemPolicy::parse_in(text, &c) {
+                Err(Error::Parse { part: p, .. }) => assert_eq!(p, part, "{text:?}"),
+                other => panic!("{text:?} gave {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn from_str_resolves_against_this_machine() {
+        // Node 0 exists on every Linux machine; node 1023 on hardly any.
+        assert_eq!(
+            "bind:0".parse::<MemPolicy>().unwrap(),
+            MemPolicy::Bind(set(&[0]))
+        );
+        assert_eq!("local".parse::<MemPolicy>().unwrap(), MemPolicy::Local);
+        let here = NodeContext::current().unwrap();
+        if here.possible() < MAX_NODES {
+            assert!(matches!(
+                "bind:1023".parse::<MemPolicy>(),
+                Err(Error::Parse { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn literal_parse_takes_any_node_and_no_topology_words() {
+        let literal = |t: &str| MemPolicy::parse_with(t, NodeSet::parse_literal);
+        assert_eq!(
+            literal("interleave:0-3,1023").unwrap(),
+            MemPolicy::Interleave(set(&[0, 1, 2, 3, 1023]))
+        );
+        assert!(literal("bind:").is_err());
+        assert!(literal("bind:all").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn display_from_str_roundtrip(policy in policy_strategy(64)) {
+            let all = NodeSet::from_nodes(0..64).unwrap();
+            let c = NodeContext::new(64, all);
+            prop_assert_eq!(MemPolicy::parse_in(&policy.to_string(), &c).unwrap(), policy);
+            // The literal reading (serde's) agrees, without any context.
+            prop_assert_eq!(
+                MemPolicy::parse_with(&policy.to_string(), NodeSet::parse_literal).unwrap(),
+                policy
+            );
+        }
+
+        #[test]
+        fn parse_never_panics(input in "[a-z (),:!+0-9-]{0,24}") {
+            let _ = MemPolicy::parse_in(&input, &NodeContext::new(4, NodeSet::from_nodes(0..4).unwrap()));
         }
     }
 }

@@ -55,7 +55,7 @@ pub(crate) unsafe fn mbind_checked(
     mode_flags: ModeFlags,
     flags: MbindFlags,
 ) -> Result<Placement> {
-    policy.validate()?;
+    policy.validate_here()?;
     if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() && !crate::capability::sys_nice() {
         return Err(crate::capability::missing_sys_nice(
             "mbind",

@@ -13,6 +13,11 @@ pub use load::{MAPS_PER_THREAD, MAX_READ};
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum Kind {
     /// The expert's weight matrices (gate, up, down).
     Weights = 0,

@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 /// One exported region: which layer and tensor, its length, stride, slot size, and the
 /// bytes loaded in each slot (`None`: released).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ManifestRegion {
     /// The layer.
     pub layer: usize,
@@ -57,6 +58,7 @@ pub struct ManifestRegion {
 /// # Ok::<(), numapin::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Manifest {
     /// The regions.
     pub regions: Vec<ManifestRegion>,

@@ -188,6 +188,7 @@ impl LayerSpec {
 
 /// What [`PinStore::pack_layer`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LayerReport {
     /// The layer.
     pub layer: usize,

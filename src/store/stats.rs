@@ -13,6 +13,7 @@ use crate::policy::{DegradeReason, Observed, Placement};
 
 /// Figures of the whole store, measured when asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct StoreStats {
     /// Layers packed.
     pub layers: usize,
@@ -39,8 +40,8 @@ pub struct StoreStats {
     pub shared_bytes: u64,
     /// Of which private to this process (`Private_*`).
     pub private_bytes: u64,
-    /// Bound, or the first degradation met (`None`: [`Layout::Unplaced`], or nothing
-    /// bound yet).
+    /// Bound, or the first degradation met (`None`:
+    /// [`Layout::Unplaced`](super::Layout::Unplaced), or nothing bound yet).
     pub placement: Option<Placement>,
 }
 

@@ -133,6 +133,20 @@ fn check(ret: c_long) -> Result<c_long, Errno> {
 ///
 /// `mode` may carry `MPOL_F_STATIC_NODES` / `MPOL_F_RELATIVE_NODES` / `MPOL_F_NUMA_BALANCING`.
 ///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `addr` not page-aligned, an unknown mode or flag, an empty mask for a mode
+///   that needs nodes, `maxnode` above the kernel's limit, no node of the mask online,
+///   in the cpuset and with memory, or both `MPOL_F_STATIC_NODES` and
+///   `MPOL_F_RELATIVE_NODES`;
+/// - `EFAULT`: the range has unmapped holes, or the mask is not readable;
+/// - `ENOMEM`: out of kernel memory, or splitting the range off its mapping would cross
+///   `vm.max_map_count` (the per-slab binding failure this project exists for);
+/// - `EIO`: `MPOL_MF_STRICT` and pages that are elsewhere (and could not be moved);
+/// - `EPERM`: `MPOL_MF_MOVE_ALL` without `CAP_SYS_NICE`, or a seccomp profile;
+/// - `ENOSYS`: a kernel built without `CONFIG_NUMA`.
+///
 /// # Safety
 ///
 /// `nodemask` is null or points to `ceil((maxnode - 1) / 64)` readable words. With
@@ -170,6 +184,17 @@ pub unsafe fn mbind(
 /// `long set_mempolicy(int mode, const unsigned long *nodemask, unsigned long maxnode)` —
 /// set the calling thread's memory policy.
 ///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: an unknown mode or flag, an empty mask for a mode that needs nodes,
+///   `maxnode` above the kernel's limit, no allowed node in the mask, or both
+///   `MPOL_F_STATIC_NODES` and `MPOL_F_RELATIVE_NODES`;
+/// - `EFAULT`: the mask is not readable;
+/// - `ENOMEM`: out of kernel memory;
+/// - `EPERM`: a seccomp profile (the call itself checks no capability);
+/// - `ENOSYS`: a kernel built without `CONFIG_NUMA`.
+///
 /// # Safety
 ///
 /// `nodemask` is null or points to `ceil((maxnode - 1) / 64)` readable words. The policy
@@ -197,6 +222,16 @@ pub unsafe fn set_mempolicy(
 
 /// `long get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
 /// void *addr, unsigned long flags)` — read the thread's or a range's policy.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `maxnode` below the kernel's possible node count, unknown flags, `addr`
+///   given without `MPOL_F_ADDR` (or missing with it), `MPOL_F_NODE` alone while the
+///   thread's policy is not interleave, or `MPOL_F_MEMS_ALLOWED` with another flag;
+/// - `EFAULT`: with `MPOL_F_ADDR`, `addr` is not mapped; or an output is not writable;
+/// - `EPERM`: a seccomp profile;
+/// - `ENOSYS`: a kernel built without `CONFIG_NUMA`.
 ///
 /// # Safety
 ///
@@ -232,6 +267,17 @@ pub unsafe fn get_mempolicy(
 /// unsigned long home_node, unsigned long flags)` — set the home node of the
 /// `MPOL_BIND` / `MPOL_PREFERRED_MANY` policies of a range (since Linux 5.17).
 ///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `start` not page-aligned, `flags` not 0, `home_node` not an online node,
+///   or the range wraps around;
+/// - `EOPNOTSUPP`: a mapping in the range has a policy other than `MPOL_BIND` or
+///   `MPOL_PREFERRED_MANY`;
+/// - `ENOMEM`: out of kernel memory, or a split would cross `vm.max_map_count`;
+/// - `EPERM`: a seccomp profile;
+/// - `ENOSYS`: before Linux 5.17, or a kernel built without `CONFIG_NUMA`.
+///
 /// # Safety
 ///
 /// Changes no memory contents; the range must belong to this process (else `EFAULT`).
@@ -264,6 +310,18 @@ pub unsafe fn set_mempolicy_home_node(
 /// `nodes`, report the node each page is on without moving or faulting anything in.
 ///
 /// Returns the number of pages that could not be moved (0 when `nodes` is null).
+///
+/// # Errors
+///
+/// The kernel's errno for the call as a whole, unchanged (a page that cannot be moved or
+/// is not present gets a negative errno in its `status` entry instead):
+/// - `ESRCH`: no process `pid`;
+/// - `EPERM`: `MPOL_MF_MOVE_ALL`, or another user's process, without `CAP_SYS_NICE`; or a
+///   seccomp profile;
+/// - `EINVAL`: unknown flags, or `pid` is a kernel thread;
+/// - `EACCES`: a target node outside the cpuset; `ENODEV`: a target node not online;
+/// - `EFAULT`: an array is not accessible; `E2BIG`: `count` is too large;
+/// - `ENOSYS`: a kernel built without `CONFIG_NUMA`.
 ///
 /// # Safety
 ///
@@ -301,6 +359,17 @@ pub unsafe fn move_pages(
 /// const unsigned long *new_nodes)` — move all pages of a process from one node set to
 /// another. Returns the number of pages that could not be moved.
 ///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `ESRCH`: no process `pid`;
+/// - `EPERM`: another user's process, or target nodes outside its cpuset, without
+///   `CAP_SYS_NICE`; or a seccomp profile;
+/// - `EINVAL`: `maxnode` above the kernel's limit, or no allowed node with memory in the
+///   masks;
+/// - `EFAULT`: a mask is not readable;
+/// - `ENOSYS`: a kernel built without `CONFIG_NUMA`.
+///
 /// # Safety
 ///
 /// Both masks point to `ceil((maxnode - 1) / 64)` readable words. Pages of the target
@@ -329,6 +398,20 @@ pub unsafe fn migrate_pages(
 }
 
 /// `int madvise(void *addr, size_t len, int advice)` — advise the kernel about a range.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `addr` not page-aligned, advice this kernel does not know (e.g.
+///   `MADV_POPULATE_WRITE` before Linux 5.14), or advice that cannot apply to the
+///   mapping (`MADV_DONTNEED` on locked or `VM_PFNMAP` pages, `MADV_HUGEPAGE` without
+///   THP);
+/// - `ENOMEM`: part of the range is not mapped, or populating ran out of memory;
+/// - `EFAULT`: `MADV_POPULATE_*` would have raised `SIGBUS` (e.g. past the end of a
+///   file or a full hugetlbfs pool);
+/// - `EAGAIN`, `EINTR`, `EIO`, `EHWPOISON`: transient, interrupted, over the RSS
+///   limit, poisoned memory;
+/// - `EPERM`: a seccomp profile, or a sealed or privileged operation.
 ///
 /// # Safety
 ///

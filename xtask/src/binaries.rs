@@ -64,8 +64,40 @@ pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
     Ok(found)
 }
 
+/// Builds one example of the numapin package in release mode and returns its executable,
+/// as cargo reports it (so `CARGO_TARGET_DIR` and `build.target-dir` are honoured).
+pub fn build_example(name: &str) -> Result<PathBuf, String> {
+    let mut cmd = crate::cargo();
+    cmd.current_dir(crate::root())
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "numapin",
+            "--example",
+            name,
+            "--message-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed: {}", out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter(|l| {
+            l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"kind\":[\"example\"]")
+        })
+        .filter(|l| json_field(l, "name").is_some_and(|n| n == name))
+        .find_map(|l| json_field(l, "executable"))
+        .map(PathBuf::from)
+        .ok_or_else(|| format!("cargo reported no executable for example {name}"))
+}
+
 /// The string value of `"key":"..."` (first occurrence), unescaping `\"` and `\\`.
-fn json_field(line: &str, key: &str) -> Option<String> {
+pub fn json_field(line: &str, key: &str) -> Option<String> {
     let start = line.find(&format!("\"{key}\":\""))? + key.len() + 4;
     let mut out = String::new();
     let mut chars = line[start..].chars();

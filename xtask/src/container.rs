@@ -82,7 +82,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     check_userns()?;
     let tests = binaries::build(false)?;
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    let logs = crate::root().join("target/xtask/container");
+    let logs = crate::target_dir()?.join("xtask/container");
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
 
     let mut outcomes = Vec::new();

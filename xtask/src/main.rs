@@ -77,6 +77,32 @@ pub fn root() -> std::path::PathBuf {
         .unwrap_or(manifest)
 }
 
+/// Cargo's target directory for this workspace (`CARGO_TARGET_DIR`, `build.target-dir`
+/// or `<root>/target`), as `cargo metadata` reports it; asked once.
+pub fn target_dir() -> Result<std::path::PathBuf, String> {
+    static TARGET: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
+        std::sync::OnceLock::new();
+    TARGET
+        .get_or_init(|| {
+            let mut cmd = cargo();
+            cmd.current_dir(root())
+                .args(["metadata", "--format-version", "1", "--no-deps"]);
+            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{cmd:?} failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let text = String::from_utf8_lossy(&out.stdout);
+            binaries::json_field(&text, "target_directory")
+                .map(std::path::PathBuf::from)
+                .ok_or_else(|| format!("{cmd:?} printed no target_directory"))
+        })
+        .clone()
+}
+
 fn test_host() -> Result<(), String> {
     run(cargo()
         .current_dir(root())

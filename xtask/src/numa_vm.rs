@@ -1,9 +1,10 @@
 //! `cargo xtask test-numa`: the test binaries in a qemu VM with four NUMA nodes (TCG):
 //! nodes 0-2 with 512 MiB and one CPU each, node 3 a CPU without memory.
 //!
-//! Provisioning: qemu-system-x86 and busybox-static from apt when root; the kernel of
-//! Debian's linux-image-cloud-amd64, fetched with `apt-get download` and unpacked into
-//! `target/numa-vm/`. The initramfs (busybox, the release test binaries, the main-job
+//! Provisioning: qemu-system-x86 and busybox-static from apt when root (otherwise the
+//! error names the packages to install as root); the kernel of Debian's
+//! linux-image-cloud-amd64, fetched with `apt-get download` and unpacked into
+//! `<target dir>/numa-vm/` by any user (no root needed once apt's lists exist). The initramfs (busybox, the release test binaries, the main-job
 //! example and the shared libraries `ldd` names) is written by `cpio.rs`; `/init` runs
 //! each case between markers on the serial console, which this module reads with a
 //! deadline.
@@ -40,7 +41,7 @@ struct Tools {
 pub fn run() -> Result<(), String> {
     let started = Instant::now();
     let required = std::env::var("NUMAPIN_REQUIRE_VM").is_ok_and(|v| v == "1");
-    let cache = crate::root().join("target/numa-vm");
+    let cache = crate::target_dir()?.join("numa-vm");
     std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
     let tools = match provision(&cache) {
         Ok(tools) => tools,
@@ -52,15 +53,7 @@ pub fn run() -> Result<(), String> {
         Err(e) => return Err(format!("test-numa: the VM cannot be provisioned:\n{e}")),
     };
     let tests = binaries::build(true)?;
-    crate::run(crate::cargo().current_dir(crate::root()).args([
-        "build",
-        "--release",
-        "--package",
-        "numapin",
-        "--example",
-        "pin_model",
-    ]))?;
-    let pin_model = crate::root().join("target/release/examples/pin_model");
+    let pin_model = binaries::build_example("pin_model")?;
     let initramfs = cache.join("initramfs.cpio");
     build_initramfs(&tools, &tests, &pin_model, &initramfs)?;
 
@@ -68,7 +61,8 @@ pub fn run() -> Result<(), String> {
         .ok()
         .and_then(|v| v.parse().ok())
         .map_or(Duration::from_secs(900), Duration::from_secs);
-    let (console, seconds) = boot(&tools, &initramfs, &cache.join("console.log"), timeout)?;
+    let console_log = cache.join("console.log");
+    let (console, seconds) = boot(&tools, &initramfs, &console_log, timeout)?;
     let mut outcomes = evaluate(&console, &tests)?;
     for o in &mut outcomes {
         o.seconds = seconds.get(&o.binary).copied().unwrap_or(0.0);
@@ -84,7 +78,10 @@ pub fn run() -> Result<(), String> {
     if report::all_ok(&outcomes) {
         Ok(())
     } else {
-        Err("test-numa: failures above (console: target/numa-vm/console.log)".into())
+        Err(format!(
+            "test-numa: failures above (console: {})",
+            console_log.display()
+        ))
     }
 }
 
@@ -132,6 +129,10 @@ fn apt(args: &[&str], dir: Option<&Path>) -> Result<String, String> {
 }
 
 /// Finds or installs qemu, a static busybox and the VM kernel.
+///
+/// The kernel needs no root: `apt-get download` and `dpkg-deb -x` work as any user once
+/// apt's package lists exist. Installing qemu and busybox does need root; without it the
+/// error says which packages to install, after the kernel has been fetched anyway.
 fn provision(cache: &Path) -> Result<Tools, String> {
     let kernel = cache.join("vmlinuz");
     let missing_packages: Vec<&str> = [
@@ -145,25 +146,9 @@ fn provision(cache: &Path) -> Result<Tools, String> {
     .filter(|(_, missing)| *missing)
     .map(|(p, _)| *p)
     .collect();
-    let need_kernel = !kernel.is_file();
-    if !missing_packages.is_empty() || need_kernel {
-        if !is_root() {
-            let mut how = String::new();
-            if !missing_packages.is_empty() {
-                how += &format!("  sudo apt-get install -y {}\n", missing_packages.join(" "));
-            }
-            if need_kernel {
-                how += &format!(
-                    "  cd {} && apt-get download $(apt-cache depends {KERNEL_META} | awk '/Depends: linux-image/{{print $2; exit}}') \\\n    && dpkg-deb -x linux-image-*.deb kernel && cp kernel/boot/vmlinuz-* vmlinuz\n",
-                    cache.display()
-                );
-            }
-            return Err(format!(
-                "missing: {}; as root run:\n{how}",
-                describe_missing(&missing_packages, need_kernel)
-            ));
-        }
-        if !missing_packages.is_empty() {
+    let mut problems = Vec::new();
+    if !missing_packages.is_empty() {
+        if is_root() {
             eprintln!(
                 "xtask: installing {} with apt-get",
                 missing_packages.join(", ")
@@ -174,10 +159,28 @@ fn provision(cache: &Path) -> Result<Tools, String> {
                 apt(&["update"], None)?;
                 apt(&install, None)?;
             }
+        } else {
+            problems.push(format!(
+                "missing {}: installing packages needs root; as root run:\n  \
+                 apt-get update && apt-get install -y {}",
+                missing_packages.join(", "),
+                missing_packages.join(" ")
+            ));
         }
-        if need_kernel {
-            fetch_kernel(cache, &kernel)?;
-        }
+    }
+    if !kernel.is_file()
+        && let Err(e) = fetch_kernel(cache, &kernel)
+    {
+        problems.push(format!(
+            "the VM kernel ({KERNEL_META}) could not be fetched: {e}\n\
+             by hand (no root needed once apt's lists exist):\n  \
+             cd {} && apt-get download $(apt-cache depends {KERNEL_META} | awk '/Depends: linux-image/{{print $2; exit}}') \\\n    \
+             && dpkg-deb -x linux-image-*.deb kernel && cp kernel/boot/vmlinuz-* vmlinuz",
+            cache.display()
+        ));
+    }
+    if !problems.is_empty() {
+        return Err(problems.join("\n"));
     }
     Ok(Tools {
         qemu: find_in_path("qemu-system-x86_64")
@@ -187,23 +190,22 @@ fn provision(cache: &Path) -> Result<Tools, String> {
     })
 }
 
-fn describe_missing(packages: &[&str], kernel: bool) -> String {
-    let mut parts: Vec<String> = packages.iter().map(|p| p.to_string()).collect();
-    if kernel {
-        parts.push(format!("the VM kernel ({KERNEL_META})"));
-    }
-    parts.join(", ")
-}
-
 /// `apt-get download` the versioned kernel package the cloud meta-package depends on,
 /// and unpack its vmlinuz.
 fn fetch_kernel(cache: &Path, kernel: &Path) -> Result<(), String> {
     let depends = |()| output(Command::new("apt-cache").args(["depends", KERNEL_META]));
     let text = match depends(()) {
         Ok(t) if t.contains("Depends: linux-image") => t,
-        _ => {
+        // Refreshing apt's lists is the one step that needs root.
+        _ if is_root() => {
             apt(&["update"], None)?;
             depends(())?
+        }
+        _ => {
+            return Err(format!(
+                "apt-cache knows no {KERNEL_META} (apt's package lists are missing or stale); \
+                 as root run: apt-get update"
+            ));
         }
     };
     let package = text
