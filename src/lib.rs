@@ -46,9 +46,13 @@ pub mod store;
 pub use error::{Errno, Error, Result};
 pub use node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
-pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
+pub use probe::{
+    MempolicySupport, Support, SyscallGroup, ThpMode, group_support, mempolicy_support,
+    page_calls_support, probe,
+};
 pub use region::{
-    Advice, HugePageSize, MoveReport, NodeHistogram, Region, Seals, bind_range, migrate_process,
+    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
+    migrate_process,
 };
 pub use store::{ExpertSource, LayerReport, LayerSpec, Layout, PinStore, StoreOptions, StoreStats};
 
