@@ -153,9 +153,10 @@ pub(crate) unsafe fn spans_histogram(
 /// pages at all, when its share is exactly "not present").
 ///
 /// # Errors
-/// The files cannot be read, or the mappings changed between the two reads three times
-/// running.
+/// The files cannot be read, or the mappings touching the spans changed between the two
+/// reads every time (a neighbour being mapped and merged), eight times running.
 pub(crate) fn numa_maps_histogram(spans: &[(usize, usize)]) -> Result<NodeHistogram> {
+    const ATTEMPTS: usize = 8;
     let page = page_size();
     let mut union: Vec<(usize, usize)> = spans.iter().copied().filter(|(a, b)| a < b).collect();
     union.sort_unstable();
@@ -177,7 +178,7 @@ pub(crate) fn numa_maps_histogram(spans: &[(usize, usize)]) -> Result<NodeHistog
             .map(|&(s, e)| e.min(b) - s.max(a))
             .sum()
     };
-    for _attempt in 0..3 {
+    for _attempt in 0..ATTEMPTS {
         let maps = std::fs::read_to_string("/proc/self/maps")
             .map_err(|e| Error::io("read", "/proc/self/maps", e))?;
         let ends: BTreeMap<usize, usize> = maps
@@ -196,7 +197,14 @@ pub(crate) fn numa_maps_histogram(spans: &[(usize, usize)]) -> Result<NodeHistog
             ..NodeHistogram::default()
         };
         let mut changed = false;
-        for entry in &entries {
+        for (i, entry) in entries.iter().enumerate() {
+            // Lines come in address order: the next one bounds this mapping's end, so
+            // only mappings that may touch the spans need their extent from `maps`
+            // (mappings elsewhere come and go between the reads as other threads work).
+            let bound = entries.get(i + 1).map_or(usize::MAX, |next| next.address);
+            if inside(entry.address, bound) == 0 {
+                continue;
+            }
             let Some(&end) = ends.get(&entry.address) else {
                 changed = true;
                 break;
@@ -226,8 +234,10 @@ pub(crate) fn numa_maps_histogram(spans: &[(usize, usize)]) -> Result<NodeHistog
     }
     Err(Error::invalid(
         "numa_maps",
-        "the mappings changed between reading /proc/self/maps and /proc/self/numa_maps, \
-         three times running",
+        format!(
+            "the mappings at the range changed between reading /proc/self/maps and \
+             /proc/self/numa_maps, {ATTEMPTS} times running"
+        ),
     ))
 }
 
