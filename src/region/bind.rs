@@ -7,7 +7,7 @@ use numapin_sys as sys;
 use crate::error::{Error, Result};
 use crate::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
-use crate::probe::NumaCall;
+use crate::probe::{MempolicySupport, NumaCall};
 
 /// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
 /// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.
@@ -59,7 +59,12 @@ pub(crate) unsafe fn mbind_checked(
     flags: MbindFlags,
 ) -> Result<Placement> {
     policy.validate()?;
-    if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() && !crate::capability::sys_nice() {
+    // Only where the call can run: a profile's denial or a kernel without NUMA degrades
+    // whatever the capabilities.
+    if flags.contains(MbindFlags::MOVE_ALL)
+        && NumaCall::Mbind.support()? == MempolicySupport::Available
+        && !crate::capability::sys_nice()
+    {
         return Err(crate::capability::missing_sys_nice(
             "mbind",
             "MPOL_MF_MOVE_ALL moves pages other processes share",
@@ -88,12 +93,4 @@ pub(crate) unsafe fn mbind_checked(
     // kernel's): the helper names the capability; where the probe was denied too it is a
     // container's denial, which degrades.
     Placement::from_call(NumaCall::Mbind, result, args)
-}
-
-/// Whether the probe found the policy calls denied (a container's seccomp profile).
-pub(crate) fn denied_here() -> bool {
-    matches!(
-        crate::mempolicy_support(),
-        Ok(crate::MempolicySupport::Denied)
-    )
 }
