@@ -486,3 +486,34 @@ fn same_user(pid: i32) -> Result<bool> {
         .flatten()
         .any(|&id| id == uid || id == euid))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Region;
+
+    #[test]
+    fn numa_maps_never_attributes_a_mapping_that_reaches_past_the_range() {
+        let page = page_size();
+        let mut r = Region::anonymous(3 * page).unwrap();
+        let start = r.as_ptr() as usize;
+        let middle = [(start + page, start + 2 * page)];
+        // Untouched: a line with no pages says "not present" exactly, even if the kernel
+        // merged the region with a neighbour (whose pages would then be `merged`).
+        let h = numa_maps_histogram(&middle).unwrap();
+        assert_eq!((h.present(), h.source), (0, PagesSource::NumaMaps));
+        assert_eq!(h.not_present + h.merged, 1, "{h:?}");
+
+        r.as_mut_slice().unwrap().fill(1);
+        // The middle page's line covers its two neighbours too: its count is not ours.
+        let h = numa_maps_histogram(&middle).unwrap();
+        assert_eq!((h.present(), h.merged, h.not_present), (0, 1, 0), "{h:?}");
+        // The whole region: its own line counts (merged only if a neighbour joined it).
+        let h = numa_maps_histogram(&[(start, start + 3 * page)]).unwrap();
+        assert_eq!((h.present() + h.merged, h.not_present), (3, 0), "{h:?}");
+        // Two spans covering a line between them count it whole.
+        let h = numa_maps_histogram(&[(start, start + page), (start + page, start + 3 * page)])
+            .unwrap();
+        assert_eq!(h.present() + h.merged, 3, "{h:?}");
+    }
+}
