@@ -244,15 +244,26 @@ fn gib(bytes: u64) -> String {
 }
 
 fn pages(run: &Run) -> String {
-    if run.pages_per_node.is_empty() {
-        return "unknown (move_pages unavailable)".into();
+    if run.pages_source.is_none() {
+        return "unknown (no page source here)".into();
     }
     let total: u64 = run.pages_per_node.values().sum();
-    run.pages_per_node
+    let mut text = run
+        .pages_per_node
         .iter()
         .map(|(n, p)| format!("N{n}={p} ({:.1}%)", 100.0 * *p as f64 / total.max(1) as f64))
         .collect::<Vec<_>>()
-        .join(" ")
+        .join(" ");
+    if run.pages_per_node.is_empty() {
+        text.push_str("no pages");
+    }
+    if run.pages_merged > 0 {
+        text.push_str(&format!(
+            " + {} in a mapping merged with a neighbour (node unknown)",
+            run.pages_merged
+        ));
+    }
+    format!("{text} (from {})", run.pages_source_name())
 }
 
 fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeSet, layout: &str) {
@@ -296,6 +307,7 @@ fn rows(r: &Run) -> Vec<(&'static str, String)> {
         ("THP bytes", gib(r.anon_huge_bytes)),
         ("process RSS", gib(r.rss_bytes)),
         ("pages per node", pages(r)),
+        ("pages source", r.pages_source_name().to_string()),
         ("placement", r.placement.clone()),
     ]
 }

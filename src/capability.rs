@@ -15,14 +15,11 @@ pub fn sys_nice() -> bool {
     .unwrap_or(false)
 }
 
-/// The error for an operation that needs `CAP_SYS_NICE`.
-pub(crate) fn missing_sys_nice(op: &'static str, why: &str) -> Error {
-    Error::invalid(
+/// The error for an operation that needs `CAP_SYS_NICE`: `why` says what needed it.
+pub(crate) fn missing_sys_nice(op: &'static str, why: impl Into<String>) -> Error {
+    Error::MissingCapability {
         op,
-        format!(
-            "needs CAP_SYS_NICE, which this thread lacks: {why}. Run as root, grant the \\
-             capability (`setcap cap_sys_nice+ep`, or `--cap-add SYS_NICE` for a container), \\
-             or leave out the flag"
-        ),
-    )
+        cap: "CAP_SYS_NICE",
+        why: why.into(),
+    }
 }

@@ -14,7 +14,8 @@ use numapin_sys as sys;
 
 use crate::error::{Error, Result};
 use crate::node::{KernelMask, Node, NodeSet, possible_node_count};
-use crate::policy::{DegradeReason, MemPolicy, ModeFlags, Observed};
+use crate::policy::{MemPolicy, ModeFlags, Observed};
+use crate::probe::NumaCall;
 
 fn read(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))
@@ -427,7 +428,8 @@ pub fn numa_maps_at(addr: *const u8) -> Result<Option<NumaMapsEntry>> {
 /// `EFAULT`, which is returned as an error).
 ///
 /// # Errors
-/// Any errno but `EPERM`/`ENOSYS`.
+/// Any errno but `EPERM`/`ENOSYS` where the probe says they mean a denial or no NUMA
+/// (see [`crate::policy::degrade_or_error`]).
 pub(crate) unsafe fn policy_at_addr(addr: *mut c_void) -> Result<Observed<(MemPolicy, ModeFlags)>> {
     let mut mode = 0;
     let mut mask = KernelMask::empty(possible_node_count());
@@ -445,14 +447,10 @@ pub(crate) unsafe fn policy_at_addr(addr: *mut c_void) -> Result<Observed<(MemPo
     match result {
         Ok(()) => MemPolicy::from_kernel(mode, NodeSet::from_kernel_words(mask.words()))
             .map(Observed::Known),
-        Err(errno) => match DegradeReason::from_errno(errno) {
-            Some(reason) => Ok(Observed::Degraded(reason)),
-            None => Err(Error::os(
-                "get_mempolicy",
-                errno,
-                format_args!("addr={addr:p} flags=MPOL_F_ADDR maxnode={maxnode}"),
-            )),
-        },
+        Err(errno) => crate::policy::degrade_or_error(NumaCall::GetMempolicy, errno, || {
+            format!("addr={addr:p} flags=MPOL_F_ADDR maxnode={maxnode}")
+        })
+        .map(Observed::Degraded),
     }
 }
 

@@ -42,6 +42,22 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The kernel's capability check refused a call the probe found allowed here: a
+    /// missing capability, not a container's denial (which is
+    /// [`Placement::Degraded`](crate::Placement::Degraded)).
+    #[error(
+        "{op}: needs {cap}, which this process lacks here: {why}. Run as root outside a user \
+         namespace, grant the capability (`setcap cap_sys_nice+ep`, or `--cap-add SYS_NICE` \
+         for a container), or leave out what needs it"
+    )]
+    MissingCapability {
+        /// The operation that needs it (`"mbind"`, `"migrate_pages"`).
+        op: &'static str,
+        /// The capability, as its C name (`"CAP_SYS_NICE"`).
+        cap: &'static str,
+        /// What needed it, with the arguments.
+        why: String,
+    },
     /// Locking would exceed `RLIMIT_MEMLOCK`.
     #[error(
         "mlock of {wanted} bytes would exceed RLIMIT_MEMLOCK: {locked} bytes already locked, limit {limit} bytes \
@@ -134,22 +150,6 @@ pub enum Error {
         /// How many there are.
         len: usize,
     },
-    /// The kernel refused an operation for want of a capability (a capability check,
-    /// not a seccomp profile: the probe found the call itself available).
-    #[error(
-        "{op} needs {cap}, which this process lacks here: {why}. Run as root, grant the \
-         capability (`setcap cap_sys_nice+ep`, or `--cap-add SYS_NICE` for a container; a \
-         capability held inside a user namespace does not reach host resources), or leave \
-         out the operation that needs it"
-    )]
-    MissingCapability {
-        /// The operation.
-        op: &'static str,
-        /// The capability (`"CAP_SYS_NICE"`).
-        cap: &'static str,
-        /// What needed it.
-        why: String,
-    },
     /// A policy names nodes this process may not allocate on (outside `mems_allowed`,
     /// or without memory).
     #[error("{op}: node {node} is not one this process may allocate on (allowed: {allowed})")]
@@ -205,10 +205,12 @@ pub enum Error {
 }
 
 impl Error {
-    /// The kernel's errno, if this error came from a syscall or file operation.
+    /// The kernel's errno, if this error came from a syscall or file operation;
+    /// `EPERM` for a [`Error::MissingCapability`] (the errno the call gets, or would).
     pub fn errno(&self) -> Option<Errno> {
         match self {
             Error::Os { errno, .. } => Some(*errno),
+            Error::MissingCapability { .. } => Some(Errno::PERM),
             Error::Io { source, .. } => source.raw_os_error().map(Errno::from_raw_os_error),
             _ => None,
         }

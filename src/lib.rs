@@ -22,10 +22,13 @@ pub use node::{
     KernelMask, MAX_NODES, Node, NodeContext, NodeSet, NodeSetIter, possible_node_count,
 };
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
-pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
+pub use probe::{
+    MempolicySupport, Support, SyscallGroup, ThpMode, group_support, mempolicy_support,
+    page_calls_support, probe,
+};
 pub use region::{
-    Advice, HugePageSize, MoveReport, NodeHistogram, Region, Seals, bind_range, migrate_process,
-    range_placement,
+    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
+    migrate_process, range_placement,
 };
 pub use store::{
     ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,

@@ -12,6 +12,7 @@ use numapin_sys as sys;
 
 use crate::error::{Errno, Error, Result};
 use crate::node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
+use crate::probe::{MempolicySupport, NumaCall};
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
 ///
@@ -103,13 +104,51 @@ impl DegradeReason {
         }
     }
 
-    /// `Some` for `EPERM` and `ENOSYS`, the two errnos that mean "no placement here".
+    /// `Some` for `EPERM` and `ENOSYS`, the two errnos that can mean "no placement here".
+    /// The errno alone does not decide it: an `EPERM` where the probe found the call
+    /// allowed is a missing capability, which numapin's own calls report as
+    /// [`Error::MissingCapability`].
     pub fn from_errno(errno: Errno) -> Option<Self> {
         match errno {
             Errno::PERM => Some(DegradeReason::Denied),
             Errno::NOSYS => Some(DegradeReason::Unsupported),
             _ => None,
         }
+    }
+}
+
+/// What an errno from a NUMA call means here, given what the probe found for that call
+/// (the one place that decides between "degrade" and "error"):
+///
+/// - `ENOSYS`: the kernel lacks the call: [`DegradeReason::Unsupported`].
+/// - `EPERM` where the probe was denied too: a seccomp profile refuses the call whatever
+///   its arguments: [`DegradeReason::Denied`].
+/// - `EPERM` where the probe passed: the kernel's capability check refused this one
+///   request (`CAP_SYS_NICE` for `MPOL_MF_MOVE_ALL`, another user's process, nodes
+///   outside the target's cpuset; a capability held only in a child user namespace does
+///   not count): [`Error::MissingCapability`].
+/// - anything else: [`Error::Os`] with `args`.
+///
+/// # Errors
+/// As above, or the probe itself failed.
+pub(crate) fn degrade_or_error(
+    call: NumaCall,
+    errno: Errno,
+    args: impl FnOnce() -> String,
+) -> Result<DegradeReason> {
+    let op = call.name();
+    match (errno, call.support()?) {
+        (Errno::NOSYS, _) => Ok(DegradeReason::Unsupported),
+        (Errno::PERM, MempolicySupport::Denied) => Ok(DegradeReason::Denied),
+        (Errno::PERM, MempolicySupport::Available) => Err(crate::capability::missing_sys_nice(
+            op,
+            format!(
+                "the kernel refused {op}({}) with EPERM although its probe passed here, so this \
+                 is its capability check (in the initial user namespace), not a seccomp profile",
+                args()
+            ),
+        )),
+        (errno, _) => Err(Error::os(op, errno, args())),
     }
 }
 
@@ -149,18 +188,16 @@ impl Placement {
         matches!(self, Placement::Bound)
     }
 
-    /// Turns a policy call's result into a placement: `EPERM`/`ENOSYS` degrade, every
-    /// other errno becomes `err(errno)`.
+    /// Turns a policy call's result into a placement, judging its errno with
+    /// [`degrade_or_error`].
     pub(crate) fn from_call(
+        call: NumaCall,
         result: std::result::Result<(), Errno>,
-        err: impl FnOnce(Errno) -> Error,
+        args: impl FnOnce() -> String,
     ) -> Result<Placement> {
         match result {
             Ok(()) => Ok(Placement::Bound),
-            Err(errno) => match DegradeReason::from_errno(errno) {
-                Some(reason) => Ok(Placement::Degraded(reason)),
-                None => Err(err(errno)),
-            },
+            Err(errno) => degrade_or_error(call, errno, args).map(Placement::Degraded),
         }
     }
 }
@@ -378,14 +415,10 @@ pub fn thread_policy() -> Result<Observed<(MemPolicy, ModeFlags)>> {
             let nodes = NodeSet::from_kernel_words(mask.words());
             MemPolicy::from_kernel(mode, nodes).map(Observed::Known)
         }
-        Err(errno) => match DegradeReason::from_errno(errno) {
-            Some(reason) => Ok(Observed::Degraded(reason)),
-            None => Err(Error::os(
-                "get_mempolicy",
-                errno,
-                format!("maxnode={maxnode}"),
-            )),
-        },
+        Err(errno) => degrade_or_error(NumaCall::GetMempolicy, errno, || {
+            format!("maxnode={maxnode}")
+        })
+        .map(Observed::Degraded),
     }
 }
 
@@ -410,12 +443,8 @@ pub fn set_thread_policy_with(policy: &MemPolicy, flags: ModeFlags) -> Result<Pl
     let mode = policy.mode() | flags.bits();
     // SAFETY: `mask` holds `maxnode / 64` words, more than the kernel reads.
     let result = unsafe { sys::set_mempolicy(mode, mask.words().as_ptr(), mask.maxnode()) };
-    Placement::from_call(result, |errno| {
-        Error::os(
-            "set_mempolicy",
-            errno,
-            format_args!("policy={policy} flags={flags:?} maxnode={}", mask.maxnode()),
-        )
+    Placement::from_call(NumaCall::SetMempolicy, result, || {
+        format!("policy={policy} flags={flags:?} maxnode={}", mask.maxnode())
     })
 }
 

@@ -2,7 +2,8 @@
 //!
 //! # Safety
 //!
-//! The probe maps one page of its own, asks `mbind` about it and unmaps it.
+//! The probes map one page of their own, ask `mbind` and `move_pages` about it and unmap
+//! it; `migrate_pages` is asked with empty node masks, which moves nothing.
 #![allow(unsafe_code)]
 
 use std::fmt;
@@ -12,15 +13,15 @@ use numapin_sys as sys;
 
 use crate::diag;
 use crate::error::{Errno, Error, Result};
-use crate::node::{self, Node, NodeSet};
+use crate::node::{self, KernelMask, Node, NodeSet};
 use crate::policy::DegradeReason;
 
-/// Whether the memory-policy syscalls work in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Whether a group of NUMA syscalls works in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MempolicySupport {
-    /// `mbind` answered on a page-aligned page.
+    /// The call answered its capability-free probe.
     Available,
-    /// `EPERM`: denied (a container's seccomp profile).
+    /// `EPERM`: denied whatever the arguments (a container's seccomp profile).
     Denied,
     /// `ENOSYS`: the kernel has no NUMA support.
     Unsupported,
@@ -35,6 +36,213 @@ impl MempolicySupport {
             MempolicySupport::Unsupported => Some(DegradeReason::Unsupported),
         }
     }
+
+    fn from_probe(result: std::result::Result<(), Errno>) -> std::result::Result<Self, Errno> {
+        match result {
+            Ok(()) => Ok(MempolicySupport::Available),
+            Err(Errno::PERM) => Ok(MempolicySupport::Denied),
+            Err(Errno::NOSYS) => Ok(MempolicySupport::Unsupported),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The NUMA syscalls, grouped as container profiles gate them.
+///
+/// Docker's default seccomp profile (moby `profiles/seccomp/default.json`) allows the
+/// policy calls only with `CAP_SYS_NICE` and the page calls never: with
+/// `--cap-add SYS_NICE` binding works while `move_pages` and `migrate_pages` get `EPERM`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SyscallGroup {
+    /// `mbind`, `set_mempolicy`, `get_mempolicy`, `set_mempolicy_home_node`.
+    Policy,
+    /// `move_pages`, `migrate_pages`.
+    Pages,
+}
+
+/// One probed syscall: what judges an errno from a real call (see
+/// [`crate::policy::degrade_or_error`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NumaCall {
+    Mbind,
+    SetMempolicy,
+    GetMempolicy,
+    MovePages,
+    MigratePages,
+}
+
+impl NumaCall {
+    /// The C name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            NumaCall::Mbind => "mbind",
+            NumaCall::SetMempolicy => "set_mempolicy",
+            NumaCall::GetMempolicy => "get_mempolicy",
+            NumaCall::MovePages => "move_pages",
+            NumaCall::MigratePages => "migrate_pages",
+        }
+    }
+
+    /// What the probe found for this call: the policy calls share `mbind`'s probe (a
+    /// profile gates them together); each page call has its own.
+    ///
+    /// # Errors
+    /// The probe met an errno other than `EPERM`/`ENOSYS`.
+    pub(crate) fn support(self) -> Result<MempolicySupport> {
+        match self {
+            NumaCall::Mbind | NumaCall::SetMempolicy | NumaCall::GetMempolicy => {
+                mempolicy_support()
+            }
+            NumaCall::MovePages => move_pages_support(),
+            NumaCall::MigratePages => migrate_pages_support(),
+        }
+    }
+}
+
+/// Runs a probe once per process and keeps its answer.
+fn once(
+    cell: &'static OnceLock<std::result::Result<MempolicySupport, Errno>>,
+    probe: fn() -> std::result::Result<MempolicySupport, Errno>,
+    op: &'static str,
+    args: &'static str,
+) -> Result<MempolicySupport> {
+    cell.get_or_init(probe)
+        .map_err(|errno| Error::os(op, errno, format_args!("probe: {args}")))
+}
+
+/// Whether the policy calls work here: probed once per process, with
+/// `mbind(MPOL_DEFAULT)` on a page-aligned page of its own (an unaligned address is
+/// `EINVAL`, which must never pass for "no NUMA").
+///
+/// # Errors
+/// An errno other than `EPERM`/`ENOSYS` from the probe: that is a bug or a kernel
+/// this crate does not understand, not a state.
+pub fn mempolicy_support() -> Result<MempolicySupport> {
+    static SUPPORT: OnceLock<std::result::Result<MempolicySupport, Errno>> = OnceLock::new();
+    once(
+        &SUPPORT,
+        probe_mbind,
+        "mbind",
+        "one page-aligned anonymous page, MPOL_DEFAULT, no mask, flags 0",
+    )
+}
+
+/// Whether the page calls (`move_pages`, `migrate_pages`) work here, each probed once in
+/// a form that needs no capability. `Available` only when both are; otherwise the
+/// stronger refusal of the two (`Unsupported` over `Denied`).
+///
+/// # Errors
+/// An errno from a probe that no state explains.
+pub fn page_calls_support() -> Result<MempolicySupport> {
+    Ok(move_pages_support()?.max(migrate_pages_support()?))
+}
+
+/// The support of a whole [`SyscallGroup`].
+///
+/// # Errors
+/// As [`mempolicy_support`] and [`page_calls_support`].
+pub fn group_support(group: SyscallGroup) -> Result<MempolicySupport> {
+    match group {
+        SyscallGroup::Policy => mempolicy_support(),
+        SyscallGroup::Pages => page_calls_support(),
+    }
+}
+
+fn move_pages_support() -> Result<MempolicySupport> {
+    static SUPPORT: OnceLock<std::result::Result<MempolicySupport, Errno>> = OnceLock::new();
+    once(
+        &SUPPORT,
+        probe_move_pages,
+        "move_pages",
+        "pid 0, one page of its own, no target nodes (a query), flags 0",
+    )
+}
+
+fn migrate_pages_support() -> Result<MempolicySupport> {
+    static SUPPORT: OnceLock<std::result::Result<MempolicySupport, Errno>> = OnceLock::new();
+    once(
+        &SUPPORT,
+        probe_migrate_pages,
+        "migrate_pages",
+        "pid 0, empty old and new masks (EINVAL after the permission checks)",
+    )
+}
+
+/// Maps one private page, hands it to `probe`, unmaps it.
+fn with_probe_page(
+    probe: impl FnOnce(*mut std::ffi::c_void, usize) -> std::result::Result<(), Errno>,
+) -> std::result::Result<(), Errno> {
+    let page = crate::page_size();
+    // SAFETY: a fresh private page, unmapped below; nothing else refers to it.
+    let ptr = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            page,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
+    }?;
+    let result = probe(ptr, page);
+    // SAFETY: unmapping the page mapped above, referenced by nothing.
+    let _ = unsafe { rustix::mm::munmap(ptr, page) };
+    result
+}
+
+fn probe_mbind() -> std::result::Result<MempolicySupport, Errno> {
+    MempolicySupport::from_probe(with_probe_page(|ptr, page| {
+        // SAFETY: our own page-aligned page; MPOL_DEFAULT with a null mask changes nothing.
+        unsafe { sys::mbind(ptr, page, sys::MPOL_DEFAULT, std::ptr::null(), 0, 0) }
+    }))
+}
+
+/// `move_pages` with no target nodes is a query of where the page is: no capability is
+/// checked (only `MPOL_MF_MOVE_ALL` and another process's pages need one).
+fn probe_move_pages() -> std::result::Result<MempolicySupport, Errno> {
+    MempolicySupport::from_probe(with_probe_page(|ptr, _| {
+        let pages = [ptr];
+        let mut status = [0i32; 1];
+        // SAFETY: one page of our own, one status slot; a query moves nothing.
+        unsafe {
+            sys::move_pages(
+                0,
+                1,
+                pages.as_ptr(),
+                std::ptr::null(),
+                status.as_mut_ptr(),
+                0,
+            )
+        }
+        .map(drop)
+    }))
+}
+
+/// `migrate_pages(0, maxnode, {}, {})`: the kernel (`kernel_migrate_pages` in
+/// mm/mempolicy.c) reads both masks, checks that this process may touch itself and that
+/// the new nodes are a subset of its cpuset (the empty set is, so `CAP_SYS_NICE` is
+/// never asked), then finds the new set empty and answers `EINVAL` without moving
+/// anything. So `EINVAL` here means "available"; a seccomp filter answers before the
+/// kernel looks at the arguments.
+fn probe_migrate_pages() -> std::result::Result<MempolicySupport, Errno> {
+    let empty = KernelMask::empty(node::possible_node_count());
+    let (old, new) = (empty, empty);
+    // SAFETY: both masks hold `maxnode / 64` words; empty masks move nothing.
+    let result =
+        unsafe { sys::migrate_pages(0, old.maxnode(), old.words().as_ptr(), new.words().as_ptr()) };
+    MempolicySupport::from_probe(match result {
+        Ok(_) | Err(Errno::INVAL) => Ok(()),
+        Err(e) => Err(e),
+    })
+}
+
+fn populate_write_works() -> bool {
+    static WORKS: OnceLock<bool> = OnceLock::new();
+    *WORKS.get_or_init(|| {
+        with_probe_page(|ptr, page| {
+            // SAFETY: our own fresh page; populating keeps contents.
+            unsafe { sys::madvise(ptr, page, sys::MADV_POPULATE_WRITE) }
+        })
+        .is_ok()
+    })
 }
 
 /// Transparent huge page mode (`/sys/kernel/mm/transparent_hugepage/enabled`).
@@ -53,8 +261,11 @@ pub enum ThpMode {
 /// What [`probe`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Support {
-    /// Whether placement works here.
+    /// Whether the policy calls work here (placement: `mbind`, `set_mempolicy`, ...).
     pub mempolicy: MempolicySupport,
+    /// Whether the page calls work here (`move_pages` queries and moves,
+    /// `migrate_pages`); without them placement is read from `/proc/self/numa_maps`.
+    pub page_calls: MempolicySupport,
     /// Node ids the kernel can have.
     pub possible_nodes: usize,
     /// Nodes with memory (`has_memory`); node 0 without NUMA sysfs.
@@ -89,62 +300,10 @@ impl Support {
     }
 }
 
-/// Probes the memory-policy syscalls once per process, with `mbind(MPOL_DEFAULT)` on a
-/// page-aligned page of its own (an unaligned address is `EINVAL`, which must never pass
-/// for "no NUMA").
-///
-/// # Errors
-/// An errno other than `EPERM`/`ENOSYS` from the probe: that is a bug or a kernel
-/// this crate does not understand, not a state.
-pub fn mempolicy_support() -> Result<MempolicySupport> {
-    static SUPPORT: OnceLock<std::result::Result<MempolicySupport, Errno>> = OnceLock::new();
-    match *SUPPORT.get_or_init(probe_mbind) {
-        Ok(s) => Ok(s),
-        Err(errno) => Err(Error::os(
-            "mbind",
-            errno,
-            "probe: one page-aligned anonymous page, MPOL_DEFAULT, no mask, flags 0",
-        )),
-    }
-}
-
-fn probe_mbind() -> std::result::Result<MempolicySupport, Errno> {
-    let page = crate::page_size();
-    // SAFETY: a fresh private page, unmapped below; nothing else refers to it.
-    let ptr = unsafe {
-        rustix::mm::mmap_anonymous(
-            std::ptr::null_mut(),
-            page,
-            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-            rustix::mm::MapFlags::PRIVATE,
-        )
-    }?;
-    // SAFETY: our own page-aligned page; MPOL_DEFAULT with a null mask changes nothing.
-    let result = unsafe { sys::mbind(ptr, page, sys::MPOL_DEFAULT, std::ptr::null(), 0, 0) };
-    // SAFETY: unmapping the page mapped above, referenced by nothing.
-    let _ = unsafe { rustix::mm::munmap(ptr, page) };
-    match result {
-        Ok(()) => Ok(MempolicySupport::Available),
-        Err(Errno::PERM) => Ok(MempolicySupport::Denied),
-        Err(Errno::NOSYS) => Ok(MempolicySupport::Unsupported),
-        Err(e) => Err(e),
-    }
-}
-
-fn populate_write_works() -> bool {
-    static WORKS: OnceLock<bool> = OnceLock::new();
-    *WORKS.get_or_init(|| {
-        crate::Region::anonymous(crate::page_size()).is_ok_and(|r| {
-            // SAFETY: our own fresh page; populating keeps contents.
-            unsafe { sys::madvise(r.as_ptr().cast(), r.len(), sys::MADV_POPULATE_WRITE) }.is_ok()
-        })
-    })
-}
-
 /// Probes everything in [`Support`].
 ///
 /// # Errors
-/// As [`mempolicy_support`], or a procfs/sysfs file this needs cannot be read.
+/// As [`mempolicy_support`] and [`page_calls_support`], or a procfs/sysfs file this needs cannot be read.
 ///
 /// # Example
 /// ```
@@ -153,6 +312,7 @@ fn populate_write_works() -> bool {
 /// ```
 pub fn probe() -> Result<Support> {
     let mempolicy = mempolicy_support()?;
+    let page_calls = page_calls_support()?;
     let nodes_with_memory = node::read_sysfs_nodes("has_memory")?.unwrap_or_else(node0);
     let nodes_with_cpus = node::read_sysfs_nodes("has_cpu")?.unwrap_or_else(node0);
     let mut distances = Vec::new();
@@ -189,6 +349,7 @@ pub fn probe() -> Result<Support> {
     };
     Ok(Support {
         mempolicy,
+        page_calls,
         possible_nodes: node::possible_node_count(),
         nodes_with_memory,
         nodes_with_cpus,
@@ -217,6 +378,7 @@ impl fmt::Display for Support {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let yes = |b: bool| if b { "yes" } else { "no" };
         writeln!(f, "mempolicy           {:?}", self.mempolicy)?;
+        writeln!(f, "page calls          {:?}", self.page_calls)?;
         writeln!(f, "possible nodes      {}", self.possible_nodes)?;
         writeln!(f, "nodes with memory   {}", self.nodes_with_memory)?;
         writeln!(f, "nodes with CPUs     {}", self.nodes_with_cpus)?;

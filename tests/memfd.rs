@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{Expect, degrade_here, expect};
+use common::{Expect, degrade_here, degrade_pages_here, expect, expect_pages, pages_source_here};
 use numapin::{Error, HugePageSize, MbindFlags, MemPolicy, NodeSet, Observed, Region, Seals, diag};
 
 fn page() -> usize {
@@ -128,7 +128,8 @@ fn migrate_and_move_pages_report_what_moved() {
     r.advise(numapin::Advice::NoHugePage).unwrap();
     r.advise(numapin::Advice::DontDump).unwrap();
     r.as_mut_slice().unwrap()[..32 * page()].fill(5);
-    match (expect(), r.move_pages_to(target).unwrap()) {
+    // move_pages is a page call: Docker with SYS_NICE still denies it.
+    match (expect_pages(), r.move_pages_to(target).unwrap()) {
         (Expect::Full, Observed::Known(report)) => {
             assert_eq!(
                 (report.on_target, report.not_present, report.left_behind),
@@ -136,16 +137,25 @@ fn migrate_and_move_pages_report_what_moved() {
                 "{report:?}"
             );
             assert!(report.refused.is_empty(), "{report:?}");
+            assert_eq!(
+                (report.source, report.merged),
+                (numapin::PagesSource::MovePages, 0)
+            );
         }
-        (_, Observed::Degraded(reason)) => assert_eq!(Some(reason), degrade_here()),
+        (_, Observed::Degraded(reason)) => assert_eq!(Some(reason), degrade_pages_here()),
         (e, other) => panic!("{e:?}: {other:?}"),
     }
+    // migrate is mbind(MOVE), a policy call; its counts come from move_pages or, where
+    // the page calls are denied, numa_maps.
     let to: NodeSet = std::iter::once(target).collect();
     match (expect(), r.migrate(&to).unwrap()) {
         (Expect::Full, Observed::Known(report)) => {
+            assert_eq!(Some(report.source), pages_source_here(), "{report:?}");
+            // NoHugePage + DontDump and now its own Bind policy: a mapping of its own.
+            assert_eq!(report.merged, 0, "{report:?}");
             assert_eq!(
-                (report.on_target, report.left_behind),
-                (32, 0),
+                (report.on_target, report.left_behind, report.not_present),
+                (32, 0, 32),
                 "{report:?}"
             );
             assert_eq!(
@@ -158,7 +168,7 @@ fn migrate_and_move_pages_report_what_moved() {
     }
     assert!(r.as_slice()[..32 * page()].iter().all(|&b| b == 5));
     // An invalid target node is an error everywhere the call runs.
-    if expect() == Expect::Full {
+    if expect_pages() == Expect::Full {
         let missing = numapin::Node(numapin::possible_node_count() as u16 + 5);
         assert!(r.move_pages_to(missing).is_err());
     }
@@ -177,24 +187,47 @@ fn capability_checks_name_cap_sys_nice() {
         let r = Region::anonymous(page()).unwrap();
         let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
         match (expect(), r.bind(&p, MbindFlags::MOVE_ALL)) {
-            (Expect::Full, Err(Error::InvalidArgument { reason, .. })) => {
-                assert!(
-                    reason.contains("CAP_SYS_NICE") && reason.contains("MOVE_ALL"),
-                    "{reason}"
-                );
-            }
+            (
+                Expect::Full,
+                Err(Error::MissingCapability {
+                    op: "mbind",
+                    cap: "CAP_SYS_NICE",
+                    why,
+                }),
+            ) => assert!(why.contains("MOVE_ALL"), "{why}"),
             (Expect::Full, other) => panic!("{other:?}"),
-            (_, Ok(placement)) => assert_eq!(
-                Some(placement),
-                degrade_here().map(numapin::Placement::Degraded)
-            ),
-            (_, Err(e)) => assert!(e.to_string().contains("CAP_SYS_NICE"), "{e}"),
+            (_, other) => assert_eq!(other.ok(), degrade_here().map(numapin::Placement::Degraded)),
         }
-        // migrate_pages of this very process needs no capability.
+        // migrate_pages of this very process to nodes of its own cpuset needs no
+        // capability.
         let nodes = NodeSet::allowed().unwrap();
         match numapin::migrate_process(0, &nodes, &nodes).unwrap() {
-            Observed::Known(left) => assert_eq!((expect(), left), (Expect::Full, 0)),
-            Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_here()),
+            Observed::Known(left) => assert_eq!((expect_pages(), left), (Expect::Full, 0)),
+            Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_pages_here()),
+        }
+        // Nodes outside the cpuset do: the kernel's EPERM where the probe passed is that
+        // capability, named; where a profile denies the call it degrades.
+        let outside: NodeSet = std::iter::once(numapin::Node(
+            nodes
+                .last()
+                .map_or(0, |n| n.0 + 1)
+                .max(numapin::possible_node_count() as u16),
+        ))
+        .collect();
+        match (
+            expect_pages(),
+            numapin::migrate_process(0, &nodes, &outside),
+        ) {
+            (
+                Expect::Full,
+                Err(Error::MissingCapability {
+                    op: "migrate_pages",
+                    cap: "CAP_SYS_NICE",
+                    ..
+                }),
+            ) => {}
+            (Expect::Full, other) => panic!("{other:?}"),
+            (_, other) => assert_eq!(other.ok(), degrade_pages_here().map(Observed::Degraded)),
         }
         // Nor does a nonexistent process get past the checks.
         assert!(numapin::migrate_process(i32::MAX, &nodes, &nodes).is_err());
@@ -234,16 +267,19 @@ fn moving_another_users_pages_without_cap_sys_nice_is_named_up_front() {
     .unwrap();
     let _ = child.kill();
     let _ = child.wait();
-    match (expect(), result) {
-        (Expect::Full | Expect::Unsupported, Err(Error::InvalidArgument { reason, .. })) => {
-            assert!(
-                reason.contains("CAP_SYS_NICE") && reason.contains("another user"),
-                "{reason}"
-            )
-        }
-        // Denied: the container's refusal degrades, as for every NUMA call.
-        (Expect::Denied, Ok(Observed::Degraded(reason))) => {
-            assert_eq!(Some(reason), degrade_here())
+    match (expect_pages(), result) {
+        (
+            Expect::Full,
+            Err(Error::MissingCapability {
+                op: "migrate_pages",
+                cap: "CAP_SYS_NICE",
+                why,
+            }),
+        ) => assert!(why.contains("another user"), "{why}"),
+        // Denied: the container's refusal degrades, as for every NUMA call; without NUMA
+        // there is no call to need a capability for.
+        (Expect::Denied | Expect::Unsupported, Ok(Observed::Degraded(reason))) => {
+            assert_eq!(Some(reason), degrade_pages_here())
         }
         (e, other) => panic!("{e:?}: {other:?}"),
     }

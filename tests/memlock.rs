@@ -1,10 +1,48 @@
-//! RLIMIT_MEMLOCK is process-wide: this test binary owns it.
+//! RLIMIT_MEMLOCK is process-wide: this test binary owns it, and its one test runs the
+//! cases one after the other.
 
 use numapin::{Error, Region};
+
+/// Whether this process is in the initial user namespace, the only one where the kernel
+/// lets CAP_IPC_LOCK lift the limit.
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map")
+        .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
+}
 
 #[test]
 fn lock_beyond_the_limit_is_a_clear_error() {
     let page = numapin::page_size() as u64;
+    let limit = 16 * page;
+    std::thread::spawn(move || {
+        set_memlock_limit(limit);
+        // With whatever capabilities this thread has: CAP_IPC_LOCK lifts the limit only
+        // in the initial user namespace. Inside `unshare -U -r` (the container stage) the
+        // namespace's own CAP_IPC_LOCK is effective but the kernel ignores it: this used
+        // to be a bare `mlock ENOMEM`.
+        let lifted = in_initial_user_namespace()
+            && caps::has_cap(
+                None,
+                caps::CapSet::Effective,
+                caps::Capability::CAP_IPC_LOCK,
+            )
+            .unwrap();
+        let big = Region::anonymous(64 * page as usize).unwrap();
+        match (lifted, big.lock()) {
+            (true, Ok(())) => big.unlock().unwrap(),
+            (
+                false,
+                Err(Error::MemlockLimit {
+                    wanted, limit: l, ..
+                }),
+            ) => {
+                assert_eq!((wanted, l), (64 * page, limit))
+            }
+            (lifted, other) => panic!("CAP_IPC_LOCK lifts the limit: {lifted}; {other:?}"),
+        }
+    })
+    .join()
+    .unwrap();
     std::thread::spawn(move || {
         // Capabilities are per thread: drop CAP_IPC_LOCK here so the limit applies even
         // when the suite runs as root.
@@ -13,26 +51,6 @@ fn lock_beyond_the_limit_is_a_clear_error() {
             caps::CapSet::Effective,
             caps::Capability::CAP_IPC_LOCK,
         );
-        let limit = 16 * page;
-        rustix::process::setrlimit(
-            rustix::process::Resource::Memlock,
-            rustix::process::Rlimit {
-                current: Some(limit),
-                maximum: None,
-            },
-        )
-        .or_else(|_| {
-            let hard = rustix::process::getrlimit(rustix::process::Resource::Memlock).maximum;
-            rustix::process::setrlimit(
-                rustix::process::Resource::Memlock,
-                rustix::process::Rlimit {
-                    current: Some(limit),
-                    maximum: hard,
-                },
-            )
-        })
-        .unwrap();
-
         let small = Region::anonymous(4 * page as usize).unwrap();
         small.lock().unwrap();
         let big = Region::anonymous(64 * page as usize).unwrap();
@@ -55,5 +73,26 @@ fn lock_beyond_the_limit_is_a_clear_error() {
         small.unlock().unwrap();
     })
     .join()
+    .unwrap();
+}
+
+fn set_memlock_limit(limit: u64) {
+    rustix::process::setrlimit(
+        rustix::process::Resource::Memlock,
+        rustix::process::Rlimit {
+            current: Some(limit),
+            maximum: None,
+        },
+    )
+    .or_else(|_| {
+        let hard = rustix::process::getrlimit(rustix::process::Resource::Memlock).maximum;
+        rustix::process::setrlimit(
+            rustix::process::Resource::Memlock,
+            rustix::process::Rlimit {
+                current: Some(limit),
+                maximum: hard,
+            },
+        )
+    })
     .unwrap();
 }

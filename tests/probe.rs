@@ -2,18 +2,23 @@
 
 mod common;
 
-use common::{Expect, expect};
+use common::{Expect, expect, expect_pages};
 use numapin::MempolicySupport;
 
 #[test]
 fn probe_reports_the_expected_state() {
     let support = numapin::probe().unwrap();
-    let want = match expect() {
+    let want = |e| match e {
         Expect::Full => MempolicySupport::Available,
         Expect::Denied => MempolicySupport::Denied,
         Expect::Unsupported => MempolicySupport::Unsupported,
     };
-    assert_eq!(support.mempolicy, want);
+    assert_eq!(support.mempolicy, want(expect()));
+    assert_eq!(support.page_calls, want(expect_pages()));
+    assert_eq!(
+        numapin::group_support(numapin::SyscallGroup::Pages).unwrap(),
+        support.page_calls
+    );
     assert!(!support.allowed().is_empty());
     assert!(support.nodes_with_memory.len() <= support.possible_nodes);
     assert!(support.map_count > 0 && support.map_count < support.max_map_count);
@@ -22,6 +27,7 @@ fn probe_reports_the_expected_state() {
     let text = support.to_string();
     for key in [
         "mempolicy",
+        "page calls",
         "nodes with memory",
         "max_map_count",
         "CAP_SYS_NICE",

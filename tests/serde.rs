@@ -111,6 +111,8 @@ fn stats_and_report_have_fixed_field_names() {
         vmas: 5,
         mbind_calls: 6,
         pages_per_node: BTreeMap::from([(Node(0), 7), (Node(2), 8)]),
+        pages_source: Some(numapin::PagesSource::NumaMaps),
+        pages_merged: 0,
         sample_step: 1,
         resident_bytes: 9,
         anon_huge_bytes: 10,
@@ -120,7 +122,7 @@ fn stats_and_report_have_fixed_field_names() {
     };
     assert_eq!(
         json(&stats),
-        r#"{"layers":2,"experts_loaded":3,"bytes":4,"vmas":5,"mbind_calls":6,"pages_per_node":{"0":7,"2":8},"sample_step":1,"resident_bytes":9,"anon_huge_bytes":10,"shared_bytes":11,"private_bytes":12,"placement":"bound"}"#
+        r#"{"layers":2,"experts_loaded":3,"bytes":4,"vmas":5,"mbind_calls":6,"pages_per_node":{"0":7,"2":8},"pages_source":"numa_maps","pages_merged":0,"sample_step":1,"resident_bytes":9,"anon_huge_bytes":10,"shared_bytes":11,"private_bytes":12,"placement":"bound"}"#
     );
     assert_eq!(back::<StoreStats>(&json(&stats)), stats);
     let report = LayerReport {

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::time::Instant;
 
 use numapin::store::{Kind, Layout, PinStore, StoreOptions};
-use numapin::{Node, Observed, Placement, diag};
+use numapin::{Node, Observed, PagesSource, Placement, diag};
 use numapin_testkit::baseline::SlabPerExpert;
 use numapin_testkit::synthetic::SyntheticModel;
 
@@ -20,6 +20,10 @@ pub struct Run {
     pub mbind_calls: usize,
     pub load_seconds: f64,
     pub pages_per_node: BTreeMap<Node, u64>,
+    /// Where `pages_per_node` comes from; `None`: unavailable here.
+    pub pages_source: Option<PagesSource>,
+    /// Pages whose node numa_maps could not tell (a mapping merged across the edge).
+    pub pages_merged: u64,
     pub rss_bytes: u64,
     pub placement: String,
     pub minor_faults: u64,
@@ -31,6 +35,11 @@ impl Run {
         self.bytes as f64 / self.load_seconds.max(1e-9) / 1e9
     }
 
+    /// `move_pages`, `numa_maps` or `unavailable`.
+    pub fn pages_source_name(&self) -> &'static str {
+        self.pages_source.map_or("unavailable", PagesSource::name)
+    }
+
     pub fn to_json(&self) -> String {
         let pages: Vec<String> = self
             .pages_per_node
@@ -39,7 +48,7 @@ impl Run {
             .collect();
         format!(
             "{{\"layers\":{},\"experts\":{},\"bytes\":{},\"vmas\":{},\"mbind_calls\":{},\"load_seconds\":{:.6},\
-             \"gbps\":{:.3},\"pages_per_node\":{{{}}},\"rss_bytes\":{},\"placement\":{},\"minor_faults\":{},\
+             \"gbps\":{:.3},\"pages_per_node\":{{{}}},\"pages_source\":\"{}\",\"pages_merged\":{},\"rss_bytes\":{},\"placement\":{},\"minor_faults\":{},\
              \"anon_huge_bytes\":{}}}",
             self.layers,
             self.experts,
@@ -49,6 +58,8 @@ impl Run {
             self.load_seconds,
             self.gbps(),
             pages.join(","),
+            self.pages_source_name(),
+            self.pages_merged,
             self.rss_bytes,
             json_string(&self.placement),
             self.minor_faults,
@@ -128,6 +139,8 @@ pub fn run_store(
         mbind_calls: stats.mbind_calls,
         load_seconds,
         pages_per_node: stats.pages_per_node,
+        pages_source: stats.pages_source,
+        pages_merged: stats.pages_merged,
         rss_bytes: diag::rss_bytes().unwrap_or(0),
         placement: placement_text(stats.placement),
         minor_faults: minor,
@@ -159,9 +172,11 @@ pub fn run_baseline(
     }
     let load_seconds = start.elapsed().as_secs_f64();
     let minor = minor_faults() - faults;
-    let pages_per_node = match slabs.pages_per_node().map_err(|e| e.to_string())? {
-        Observed::Known(p) => p,
-        Observed::Degraded(_) => BTreeMap::new(),
+    // The baseline asks move_pages only: its slabs share the allocator's mappings, whose
+    // numa_maps lines are never a slab's own.
+    let (pages_per_node, pages_source) = match slabs.pages_per_node().map_err(|e| e.to_string())? {
+        Observed::Known(p) => (p, Some(PagesSource::MovePages)),
+        Observed::Degraded(_) => (BTreeMap::new(), None),
     };
     let placement = match (layout, slabs.placement()) {
         (Layout::Unplaced, _) => None,
@@ -176,6 +191,8 @@ pub fn run_baseline(
         mbind_calls: slabs.mbind_calls(),
         load_seconds,
         pages_per_node,
+        pages_source,
+        pages_merged: 0,
         rss_bytes: diag::rss_bytes().unwrap_or(0),
         placement: placement_text(placement),
         minor_faults: minor,

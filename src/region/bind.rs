@@ -4,9 +4,10 @@ use std::ffi::c_void;
 
 use numapin_sys as sys;
 
-use crate::error::{Errno, Error, Result};
+use crate::error::{Error, Result};
 use crate::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
+use crate::probe::{MempolicySupport, NumaCall};
 
 /// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
 /// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.
@@ -18,8 +19,10 @@ use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
 /// `MOVE` flags migrate pages that others may be using (contents are preserved).
 ///
 /// # Errors
-/// `ptr` is not page-aligned, `len` overflows, the policy has an empty set, or `mbind`
-/// fails with an errno other than `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+/// `ptr` is not page-aligned, `len` overflows, the policy has an empty set,
+/// [`Error::MissingCapability`] for `MOVE_ALL` without `CAP_SYS_NICE`, or `mbind` fails
+/// with an errno other than `EPERM`/`ENOSYS` where the probe found the policy calls
+/// denied or unsupported (those give [`Placement::Degraded`]).
 #[doc(alias = "mbind")]
 pub unsafe fn bind_range(
     ptr: *mut u8,
@@ -56,7 +59,12 @@ pub(crate) unsafe fn mbind_checked(
     flags: MbindFlags,
 ) -> Result<Placement> {
     policy.validate_here()?;
-    if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() && !crate::capability::sys_nice() {
+    // Only where the call can run: a profile's denial or a kernel without NUMA degrades
+    // whatever the capabilities.
+    if flags.contains(MbindFlags::MOVE_ALL)
+        && NumaCall::Mbind.support()? == MempolicySupport::Available
+        && !crate::capability::sys_nice()
+    {
         return Err(crate::capability::missing_sys_nice(
             "mbind",
             "MPOL_MF_MOVE_ALL moves pages other processes share",
@@ -80,29 +88,9 @@ pub(crate) unsafe fn mbind_checked(
             flags.bits(),
         )
     };
-    // With MOVE_ALL, EPERM is the kernel's CAP_SYS_NICE check (a capability held in a
-    // child user namespace passes the check above but not the kernel's), unless the
-    // probe found the calls denied altogether: that is a container's denial, which
-    // degrades.
-    match result {
-        Err(Errno::PERM) if flags.contains(MbindFlags::MOVE_ALL) && !denied_here() => {
-            Err(Error::invalid(
-                "mbind",
-                format!(
-                    "MPOL_MF_MOVE_ALL needs CAP_SYS_NICE in the initial user namespace; the kernel \
-                 answered EPERM ({})",
-                    args()
-                ),
-            ))
-        }
-        other => Placement::from_call(other, |errno| Error::os("mbind", errno, args())),
-    }
-}
-
-/// Whether the probe found the NUMA calls denied (a container's seccomp profile).
-pub(crate) fn denied_here() -> bool {
-    matches!(
-        crate::mempolicy_support(),
-        Ok(crate::MempolicySupport::Denied)
-    )
+    // With MOVE_ALL, an EPERM where the probe passed is the kernel's CAP_SYS_NICE check (a
+    // capability held in a child user namespace passes the check above but not the
+    // kernel's): the helper names the capability; where the probe was denied too it is a
+    // container's denial, which degrades.
+    Placement::from_call(NumaCall::Mbind, result, args)
 }

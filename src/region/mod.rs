@@ -22,8 +22,8 @@ mod shmem;
 
 pub use bind::bind_range;
 pub(crate) use bind::mbind_checked;
-pub use pages::{MoveReport, NodeHistogram, migrate_process};
-pub(crate) use pages::{page_histogram, page_histogram_sampled};
+pub(crate) use pages::page_histogram;
+pub use pages::{MoveReport, NodeHistogram, PagesSource, migrate_process};
 pub use shmem::{HugePageSize, Seals};
 
 use std::ffi::c_void;
@@ -430,15 +430,23 @@ impl Region {
     /// fails.
     #[doc(alias = "mlock")]
     pub fn lock(&self) -> Result<()> {
-        check_memlock(self.map_len() as u64)?;
-        self.mlock()?;
+        let wanted = self.map_len() as u64;
+        check_memlock(wanted)?;
+        self.mlock(wanted)?;
         self.locked.store(true, Ordering::Relaxed);
         Ok(())
     }
 
-    fn mlock(&self) -> Result<()> {
+    fn mlock(&self, wanted: u64) -> Result<()> {
         // SAFETY: our own range; locking changes no contents.
         unsafe { rustix::mm::mlock(self.as_ptr().cast(), self.map_len()) }.map_err(|e| {
+            // The second line of defence: a capability the pre-check trusted that the
+            // kernel did not (or a limit lowered meanwhile) ends here, at the limit.
+            if matches!(e, Errno::NOMEM | Errno::PERM)
+                && let Some(limit_error) = memlock_exceeded(wanted)
+            {
+                return limit_error;
+            }
             Error::os(
                 "mlock",
                 e,
@@ -508,14 +516,19 @@ impl Region {
         .map_err(|e| self.madvise_error(e, advice))
     }
 
-    /// Which node each page of the region is on, without faulting anything in.
+    /// Which node each page of the region is on, without faulting anything in: from
+    /// `move_pages`, or from `/proc/self/numa_maps` where the probe found the page calls
+    /// denied ([`NodeHistogram::source`] says which; `numa_maps` counts only pages this
+    /// mapping faulted in, and a mapping merged with a neighbour is reported in
+    /// [`NodeHistogram::merged`], not guessed).
     ///
     /// # Errors
-    /// Any `move_pages` errno but `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+    /// Any `move_pages` errno but `ENOSYS` (which gives [`Observed::Degraded`]), or
+    /// `numa_maps` cannot be read.
     #[doc(alias = "move_pages")]
+    #[doc(alias = "numa_maps")]
     pub fn placement(&self) -> Result<Observed<NodeHistogram>> {
-        // SAFETY: the whole range is our own mapping.
-        unsafe { page_histogram(self.as_ptr(), self.map_len()) }
+        self.placement_sampled(1)
     }
 
     /// The memory figures (`smaps`) of the mappings this region lies in: resident,
@@ -533,7 +546,8 @@ impl Region {
 
     /// Re-places pages that already exist: binds the region to `to` and moves its
     /// present pages there (`mbind` with `MPOL_MF_MOVE`); future faults land there too.
-    /// Counts come from `move_pages` queries before and after.
+    /// Counts come from [`Region::placement`] before and after (`move_pages`, or
+    /// `numa_maps` where the page calls are denied: `mbind` still moves there).
     ///
     /// # Errors
     /// An empty set, or `mbind`/`move_pages` fail with an errno other than
@@ -565,14 +579,35 @@ impl Region {
     }
 
     /// [`Region::placement`] of every `step`-th page only: bounded cost for big regions.
-    /// Counts are of sampled pages; multiply by `step` for an estimate. Step 0 is taken
-    /// as 1 (every page); a step larger than the region samples its first page only.
+    /// Counts from `move_pages` are of sampled pages; multiply by `step` for an estimate.
+    /// Counts from `numa_maps` are whole (one read costs the same for any region). Step 0
+    /// is taken as 1 (every page); a step larger than the region samples its first page
+    /// only.
     ///
     /// # Errors
     /// As [`Region::placement`].
     pub fn placement_sampled(&self, step: usize) -> Result<Observed<NodeHistogram>> {
+        let start = self.as_ptr() as usize;
         // SAFETY: the whole range is our own mapping.
-        unsafe { page_histogram_sampled(self.as_ptr(), self.map_len(), step) }
+        unsafe { pages::spans_histogram(&[(start, start + self.map_len())], step) }
+    }
+
+    /// [`Region::placement_sampled`] of several regions at once, from one read of
+    /// `numa_maps` where the page calls are denied (regions the kernel merged with each
+    /// other then count exactly).
+    ///
+    /// # Errors
+    /// As [`Region::placement`].
+    pub(crate) fn placement_of_all(
+        regions: &[&Region],
+        step: usize,
+    ) -> Result<Observed<NodeHistogram>> {
+        let spans: Vec<(usize, usize)> = regions
+            .iter()
+            .map(|r| (r.as_ptr() as usize, r.as_ptr() as usize + r.map_len()))
+            .collect();
+        // SAFETY: every span is a live region's own mapping.
+        unsafe { pages::spans_histogram(&spans, step) }
     }
 
     /// Refuses a reversed range or one that reaches past the region.
@@ -740,27 +775,48 @@ fn round_len(op: &'static str, len: usize, page: usize) -> Result<usize> {
         .ok_or_else(|| Error::invalid(op, format!("length {len} overflows when rounded to pages")))
 }
 
+/// Refuses a lock the kernel would refuse for `RLIMIT_MEMLOCK`, naming the figures.
+/// `CAP_IPC_LOCK` lifts the limit only in the initial user namespace: the kernel checks
+/// it there (`capable()`), so the capability root holds in a child namespace (`unshare
+/// -U -r`, a rootless container) does not count.
 fn check_memlock(wanted: u64) -> Result<()> {
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock);
-    let Some(limit) = limit.current else {
-        return Ok(());
-    };
     let privileged = caps::has_cap(
         None,
         caps::CapSet::Effective,
         caps::Capability::CAP_IPC_LOCK,
     )
-    .unwrap_or(false);
+    .unwrap_or(false)
+        && in_initial_user_namespace();
     if privileged {
         return Ok(());
     }
-    let locked = diag::status_kib("VmLck")?.unwrap_or(0) * 1024;
-    if locked.saturating_add(wanted) > limit {
-        return Err(Error::MemlockLimit {
-            wanted,
-            locked,
-            limit,
-        });
+    match memlock_exceeded(wanted) {
+        Some(error) => Err(error),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// [`Error::MemlockLimit`] when locking `wanted` more bytes crosses the soft limit.
+fn memlock_exceeded(wanted: u64) -> Option<Error> {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current?;
+    // Unreadable VmLck: no figures to name; the caller keeps the kernel's errno.
+    let locked = diag::status_kib("VmLck").ok()?.unwrap_or(0) * 1024;
+    (locked.saturating_add(wanted) > limit).then_some(Error::MemlockLimit {
+        wanted,
+        locked,
+        limit,
+    })
+}
+
+/// Whether this process is in the initial user namespace, whose `uid_map` maps the whole
+/// id range onto itself (`0 0 4294967295`). Unreadable: assume a child namespace, the
+/// cautious answer (the limit is then checked, not skipped).
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map").is_ok_and(|map| {
+        let lines: Vec<Vec<&str>> = map
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        lines == [vec!["0", "0", "4294967295"]]
+    })
 }

@@ -1,25 +1,72 @@
-//! Where a range's pages are: `move_pages` queries.
+//! Where a range's pages are: `move_pages` queries, or `/proc/self/numa_maps` where the
+//! page calls are denied (Docker with `--cap-add SYS_NICE`).
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 
 use numapin_sys as sys;
 
+use crate::diag;
 use crate::error::{Errno, Error, Result};
 use crate::page_size;
-use crate::policy::{DegradeReason, Observed};
+use crate::policy::{DegradeReason, Observed, degrade_or_error};
+use crate::probe::{MempolicySupport, NumaCall};
+
+/// Where the counts of a [`NodeHistogram`] come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
+pub enum PagesSource {
+    /// `move_pages` with no target nodes: the node of each page, asked page by page.
+    #[default]
+    MovePages,
+    /// `/proc/self/numa_maps` (`N<node>=<pages>` per mapping), where the page calls are
+    /// denied (Docker's default profile allows no `move_pages`, even with
+    /// `--cap-add SYS_NICE`). It counts only the pages this process has mapped in its
+    /// page tables: pages of a memfd that another process (or a `read`) brought in but
+    /// this mapping never touched count as not present. A mapping the kernel merged with
+    /// a neighbour outside the range is counted in [`NodeHistogram::merged`], never
+    /// guessed.
+    NumaMaps,
+}
+
+impl PagesSource {
+    /// `move_pages` or `numa_maps`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PagesSource::MovePages => "move_pages",
+            PagesSource::NumaMaps => "numa_maps",
+        }
+    }
+}
+
+impl std::fmt::Display for PagesSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Pages of a range per node, as the kernel reports them (`move_pages` with no target
-/// nodes: nothing is moved or faulted in).
+/// nodes, or `numa_maps`: nothing is moved or faulted in).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeHistogram {
     /// Present pages per node.
     pub pages: BTreeMap<crate::Node, usize>,
     /// Pages never touched or released (`-ENOENT`; `-EFAULT` for a page without a page
-    /// table or backed by the shared zero page, as older kernels report them).
+    /// table or backed by the shared zero page, as older kernels report them; from
+    /// `numa_maps`: the range's pages not counted on any node).
     pub not_present: usize,
     /// Pages the kernel reported another error for.
     pub other: usize,
+    /// Pages whose node is unknown: they lie in a mapping that reaches past the range
+    /// (the kernel merged it with an equal neighbour) and has pages, and `numa_maps`
+    /// counts per mapping. Always 0 from `move_pages`.
+    pub merged: usize,
+    /// Where the counts come from.
+    pub source: PagesSource,
 }
 
 impl NodeHistogram {
@@ -69,6 +116,135 @@ pub(crate) unsafe fn page_histogram_sampled(
         Some(reason) => Observed::Degraded(reason),
         None => Observed::Known(histogram),
     })
+}
+
+/// Pages per node of the spans `[start, end)` (page-aligned, the caller's own
+/// mappings): from `move_pages` of every `step`-th page where the page calls work
+/// (counts of sampled pages, summed over the spans), from one read of `numa_maps` where
+/// they are denied (exact counts; `step` does not apply), `Degraded(Unsupported)` on a
+/// kernel without NUMA.
+///
+/// # Safety
+/// As [`page_histogram`], for each span.
+pub(crate) unsafe fn spans_histogram(
+    spans: &[(usize, usize)],
+    step: usize,
+) -> Result<Observed<NodeHistogram>> {
+    match NumaCall::MovePages.support()? {
+        MempolicySupport::Available => {
+            let mut total = NodeHistogram::default();
+            for &(start, end) in spans {
+                // SAFETY: forwarded from the caller.
+                match unsafe { page_histogram_sampled(start as *mut u8, end - start, step)? } {
+                    Observed::Known(h) => {
+                        for (node, n) in h.pages {
+                            *total.pages.entry(node).or_default() += n;
+                        }
+                        total.not_present += h.not_present;
+                        total.other += h.other;
+                    }
+                    degraded @ Observed::Degraded(_) => return Ok(degraded),
+                }
+            }
+            Ok(Observed::Known(total))
+        }
+        MempolicySupport::Denied => numa_maps_histogram(spans).map(Observed::Known),
+        MempolicySupport::Unsupported => Ok(Observed::Degraded(DegradeReason::Unsupported)),
+    }
+}
+
+/// Pages per node of the spans from `/proc/self/numa_maps`, whose extents come from
+/// `/proc/self/maps`. A mapping lying inside the spans' union counts whole; one that
+/// reaches past it counts its share as [`NodeHistogram::merged`] (unless it has no
+/// pages at all, when its share is exactly "not present").
+///
+/// # Errors
+/// The files cannot be read, or the mappings touching the spans changed between the two
+/// reads every time (a neighbour being mapped and merged), eight times running.
+pub(crate) fn numa_maps_histogram(spans: &[(usize, usize)]) -> Result<NodeHistogram> {
+    const ATTEMPTS: usize = 8;
+    let page = page_size();
+    let mut union: Vec<(usize, usize)> = spans.iter().copied().filter(|(a, b)| a < b).collect();
+    union.sort_unstable();
+    let mut merged_spans: Vec<(usize, usize)> = Vec::with_capacity(union.len());
+    for (a, b) in union {
+        match merged_spans.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged_spans.push((a, b)),
+        }
+    }
+    let union = merged_spans;
+    let total: usize = union.iter().map(|(a, b)| (b - a).div_ceil(page)).sum();
+    // Bytes of `[a, b)` inside the union.
+    let inside = |a: usize, b: usize| -> usize {
+        let first = union.partition_point(|&(_, e)| e <= a);
+        union[first..]
+            .iter()
+            .take_while(|&&(s, _)| s < b)
+            .map(|&(s, e)| e.min(b) - s.max(a))
+            .sum()
+    };
+    for _attempt in 0..ATTEMPTS {
+        let maps = std::fs::read_to_string("/proc/self/maps")
+            .map_err(|e| Error::io("read", "/proc/self/maps", e))?;
+        let ends: BTreeMap<usize, usize> = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.split_once('-'))
+            .filter_map(|(a, b)| {
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                ))
+            })
+            .collect();
+        let entries = diag::numa_maps()?;
+        let mut histogram = NodeHistogram {
+            source: PagesSource::NumaMaps,
+            ..NodeHistogram::default()
+        };
+        let mut changed = false;
+        for (i, entry) in entries.iter().enumerate() {
+            // Lines come in address order: the next one bounds this mapping's end, so
+            // only mappings that may touch the spans need their extent from `maps`
+            // (mappings elsewhere come and go between the reads as other threads work).
+            let bound = entries.get(i + 1).map_or(usize::MAX, |next| next.address);
+            if inside(entry.address, bound) == 0 {
+                continue;
+            }
+            let Some(&end) = ends.get(&entry.address) else {
+                changed = true;
+                break;
+            };
+            let share = inside(entry.address, end);
+            if share == 0 {
+                continue;
+            }
+            let scale = (entry.kernel_page_kib as usize * 1024 / page).max(1);
+            let present: usize = entry.pages.values().map(|&n| n as usize * scale).sum();
+            if present == 0 {
+                continue;
+            }
+            if share == end - entry.address {
+                for (&node, &n) in &entry.pages {
+                    *histogram.pages.entry(node).or_default() += n as usize * scale;
+                }
+            } else {
+                histogram.merged += share / page;
+            }
+        }
+        if changed {
+            continue;
+        }
+        histogram.not_present = total.saturating_sub(histogram.present() + histogram.merged);
+        return Ok(histogram);
+    }
+    Err(Error::invalid(
+        "numa_maps",
+        format!(
+            "the mappings at the range changed between reading /proc/self/maps and \
+             /proc/self/numa_maps, {ATTEMPTS} times running"
+        ),
+    ))
 }
 
 /// ENOENT: no page. EFAULT inside our own mapping: no page table yet, or the shared zero
@@ -121,17 +297,13 @@ unsafe fn for_each_page_status(
             )
         };
         if let Err(errno) = result {
-            return match DegradeReason::from_errno(errno) {
-                Some(reason) => Ok(Some(reason)),
-                None => Err(Error::os(
-                    "move_pages",
-                    errno,
-                    format_args!(
-                        "pid=0 count={n} first={:p} target={target:?} flags={flags}",
-                        pages[0]
-                    ),
-                )),
-            };
+            return degrade_or_error(NumaCall::MovePages, errno, || {
+                format!(
+                    "pid=0 count={n} first={:p} target={target:?} flags={flags}",
+                    pages[0]
+                )
+            })
+            .map(Some);
         }
         status[..n].iter().for_each(|&s| per_page(s));
         done += n;
@@ -154,6 +326,12 @@ pub struct MoveReport {
     /// shared with other processes, needs `MOVE_ALL`; `ENOMEM`: target full; ...).
     /// `Region::migrate` (mbind) gives no reasons: its refusals are `left_behind`.
     pub refused: Vec<(Errno, usize)>,
+    /// Pages whose node `numa_maps` could not tell, before or after (the region shared a
+    /// mapping with a neighbour: see [`NodeHistogram::merged`]); with any, `moved` is a
+    /// lower bound. Always 0 from `move_pages`.
+    pub merged: usize,
+    /// Where the counts come from.
+    pub source: PagesSource,
 }
 
 impl MoveReport {
@@ -196,7 +374,8 @@ pub(crate) unsafe fn move_range_to(
     Ok(Observed::Known(report))
 }
 
-/// Counts a range against a target set after an `mbind(MOVE)`.
+/// Counts a range against a target set after an `mbind(MOVE)`, from histograms of
+/// either source.
 pub(crate) fn report_against(
     before: &NodeHistogram,
     after: &NodeHistogram,
@@ -210,11 +389,14 @@ pub(crate) fn report_against(
             .sum::<usize>()
     };
     MoveReport {
-        moved: on(after).saturating_sub(on(before)),
+        // Pages of `before` whose node is unknown may have been on the target already.
+        moved: on(after).saturating_sub(on(before) + before.merged),
         on_target: on(after),
         left_behind: after.present() - on(after),
         not_present: after.not_present,
         refused: Vec::new(),
+        merged: before.merged.max(after.merged),
+        source: after.source,
     }
 }
 
@@ -222,12 +404,14 @@ pub(crate) fn report_against(
 /// `to` (`migrate_pages(2)`). Returns the pages that could not be moved.
 ///
 /// Moving another process's pages needs `CAP_SYS_NICE` unless its user ids match ours;
-/// that is checked first and named in the error.
+/// that is checked first and named in the error. So do target nodes outside the
+/// process's cpuset (the kernel's check, answered with `EPERM`).
 ///
 /// # Errors
-/// Empty node sets, a missing capability, no such process (`ESRCH`), or any errno but
-/// `EPERM`/`ENOSYS` from a process that may do this (those give
-/// [`Observed::Degraded`]).
+/// Empty node sets, [`Error::MissingCapability`], no such process (`ESRCH`), or any errno
+/// but `EPERM`/`ENOSYS` where the probe found `migrate_pages` denied or unsupported
+/// (those give [`Observed::Degraded`]: Docker's default profile denies it even with
+/// `--cap-add SYS_NICE`).
 #[doc(alias = "migrate_pages")]
 pub fn migrate_process(
     pid: i32,
@@ -243,13 +427,13 @@ pub fn migrate_process(
     }
     // SAFETY: getpid cannot fail.
     let own = pid == 0 || pid == unsafe { libc::getpid() };
-    let denied = super::bind::denied_here();
+    let available = NumaCall::MigratePages.support()? == MempolicySupport::Available;
     // Read the target's ids first: a missing process is ESRCH in every environment.
     let same_user = if own { true } else { same_user(pid)? };
-    if !own && !denied && !crate::capability::sys_nice() && !same_user {
+    if !own && available && !crate::capability::sys_nice() && !same_user {
         return Err(crate::capability::missing_sys_nice(
             OP,
-            &format!("process {pid} belongs to another user"),
+            format!("process {pid} belongs to another user"),
         ));
     }
     // Both masks sized alike: the kernel reads the same maxnode for both.
@@ -271,18 +455,10 @@ pub fn migrate_process(
     };
     match result {
         Ok(left) => Ok(Observed::Known(left as usize)),
-        Err(Errno::PERM) if !own && !denied => Err(crate::capability::missing_sys_nice(
-            OP,
-            &format!("the kernel refused to move process {pid}'s pages (EPERM)"),
-        )),
-        Err(errno) => match DegradeReason::from_errno(errno) {
-            Some(reason) => Ok(Observed::Degraded(reason)),
-            None => Err(Error::os(
-                OP,
-                errno,
-                format_args!("pid={pid} from={from} to={to}"),
-            )),
-        },
+        Err(errno) => degrade_or_error(NumaCall::MigratePages, errno, || {
+            format!("pid={pid} from={from} to={to}")
+        })
+        .map(Observed::Degraded),
     }
 }
 
@@ -317,4 +493,35 @@ fn same_user(pid: i32) -> Result<bool> {
         .iter()
         .flatten()
         .any(|&id| id == uid || id == euid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Region;
+
+    #[test]
+    fn numa_maps_never_attributes_a_mapping_that_reaches_past_the_range() {
+        let page = page_size();
+        let mut r = Region::anonymous(3 * page).unwrap();
+        let start = r.as_ptr() as usize;
+        let middle = [(start + page, start + 2 * page)];
+        // Untouched: a line with no pages says "not present" exactly, even if the kernel
+        // merged the region with a neighbour (whose pages would then be `merged`).
+        let h = numa_maps_histogram(&middle).unwrap();
+        assert_eq!((h.present(), h.source), (0, PagesSource::NumaMaps));
+        assert_eq!(h.not_present + h.merged, 1, "{h:?}");
+
+        r.as_mut_slice().unwrap().fill(1);
+        // The middle page's line covers its two neighbours too: its count is not ours.
+        let h = numa_maps_histogram(&middle).unwrap();
+        assert_eq!((h.present(), h.merged, h.not_present), (0, 1, 0), "{h:?}");
+        // The whole region: its own line counts (merged only if a neighbour joined it).
+        let h = numa_maps_histogram(&[(start, start + 3 * page)]).unwrap();
+        assert_eq!((h.present() + h.merged, h.not_present), (3, 0), "{h:?}");
+        // Two spans covering a line between them count it whole.
+        let h = numa_maps_histogram(&[(start, start + page), (start + page, start + 3 * page)])
+            .unwrap();
+        assert_eq!(h.present() + h.merged, 3, "{h:?}");
+    }
 }

@@ -346,7 +346,7 @@ impl Region {
         }
         self.backing = Backing::Sealed(file);
         if self.locked.load(std::sync::atomic::Ordering::Relaxed) {
-            self.mlock()?;
+            self.mlock(self.map_len() as u64)?;
         }
         let Backing::Sealed(file) = &self.backing else {
             return Ok(());

@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::manifest::ManifestRegion;
 use crate::error::{Error, Result};
 use crate::policy::{MbindFlags, MemPolicy, Observed, Placement};
-use crate::region::{Advice, NodeHistogram, Region};
+use crate::region::{Advice, Region};
 use crate::source::Kind;
 
 /// Transparent huge page size on x86-64 and most arm64 kernels.
@@ -127,6 +127,11 @@ impl Arena {
         self.region.populate_write()
     }
 
+    /// The region, for read-only queries (placement, memory figures).
+    pub(crate) fn region(&self) -> &Region {
+        &self.region
+    }
+
     pub(crate) fn stride(&self) -> usize {
         self.stride
     }
@@ -211,11 +216,6 @@ impl Arena {
         i: usize,
     ) -> Result<Observed<(MemPolicy, crate::policy::ModeFlags)>> {
         self.region.policy_at(self.slot_range(i).start)
-    }
-
-    /// Where the region's pages are, from a sample of every `step`-th page.
-    pub(crate) fn placement_sampled(&self, step: usize) -> Result<Observed<NodeHistogram>> {
-        self.region.placement_sampled(step)
     }
 
     /// The sealed file behind a frozen or attached arena.

@@ -10,6 +10,7 @@ use crate::diag;
 use crate::error::Result;
 use crate::node::Node;
 use crate::policy::{DegradeReason, Observed, Placement};
+use crate::region::{PagesSource, Region};
 
 /// Figures of the whole store, measured when asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,10 +26,20 @@ pub struct StoreStats {
     pub vmas: usize,
     /// `mbind` calls made.
     pub mbind_calls: usize,
-    /// Resident pages per node, estimated from a `move_pages` sample of at most
-    /// [`PAGE_SAMPLE`] pages (each sampled page counts for `sample_step` pages).
+    /// Resident pages per node: estimated from a `move_pages` sample of at most
+    /// [`PAGE_SAMPLE`] pages (each sampled page counts for `sample_step` pages), or
+    /// counted whole from `numa_maps` where the page calls are denied; empty when
+    /// `pages_source` is `None`.
     pub pages_per_node: BTreeMap<Node, u64>,
-    /// One page in this many was sampled (1: every page).
+    /// Where `pages_per_node` comes from; `None`: unavailable here (a kernel without
+    /// NUMA), which an empty map alone could not tell from "no pages".
+    pub pages_source: Option<PagesSource>,
+    /// Pages of the store whose node `numa_maps` could not tell: a mapping the kernel
+    /// merged across the store's edge (see [`NodeHistogram::merged`]).
+    ///
+    /// [`NodeHistogram::merged`]: crate::NodeHistogram::merged
+    pub pages_merged: u64,
+    /// One page in this many was sampled (1: every page, and always 1 from `numa_maps`).
     pub sample_step: usize,
     /// Resident bytes of the store's mappings (`smaps` `Rss`; a mapping the kernel merged
     /// with an equal neighbour counts whole).
@@ -50,11 +61,13 @@ pub const PAGE_SAMPLE: usize = 1 << 16;
 
 impl PinStore {
     /// Measures the store: loaded figures, its mappings in `/proc/self/smaps`, `mbind`
-    /// calls, and resident pages per node from a bounded `move_pages` sample.
+    /// calls, and resident pages per node from a bounded `move_pages` sample (or from
+    /// `numa_maps` where the page calls are denied).
     ///
     /// # Errors
-    /// `/proc/self/maps` cannot be read, or `move_pages` fails with an errno other than
-    /// `EPERM`/`ENOSYS` (which leave `pages_per_node` empty).
+    /// `/proc/self/maps` or `numa_maps` cannot be read, or `move_pages` fails with an
+    /// errno other than `ENOSYS` (which leaves `pages_per_node` empty and
+    /// `pages_source` `None`).
     pub fn stats(&self) -> Result<StoreStats> {
         if self.state == super::State::Broken {
             return Err(super::broken("PinStore::stats"));
@@ -68,17 +81,22 @@ impl PinStore {
             .iter()
             .map(|(a, b)| (b - a) / crate::page_size())
             .sum();
-        let sample_step = total_pages.div_ceil(PAGE_SAMPLE).max(1);
+        let mut sample_step = total_pages.div_ceil(PAGE_SAMPLE).max(1);
         let mut pages_per_node = BTreeMap::new();
-        for arena in layers.iter().flat_map(|l| l.arenas()) {
-            match arena.placement_sampled(sample_step)? {
-                Observed::Known(h) => {
-                    for (node, n) in h.pages {
-                        *pages_per_node.entry(node).or_insert(0u64) += (n * sample_step) as u64;
-                    }
-                }
-                Observed::Degraded(_) => break,
+        let (mut pages_source, mut pages_merged) = (None, 0);
+        let regions: Vec<&Region> = layers
+            .iter()
+            .flat_map(|l| l.arenas().map(Arena::region))
+            .collect();
+        if let Observed::Known(h) = Region::placement_of_all(&regions, sample_step)? {
+            if h.source == PagesSource::NumaMaps {
+                sample_step = 1;
             }
+            for (node, n) in h.pages {
+                pages_per_node.insert(node, (n * sample_step) as u64);
+            }
+            pages_source = Some(h.source);
+            pages_merged = h.merged as u64;
         }
         let smaps = diag::smaps_overlapping(&spans)?;
 
@@ -97,6 +115,8 @@ impl PinStore {
             private_bytes: smaps.iter().map(|e| e.private).sum(),
             mbind_calls: self.mbind_calls.load(Ordering::Relaxed),
             pages_per_node,
+            pages_source,
+            pages_merged,
             sample_step,
             placement: self.placement.lock().ok().and_then(|p| *p),
         })

@@ -1,11 +1,19 @@
 //! `cargo xtask test-container`: the test binaries again in unshared user, mount and pid
 //! namespaces, plain and under seccomp filters that answer the NUMA syscalls the way a
-//! default Docker profile (EPERM) or a kernel without NUMA (ENOSYS) does.
+//! default Docker profile (EPERM), Docker with `--cap-add SYS_NICE` (EPERM for the page
+//! calls only) or a kernel without NUMA (ENOSYS) does.
 //!
 //! The xtask re-executes itself as `__sandbox <env> <binary>`: that process unshares the
 //! namespaces, maps root to the caller, forks so the child is pid 1 of the new pid
 //! namespace, mounts a fresh /proc there, installs the filter (after
 //! `PR_SET_NO_NEW_PRIVS`, which seccompiler sets) and execs the binary.
+//!
+//! `docker-sys-nice` run as root skips the user namespace (whose CAP_SYS_NICE the kernel
+//! would not honour for `MPOL_MF_MOVE_ALL`) and instead drops every capability but
+//! CAP_SYS_NICE from all sets, the bounding set included, so the exec'd binary keeps
+//! only that one (`docker run --cap-add SYS_NICE` keeps Docker's default set as well).
+//! Unprivileged it runs in a user namespace like the others and models only the seccomp
+//! half.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -25,33 +33,52 @@ pub const SANDBOX: &str = "__sandbox";
 struct Env {
     name: &'static str,
     expect: &'static str,
-    /// The errno the NUMA syscalls get; `None`: no filter.
+    /// The errno the `filtered` syscalls get; `None`: no filter.
     errno: Option<i32>,
+    /// The syscalls the filter answers.
+    filtered: &'static [i64],
+    /// As root: no user namespace, every capability but CAP_SYS_NICE dropped.
+    sys_nice_only: bool,
     what: &'static str,
 }
 
-const ENVS: [Env; 3] = [
+const ENVS: [Env; 4] = [
     Env {
         name: "userns",
         expect: "full",
         errno: None,
+        filtered: &[],
+        sys_nice_only: false,
         what: "namespaces only: placement works; MOVE_ALL lacks CAP_SYS_NICE on the host",
     },
     Env {
         name: "docker-default",
         expect: "denied",
         errno: Some(libc::EPERM),
+        filtered: &NUMA_SYSCALLS,
+        sys_nice_only: false,
         what: "seccomp answers the NUMA syscalls with EPERM (Docker's default profile)",
+    },
+    Env {
+        name: "docker-sys-nice",
+        expect: "sys-nice",
+        errno: Some(libc::EPERM),
+        filtered: &PAGE_SYSCALLS,
+        sys_nice_only: true,
+        what: "seccomp answers move_pages and migrate_pages with EPERM, the policy calls \
+               work (Docker's default profile with --cap-add SYS_NICE)",
     },
     Env {
         name: "no-numa",
         expect: "unsupported",
         errno: Some(libc::ENOSYS),
+        filtered: &NUMA_SYSCALLS,
+        sys_nice_only: false,
         what: "seccomp answers the NUMA syscalls with ENOSYS (CONFIG_NUMA=n)",
     },
 ];
 
-/// The syscalls Docker's default profile gates behind CAP_SYS_NICE, and that a kernel
+/// The syscalls Docker's default profile denies without CAP_SYS_NICE, and that a kernel
 /// without NUMA does not implement.
 const NUMA_SYSCALLS: [i64; 6] = [
     libc::SYS_mbind,
@@ -62,14 +89,18 @@ const NUMA_SYSCALLS: [i64; 6] = [
     libc::SYS_migrate_pages,
 ];
 
+/// The syscalls in none of the profile's allow lists: EPERM (its default errno) whatever
+/// the capabilities.
+const PAGE_SYSCALLS: [i64; 2] = [libc::SYS_move_pages, libc::SYS_migrate_pages];
+
 pub fn run(args: &[String]) -> Result<(), String> {
     let only = match args {
         [] => None,
         [flag, name] if flag == "--env" => Some(name.as_str()),
         _ => {
-            return Err(
-                "usage: cargo xtask test-container [--env userns|docker-default|no-numa]".into(),
-            );
+            return Err("usage: cargo xtask test-container \
+                 [--env userns|docker-default|docker-sys-nice|no-numa]"
+                .into());
         }
     };
     let envs: Vec<&Env> = ENVS
@@ -88,6 +119,17 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut outcomes = Vec::new();
     for env in envs {
         eprintln!("xtask: environment {}: {}", env.name, env.what);
+        if env.sys_nice_only {
+            eprintln!(
+                "xtask: {}",
+                if is_root() {
+                    "as root: no user namespace; every capability but CAP_SYS_NICE dropped"
+                } else {
+                    "unprivileged: in a user namespace, so this models only the seccomp half \
+                     (CAP_SYS_NICE there does not reach host pages: MOVE_ALL still fails)"
+                }
+            );
+        }
         for test in &tests {
             let log = logs.join(format!(
                 "{}-{}.log",
@@ -157,9 +199,14 @@ fn check_userns() -> Result<(), String> {
     }
 }
 
-fn filter(errno: i32) -> Result<BpfProgram, String> {
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn filter(errno: i32, syscalls: &[i64]) -> Result<BpfProgram, String> {
     let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
-        NUMA_SYSCALLS.iter().map(|&nr| (nr, Vec::new())).collect();
+        syscalls.iter().map(|&nr| (nr, Vec::new())).collect();
     SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -188,17 +235,29 @@ pub fn sandbox(args: &[String]) -> Result<(), String> {
         .find(|e| e.name == env_name)
         .ok_or_else(|| format!("unknown environment {env_name}"))?;
     let program = filter_for(env)?;
-    // SAFETY: plain syscalls on this process; getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    // SAFETY: unshare only changes this process's namespaces.
-    if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID) } != 0 {
-        return Err(os_error(
-            "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID)",
-        ));
+    // As root, the CAP_SYS_NICE environment keeps the initial user namespace, where that
+    // capability is real; the others (and it, unprivileged) get one of their own.
+    let sys_nice_only = env.sys_nice_only && is_root();
+    if sys_nice_only {
+        // SAFETY: unshare only changes this process's namespaces.
+        if unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID) } != 0 {
+            return Err(os_error("unshare(CLONE_NEWNS | CLONE_NEWPID)"));
+        }
+    } else {
+        // SAFETY: plain syscalls on this process; getuid/getgid cannot fail.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        // SAFETY: unshare only changes this process's namespaces.
+        if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWPID) }
+            != 0
+        {
+            return Err(os_error(
+                "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID)",
+            ));
+        }
+        write_file("/proc/self/setgroups", "deny")?;
+        write_file("/proc/self/uid_map", &format!("0 {uid} 1"))?;
+        write_file("/proc/self/gid_map", &format!("0 {gid} 1"))?;
     }
-    write_file("/proc/self/setgroups", "deny")?;
-    write_file("/proc/self/uid_map", &format!("0 {uid} 1"))?;
-    write_file("/proc/self/gid_map", &format!("0 {gid} 1"))?;
 
     // SAFETY: this process is single-threaded here (the xtask main thread only), so the
     // child may allocate and exec freely.
@@ -220,17 +279,38 @@ pub fn sandbox(args: &[String]) -> Result<(), String> {
         std::process::exit(code);
     }
     // The child: pid 1 of the new pid namespace.
-    let result = enter_and_exec(program.as_ref(), binary, rest);
+    let result = enter_and_exec(program.as_ref(), sys_nice_only, binary, rest);
     eprintln!("xtask sandbox: {}", result.unwrap_err());
     std::process::exit(127);
 }
 
 fn filter_for(env: &Env) -> Result<Option<BpfProgram>, String> {
-    env.errno.map(filter).transpose()
+    env.errno.map(|e| filter(e, env.filtered)).transpose()
+}
+
+/// Drops every capability but CAP_SYS_NICE from the bounding, inheritable, ambient,
+/// permitted and effective sets. Root's exec then grants the bounding set's
+/// intersection with a full file set (see capabilities(7)): CAP_SYS_NICE alone.
+fn keep_only_cap_sys_nice() -> Result<(), String> {
+    use caps::{CapSet, Capability};
+    let err = |what: &str, e: caps::errors::CapsError| format!("{what}: {e}");
+    let bounding = caps::read(None, CapSet::Bounding).map_err(|e| err("read bounding set", e))?;
+    for cap in bounding {
+        if cap != Capability::CAP_SYS_NICE {
+            caps::drop(None, CapSet::Bounding, cap).map_err(|e| err("drop from bounding", e))?;
+        }
+    }
+    caps::clear(None, CapSet::Ambient).map_err(|e| err("clear ambient set", e))?;
+    caps::clear(None, CapSet::Inheritable).map_err(|e| err("clear inheritable set", e))?;
+    let only: caps::CapsHashSet = std::iter::once(Capability::CAP_SYS_NICE).collect();
+    caps::set(None, CapSet::Effective, &only).map_err(|e| err("set effective set", e))?;
+    caps::set(None, CapSet::Permitted, &only).map_err(|e| err("set permitted set", e))?;
+    Ok(())
 }
 
 fn enter_and_exec(
     program: Option<&BpfProgram>,
+    sys_nice_only: bool,
     binary: &str,
     args: &[String],
 ) -> Result<(), String> {
@@ -259,6 +339,9 @@ fn enter_and_exec(
         {
             return Err(os_error("mount proc /proc"));
         }
+    }
+    if sys_nice_only {
+        keep_only_cap_sys_nice()?;
     }
     if let Some(program) = program {
         seccompiler::apply_filter(program)
