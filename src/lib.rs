@@ -37,13 +37,15 @@ pub mod diag;
 mod error;
 #[cfg(feature = "jemalloc")]
 pub mod jemalloc;
+#[cfg(feature = "model")]
+pub mod model;
 mod node;
 pub mod policy;
 mod probe;
 mod region;
 pub mod store;
 
-pub use error::{Errno, Error, Result};
+pub use error::{CheckpointFault, Errno, Error, Result};
 pub use node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{MempolicySupport, Support, ThpMode, mempolicy_support, probe};
