@@ -708,6 +708,12 @@ fn gguf_split_part_missing_or_disagreeing() {
         "{reason}"
     );
 
+    let unkeyed = dir.join("u-00001-of-00002.gguf");
+    std::fs::write(&unkeyed, GgufBuilder::new().bytes()).unwrap();
+    let (_, kind, _, reason) = checkpoint_fault(Checkpoint::open(&unkeyed));
+    assert_eq!(kind, CheckpointFault::Split);
+    assert!(reason.contains("no split.count"), "{reason}");
+
     std::fs::write(dir.join("m-00002-of-00002.gguf"), split_part(1, 2, 2, "b")).unwrap();
     let checkpoint = Checkpoint::open(&first).unwrap();
     assert_eq!(checkpoint.files().len(), 2);

@@ -470,6 +470,16 @@ fn open_gguf(path: &Path) -> Result<Checkpoint> {
     let first = gguf::parse(&file, &display(path))?;
     let split = gguf::split_info(&first.metadata, &display(path))?;
     let Some(split) = split else {
+        if let Some((_, no, count)) = gguf::split_name(path)
+            && count > 1
+        {
+            return Err(Error::checkpoint(
+                display(path),
+                None,
+                CheckpointFault::Split,
+                format!("named part {no} of {count} but the file has no split.count key"),
+            ));
+        }
         let tensors = first.tensors;
         let files = vec![CheckpointFile {
             path: path.to_path_buf(),
