@@ -191,6 +191,18 @@ pub enum Error {
         /// What went wrong earlier.
         why: String,
     },
+    /// A model checkpoint (safetensors or GGUF) is malformed or does not fit the naming.
+    #[error("{file}{}: {kind}: {reason}", match tensor { Some(t) => format!(" (tensor {t:?})"), None => String::new() })]
+    Checkpoint {
+        /// The file (or directory) at fault.
+        file: String,
+        /// The tensor at fault, when one is.
+        tensor: Option<String>,
+        /// What kind of fault, for callers that match.
+        kind: CheckpointFault,
+        /// What is wrong, quoting the offending values.
+        reason: String,
+    },
     /// Reading a file (a procfs/sysfs entry or a data file) failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -231,6 +243,21 @@ impl Error {
         }
     }
 
+    #[cfg_attr(not(feature = "model"), allow(dead_code))]
+    pub(crate) fn checkpoint(
+        file: impl Into<String>,
+        tensor: Option<&str>,
+        kind: CheckpointFault,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::Checkpoint {
+            file: file.into(),
+            tensor: tensor.map(str::to_owned),
+            kind,
+            reason: reason.into(),
+        }
+    }
+
     pub(crate) fn io(op: &'static str, path: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             op,
@@ -261,6 +288,51 @@ impl From<Error> for std::io::Error {
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, e)
+    }
+}
+
+/// The kinds of [`Error::Checkpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CheckpointFault {
+    /// The file ends inside its header (or a header field points past the end).
+    Truncated,
+    /// The header is not what the format says: magic, version, UTF-8, JSON, a key's type,
+    /// an absurd count or length.
+    Header,
+    /// A tensor's byte range is reversed, overlaps another, lies outside its data section
+    /// or file, or is misaligned.
+    Range,
+    /// A tensor's byte length does not match its dtype and shape (or overflows).
+    Size,
+    /// A dtype or ggml type this crate does not know.
+    UnknownType,
+    /// A tensor name appears twice (in one file or across shards).
+    Duplicate,
+    /// A shard, a split part or an expert is missing.
+    Missing,
+    /// The parts of a split set disagree (split count, part number, tensor count).
+    Split,
+    /// Experts of one layer have different shapes, or a naming does not fit a tensor.
+    Shape,
+    /// No tensor matched any expert naming.
+    NoExperts,
+}
+
+impl fmt::Display for CheckpointFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CheckpointFault::Truncated => "truncated",
+            CheckpointFault::Header => "bad header",
+            CheckpointFault::Range => "bad tensor range",
+            CheckpointFault::Size => "size mismatch",
+            CheckpointFault::UnknownType => "unknown type",
+            CheckpointFault::Duplicate => "duplicate tensor",
+            CheckpointFault::Missing => "missing",
+            CheckpointFault::Split => "inconsistent split",
+            CheckpointFault::Shape => "shape mismatch",
+            CheckpointFault::NoExperts => "no experts",
+        })
     }
 }
 

@@ -10,6 +10,8 @@ pub mod diag;
 mod error;
 #[cfg(feature = "jemalloc")]
 pub mod jemalloc;
+#[cfg(feature = "model")]
+pub mod model;
 mod node;
 pub mod policy;
 mod probe;
@@ -17,7 +19,7 @@ mod region;
 mod source;
 pub mod store;
 
-pub use error::{Errno, Error, Result};
+pub use error::{CheckpointFault, Errno, Error, Result};
 pub use node::{
     KernelMask, MAX_NODES, Node, NodeContext, NodeSet, NodeSetIter, possible_node_count,
 };

@@ -1,6 +1,9 @@
 //! `cargo xtask <task>`: the project's build and test tasks, in plain Rust.
 //!
-//! - `test`: the host suite, then `test-container`, then `test-numa`.
+//! - `test`: the checkpoint fixtures, the host suite, then `test-container`, then
+//!   `test-numa`.
+//! - `fixtures`: checkpoint fixtures written by the official safetensors and gguf-py
+//!   writers into `target/fixtures` (tests read them through `NUMAPIN_FIXTURES`).
 //! - `test-container`: every test binary in unshared user/mount/pid namespaces, plain and
 //!   under seccomp filters that answer the NUMA syscalls with EPERM (Docker's default
 //!   profile) or ENOSYS (a kernel without NUMA).
@@ -10,6 +13,7 @@
 mod binaries;
 mod container;
 mod cpio;
+mod fixtures;
 mod numa_vm;
 mod report;
 
@@ -26,7 +30,9 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask <task>
-  test              host tests, then test-container, then test-numa
+  test              fixtures, host tests, then test-container, then test-numa
+  fixtures          checkpoint fixtures (safetensors, GGUF) into target/fixtures, written
+                    by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
   test-container    test binaries in namespaces: userns | docker-default | no-numa
                     (--env NAME runs one environment)
@@ -38,11 +44,13 @@ fn try_main() -> Result<(), String> {
     let rest = args.get(1..).unwrap_or(&[]);
     match args.first().map(String::as_str) {
         Some("test") => {
+            fixtures::run_fixtures()?;
             test_host()?;
             container::run(&[])?;
             numa_vm::run()
         }
         Some("test-host") => test_host(),
+        Some("fixtures") => fixtures::run_fixtures().map(|_| ()),
         Some("test-container") => container::run(rest),
         Some("test-numa") => numa_vm::run(),
         Some(container::SANDBOX) => container::sandbox(rest),
@@ -104,7 +112,12 @@ pub fn target_dir() -> Result<std::path::PathBuf, String> {
 }
 
 fn test_host() -> Result<(), String> {
-    run(cargo()
-        .current_dir(root())
-        .args(["test", "--workspace", "--all-features"]))
+    let mut cmd = cargo();
+    cmd.current_dir(root())
+        .args(["test", "--workspace", "--all-features"]);
+    // Fixture tests run when `fixtures` (or `test`) wrote them; otherwise they say NOT RUN.
+    if fixtures::dir().join("ggml_quant_sizes.json").is_file() {
+        cmd.env("NUMAPIN_FIXTURES", fixtures::dir());
+    }
+    run(&mut cmd)
 }

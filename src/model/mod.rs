@@ -1,0 +1,540 @@
+//! Real checkpoints: safetensors (one file, sharded, fused experts) and GGUF (one file,
+//! split), read header-only, and the expert naming that turns their tensors into an
+//! [`ExpertPlan`]: per MoE layer, per expert, the file pieces of its weights and scales.
+//!
+//! Nothing here maps or reads tensor data: [`Checkpoint::open`] reads each file's header
+//! (safetensors: the u64 length prefix and the JSON; GGUF: key/values and tensor infos),
+//! checks every tensor range against its file, and keeps the files open. Every fault is an
+//! [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and, where there is
+//! one, the tensor; never a panic, never an allocation sized by a length the file claims
+//! but does not hold.
+//!
+//! The parsers work over [`ReadAt`] (positional reads), so a header can be parsed from
+//! memory as well as from a [`File`].
+//!
+//! # Example
+//! ```no_run
+//! use numapin::model::{Checkpoint, Naming};
+//!
+//! let checkpoint = Checkpoint::open("/models/qwen-moe")?; // a directory of shards
+//! let plan = checkpoint.expert_plan()?; // naming detected
+//! for layer in plan.layers() {
+//!     println!("layer {}: {} experts, {} weight bytes each",
+//!              layer.layer(), layer.experts().len(), layer.weight_bytes());
+//! }
+//! let mixtral = checkpoint.expert_plan_with(&Naming::Mixtral)?; // or chosen by hand
+//! # let _ = mixtral;
+//! # Ok::<(), numapin::Error>(())
+//! ```
+
+pub mod ggml;
+pub mod gguf;
+mod naming;
+pub mod safetensors;
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub use ggml::GgmlType;
+pub use gguf::{GgufArray, GgufValue};
+pub use naming::{
+    CustomNaming, ExpertPieces, ExpertPlan, LayerPlan, Naming, Piece, PieceRole, TensorRef,
+};
+pub use safetensors::Dtype as SafetensorsDtype;
+
+use crate::error::{CheckpointFault, Error, Result};
+
+/// Positional reads from a file or a buffer: what the header parsers need.
+///
+/// Implemented for [`File`] (`pread`) and for `[u8]`/`Vec<u8>` (tests, fuzzing, headers
+/// already in memory).
+pub trait ReadAt {
+    /// The total length in bytes.
+    ///
+    /// # Errors
+    /// The underlying I/O error (`fstat`).
+    fn size(&self) -> io::Result<u64>;
+
+    /// Fills `buf` from `offset`; a range past the end is
+    /// [`io::ErrorKind::UnexpectedEof`].
+    ///
+    /// # Errors
+    /// The underlying I/O error, or `UnexpectedEof`.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+}
+
+impl ReadAt for File {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        FileExt::read_exact_at(self, buf, offset)
+    }
+}
+
+impl ReadAt for [u8] {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.len() as u64)
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let start = usize::try_from(offset).ok();
+        let range = start.and_then(|s| Some(s..s.checked_add(buf.len())?));
+        match range.and_then(|r| self.get(r)) {
+            Some(bytes) => {
+                buf.copy_from_slice(bytes);
+                Ok(())
+            }
+            None => Err(io::ErrorKind::UnexpectedEof.into()),
+        }
+    }
+}
+
+impl ReadAt for Vec<u8> {
+    fn size(&self) -> io::Result<u64> {
+        self.as_slice().size()
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.as_slice().read_exact_at(buf, offset)
+    }
+}
+
+/// A tensor's element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// A safetensors dtype (`"BF16"`, `"F8_E4M3"`, …).
+    Safetensors(SafetensorsDtype),
+    /// A ggml type (GGUF), quantised ones included.
+    Ggml(GgmlType),
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dtype::Safetensors(d) => write!(f, "{}", d.name()),
+            Dtype::Ggml(t) => write!(f, "{}", t.name()),
+        }
+    }
+}
+
+/// One tensor of a checkpoint: where its bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    file: usize,
+    offset: u64,
+    len: u64,
+}
+
+impl TensorInfo {
+    /// Its name in the checkpoint.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Its shape as the file states it: safetensors outermost first (row-major); GGUF
+    /// `ne0` first (innermost first, ggml's order).
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// Index of its file in [`Checkpoint::files`].
+    pub fn file(&self) -> usize {
+        self.file
+    }
+
+    /// Absolute byte offset of its data in that file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The experts (outermost) dimension of a merged or fused expert tensor.
+    pub(crate) fn outermost_dim(&self) -> Option<u64> {
+        match self.dtype {
+            Dtype::Safetensors(_) => self.shape.first().copied(),
+            Dtype::Ggml(_) => self.shape.last().copied(),
+        }
+    }
+}
+
+/// The container format of a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// One or more `.safetensors` files.
+    Safetensors,
+    /// One GGUF file, or the parts of a split set.
+    Gguf,
+}
+
+/// One open file of a checkpoint.
+#[derive(Debug)]
+pub struct CheckpointFile {
+    path: PathBuf,
+    file: File,
+    len: u64,
+}
+
+impl CheckpointFile {
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The open file (kept open by the checkpoint, so the tensors' ranges refer to what
+    /// was validated even if the path is replaced).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Its length when opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A checkpoint on disk: its files (open), its tensors, and for GGUF its metadata.
+///
+/// # Example
+/// ```no_run
+/// let checkpoint = numapin::model::Checkpoint::open("model.gguf")?;
+/// for tensor in checkpoint.tensors() {
+///     let file = &checkpoint.files()[tensor.file()];
+///     println!("{} {} at {}+{} in {}", tensor.name(), tensor.dtype(), tensor.offset(),
+///              tensor.len(), file.path().display());
+/// }
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Checkpoint {
+    format: Format,
+    files: Vec<CheckpointFile>,
+    tensors: Vec<TensorInfo>,
+    metadata: Vec<(String, GgufValue)>,
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint, reading only headers.
+    ///
+    /// `path` is one of: a `.safetensors` file; a directory holding
+    /// `model.safetensors.index.json` (its `weight_map` names the shards); a directory of
+    /// `*.safetensors` files without an index; a `.gguf` file; the first part of a split
+    /// GGUF (`name-00001-of-0000N.gguf`; the other parts are found beside it and checked
+    /// against its `split.*` keys).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a file cannot be opened or read; [`Error::Checkpoint`] for every
+    /// malformed header, tensor range, duplicate name, missing shard or split part.
+    pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| Error::io("stat", display(path), e))?;
+        if meta.is_dir() {
+            return open_safetensors_dir(path);
+        }
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("gguf") => open_gguf(path),
+            Some("safetensors") => Checkpoint::from_safetensors_files(vec![path.to_path_buf()]),
+            Some("json") => open_safetensors_index(path),
+            _ => Err(Error::checkpoint(
+                display(path),
+                None,
+                CheckpointFault::Header,
+                "not a .safetensors or .gguf file, an index .json, nor a directory",
+            )),
+        }
+    }
+
+    /// The container format.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Every tensor, in file order then offset order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The checkpoint's files, open; [`TensorInfo::file`] indexes this.
+    pub fn files(&self) -> &[CheckpointFile] {
+        &self.files
+    }
+
+    /// GGUF key/values (of the first part for a split set; `split.*` keys included);
+    /// empty for safetensors.
+    pub fn metadata(&self) -> &[(String, GgufValue)] {
+        &self.metadata
+    }
+
+    /// The GGUF value of `key`.
+    pub fn metadata_value(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// The experts, with the naming detected from the tensor names
+    /// (see [`Naming::detect`]).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] with [`CheckpointFault::NoExperts`] (listing names that look
+    /// like expert tensors), [`CheckpointFault::Missing`] for a layer missing an expert,
+    /// [`CheckpointFault::Shape`] for experts of one layer with different shapes.
+    pub fn expert_plan(&self) -> Result<ExpertPlan> {
+        let naming = Naming::detect(self)?;
+        naming.plan(self)
+    }
+
+    /// The experts under a naming chosen by hand.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::expert_plan`].
+    pub fn expert_plan_with(&self, naming: &Naming) -> Result<ExpertPlan> {
+        naming.plan(self)
+    }
+
+    fn from_safetensors_files(paths: Vec<PathBuf>) -> Result<Checkpoint> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut tensors = Vec::new();
+        for (index, path) in paths.into_iter().enumerate() {
+            let (file, len) = open_file(&path)?;
+            let parsed = safetensors::parse(&file, &display(&path))?;
+            tensors.extend(parsed.into_iter().map(|mut t| {
+                t.file = index;
+                t
+            }));
+            files.push(CheckpointFile { path, file, len });
+        }
+        check_unique(&files, &tensors)?;
+        Ok(Checkpoint {
+            format: Format::Safetensors,
+            files,
+            tensors,
+            metadata: Vec::new(),
+        })
+    }
+}
+
+fn display(path: &Path) -> String {
+    path.display().to_string()
+}
+
+fn open_file(path: &Path) -> Result<(File, u64)> {
+    let file = File::open(path).map_err(|e| Error::io("open", display(path), e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", display(path), e))?
+        .len();
+    Ok((file, len))
+}
+
+/// A name twice across files (within one file the parser already refused it).
+fn check_unique(files: &[CheckpointFile], tensors: &[TensorInfo]) -> Result<()> {
+    let mut seen: std::collections::HashMap<&str, usize> =
+        std::collections::HashMap::with_capacity(tensors.len());
+    for t in tensors {
+        if let Some(first) = seen.insert(&t.name, t.file) {
+            return Err(Error::checkpoint(
+                display(&files[t.file].path),
+                Some(&t.name),
+                CheckpointFault::Duplicate,
+                format!("the tensor is also in {}", files[first].path.display()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+const INDEX_NAME: &str = "model.safetensors.index.json";
+
+fn open_safetensors_dir(dir: &Path) -> Result<Checkpoint> {
+    let index = dir.join(INDEX_NAME);
+    if index.is_file() {
+        return open_safetensors_index(&index);
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("readdir", display(dir), e))?;
+    let mut paths = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("readdir", display(dir), e))?;
+        let path = entry.path();
+        if path.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+            paths.push(path);
+        }
+    }
+    if paths.is_empty() {
+        return Err(Error::checkpoint(
+            display(dir),
+            None,
+            CheckpointFault::Missing,
+            format!("no {INDEX_NAME} and no *.safetensors file in the directory"),
+        ));
+    }
+    paths.sort();
+    Checkpoint::from_safetensors_files(paths)
+}
+
+/// The index JSON is read whole, bounded like a header.
+fn open_safetensors_index(index: &Path) -> Result<Checkpoint> {
+    let (file, len) = open_file(index)?;
+    let name = display(index);
+    if len > safetensors::MAX_HEADER {
+        return Err(Error::checkpoint(
+            name,
+            None,
+            CheckpointFault::Header,
+            format!(
+                "index of {len} bytes is larger than the {} byte cap",
+                safetensors::MAX_HEADER
+            ),
+        ));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    ReadAt::read_exact_at(&file, &mut bytes, 0).map_err(|e| Error::io("pread", &name, e))?;
+    let weight_map = safetensors::parse_index(&bytes, &name)?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut shard_names: Vec<&str> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (_, shard) in &weight_map {
+        if seen.insert(shard.as_str()) {
+            shard_names.push(shard.as_str());
+        }
+    }
+    let mut paths = Vec::with_capacity(shard_names.len());
+    for shard in shard_names {
+        let path = dir.join(shard);
+        if !path.is_file() {
+            let tensor = weight_map
+                .iter()
+                .find(|(_, s)| s == shard)
+                .map(|(t, _)| t.as_str());
+            return Err(Error::checkpoint(
+                name,
+                tensor,
+                CheckpointFault::Missing,
+                format!("the index names shard {shard:?}, which does not exist"),
+            ));
+        }
+        paths.push(path);
+    }
+    let checkpoint = Checkpoint::from_safetensors_files(paths)?;
+    let by_name: std::collections::HashMap<&str, &TensorInfo> = checkpoint
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
+    for (tensor, shard) in &weight_map {
+        let found = by_name.get(tensor.as_str()).map(|t| {
+            checkpoint.files[t.file].path.file_name() == Some(std::ffi::OsStr::new(shard))
+        });
+        if found != Some(true) {
+            return Err(Error::checkpoint(
+                name,
+                Some(tensor),
+                CheckpointFault::Missing,
+                format!("the index places the tensor in {shard:?}, which does not hold it"),
+            ));
+        }
+    }
+    Ok(checkpoint)
+}
+
+fn open_gguf(path: &Path) -> Result<Checkpoint> {
+    let (file, len) = open_file(path)?;
+    let first = gguf::parse(&file, &display(path))?;
+    let split = gguf::split_info(&first.metadata, &display(path))?;
+    let Some(split) = split else {
+        if let Some((_, no, count)) = gguf::split_name(path)
+            && count > 1
+        {
+            return Err(Error::checkpoint(
+                display(path),
+                None,
+                CheckpointFault::Split,
+                format!("named part {no} of {count} but the file has no split.count key"),
+            ));
+        }
+        let tensors = first.tensors;
+        let files = vec![CheckpointFile {
+            path: path.to_path_buf(),
+            file,
+            len,
+        }];
+        check_unique(&files, &tensors)?;
+        return Ok(Checkpoint {
+            format: Format::Gguf,
+            files,
+            tensors,
+            metadata: first.metadata,
+        });
+    };
+    let paths = gguf::split_paths(path, &split)?;
+    let mut files = vec![CheckpointFile {
+        path: path.to_path_buf(),
+        file,
+        len,
+    }];
+    let mut tensors = first.tensors;
+    for (no, part_path) in paths.into_iter().enumerate().skip(1) {
+        let (part_file, part_len) = open_file(&part_path)?;
+        let part = gguf::parse(&part_file, &display(&part_path))?;
+        let info = gguf::split_info(&part.metadata, &display(&part_path))?;
+        gguf::check_part(&display(&part_path), info.as_ref(), no, &split)?;
+        tensors.extend(part.tensors.into_iter().map(|mut t| {
+            t.file = no;
+            t
+        }));
+        files.push(CheckpointFile {
+            path: part_path,
+            file: part_file,
+            len: part_len,
+        });
+    }
+    if let Some(total) = split.tensors
+        && total != tensors.len() as u64
+    {
+        return Err(Error::checkpoint(
+            display(path),
+            None,
+            CheckpointFault::Split,
+            format!(
+                "split.tensors.count is {total} but the {} parts hold {} tensors",
+                split.count,
+                tensors.len()
+            ),
+        ));
+    }
+    check_unique(&files, &tensors)?;
+    Ok(Checkpoint {
+        format: Format::Gguf,
+        files,
+        tensors,
+        metadata: first.metadata,
+    })
+}
