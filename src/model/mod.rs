@@ -5,7 +5,7 @@
 //! Nothing here maps or reads tensor data: [`Checkpoint::open`] reads each file's header
 //! (safetensors: the u64 length prefix and the JSON; GGUF: key/values and tensor infos),
 //! checks every tensor range against its file, and keeps the files open. Every fault is an
-//! [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and, where there is
+//! [`Error::Checkpoint`] naming the file and, where there is
 //! one, the tensor; never a panic, never an allocation sized by a length the file claims
 //! but does not hold.
 //!
