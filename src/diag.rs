@@ -1,21 +1,12 @@
-//! What the kernel says about this process: map counts, `numa_maps`, `smaps`, RSS.
-//!
-//! # Safety
-//!
-//! Two queries take raw addresses: `mincore` (writes one byte per page into a vector
-//! sized for the range) and `get_mempolicy(MPOL_F_ADDR)` (reads a policy). Neither
-//! touches the memory they ask about.
-#![allow(unsafe_code)]
+//! What the kernel says about this process in `/proc`: map counts, `maps`, `numa_maps`,
+//! `smaps`, RSS. Pure parsing: no syscalls beyond reading files, no `unsafe` (residency
+//! by `mincore` is [`crate::resident_pages`], a range's policy
+//! [`crate::Region::policy_at`]).
 
 use std::collections::BTreeMap;
-use std::ffi::c_void;
-
-use numapin_sys as sys;
 
 use crate::error::{Error, Result};
-use crate::node::{KernelMask, Node, NodeSet, possible_node_count};
-use crate::policy::{MemPolicy, ModeFlags, Observed};
-use crate::probe::NumaCall;
+use crate::node::{Node, NodeSet};
 
 fn read(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))
@@ -71,6 +62,67 @@ pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
         .count())
 }
 
+/// One line of `/proc/self/maps`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MapsEntry {
+    /// Start address.
+    pub start: usize,
+    /// End address (exclusive).
+    pub end: usize,
+    /// `rwxp` / `rwxs`.
+    pub perms: String,
+    /// Offset into the file.
+    pub offset: u64,
+    /// The file's inode (0 for anonymous memory).
+    pub inode: u64,
+    /// The path, `[heap]`-style name, or `None`; a deleted file ends in ` (deleted)`.
+    pub path: Option<String>,
+}
+
+impl MapsEntry {
+    /// A `MAP_SHARED` mapping (`s` in the permissions).
+    pub fn is_shared(&self) -> bool {
+        self.perms.as_bytes().get(3) == Some(&b's')
+    }
+}
+
+/// Parses `/proc/<pid>/maps` text; lines that do not parse are skipped.
+pub fn parse_maps(text: &str) -> Vec<MapsEntry> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.splitn(6, ' ');
+            let (range, perms, offset, _dev, inode) = (
+                words.next()?,
+                words.next()?,
+                words.next()?,
+                words.next()?,
+                words.next()?,
+            );
+            let (a, b) = range.split_once('-')?;
+            let path = words.next().map(str::trim_start).filter(|p| !p.is_empty());
+            Some(MapsEntry {
+                start: usize::from_str_radix(a, 16).ok()?,
+                end: usize::from_str_radix(b, 16).ok()?,
+                perms: perms.to_string(),
+                offset: u64::from_str_radix(offset, 16).ok()?,
+                inode: inode.parse().ok()?,
+                path: path.map(str::to_string),
+            })
+        })
+        .collect()
+}
+
+/// The mappings of this process that overlap `[start, end)`.
+///
+/// # Errors
+/// `/proc/self/maps` cannot be read.
+pub fn maps_entries_in(start: usize, end: usize) -> Result<Vec<MapsEntry>> {
+    Ok(parse_maps(&read("/proc/self/maps")?)
+        .into_iter()
+        .filter(|e| e.start < end && start < e.end)
+        .collect())
+}
+
 /// `vm.max_map_count`: how many mappings a process may have.
 ///
 /// # Errors
@@ -78,65 +130,12 @@ pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
 pub fn max_map_count() -> Result<usize> {
     let path = "/proc/sys/vm/max_map_count";
     let text = read(path)?;
-    text.trim()
-        .parse()
-        .map_err(|_| Error::invalid("read", format!("{path}: unparsable {text:?}")))
+    text.trim().parse().map_err(|_| Error::Unparsable {
+        path: path.into(),
+        what: "a map count",
+        found: text.chars().take(64).collect(),
+    })
 }
-
-/// Resident pages of `[start, start + len)` of this process (`mincore(2)`): exact per
-/// range, where `smaps` only knows whole mappings (which merge with equal neighbours).
-///
-/// Asks the kernel in windows of at most 4096 pages into one fixed 4 KiB buffer, so any
-/// length costs bounded memory.
-///
-/// # Errors
-/// `start + len` overflows the address space (`EINVAL`, checked before any call);
-/// `start` is not page-aligned (`EINVAL`) or part of the range is unmapped (`ENOMEM`);
-/// the error names the whole range and the window that failed.
-pub fn resident_pages(start: usize, len: usize) -> Result<usize> {
-    let page = crate::page_size();
-    let end = start
-        .checked_add(len)
-        .and_then(|end| end.checked_next_multiple_of(page));
-    let Some(end) = end else {
-        return Err(Error::os(
-            "mincore",
-            crate::Errno::INVAL,
-            format_args!(
-                "addr={start:#x} len={len}: the range passes the end of the address space"
-            ),
-        ));
-    };
-    let mut vec = [0u8; RESIDENCY_WINDOW];
-    let mut resident = 0;
-    let mut addr = start;
-    // `addr` stays a multiple of the page after the first window when `start` is; an
-    // unaligned `start` fails in the first call.
-    while addr < end {
-        let window = (end - addr).min(RESIDENCY_WINDOW * page);
-        let pages = window.div_ceil(page);
-        // SAFETY: mincore only reads the page tables of the range (the kernel validates
-        // it) and writes one byte per page of `window` into `vec`, which holds
-        // RESIDENCY_WINDOW ≥ `pages` bytes.
-        let rc = unsafe { libc::mincore(addr as *mut c_void, window, vec.as_mut_ptr()) };
-        if rc != 0 {
-            let errno = crate::Errno::from_raw_os_error(
-                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-            );
-            return Err(Error::os(
-                "mincore",
-                errno,
-                format_args!("addr={start:#x} len={len} (window addr={addr:#x} len={window})"),
-            ));
-        }
-        resident += vec[..pages].iter().filter(|&&b| b & 1 != 0).count();
-        addr += window;
-    }
-    Ok(resident)
-}
-
-/// Pages [`resident_pages`] asks `mincore` about per call (its buffer's size in bytes).
-const RESIDENCY_WINDOW: usize = 4096;
 
 /// A `kB` field of `/proc/self/status` (`VmLck`, `VmRSS`, ...), in KiB.
 ///
@@ -421,39 +420,6 @@ pub fn numa_maps_at(addr: *const u8) -> Result<Option<NumaMapsEntry>> {
         .find(|e| e.address == addr as usize))
 }
 
-/// The policy of the range holding `addr` (`get_mempolicy` with `MPOL_F_ADDR`).
-///
-/// # Safety
-/// `addr` must be an address of this process the caller owns (else the kernel answers
-/// `EFAULT`, which is returned as an error).
-///
-/// # Errors
-/// Any errno but `EPERM`/`ENOSYS` where the probe says they mean a denial or no NUMA
-/// (see [`crate::policy::degrade_or_error`]).
-pub(crate) unsafe fn policy_at_addr(addr: *mut c_void) -> Result<Observed<(MemPolicy, ModeFlags)>> {
-    let mut mode = 0;
-    let mut mask = KernelMask::empty(possible_node_count());
-    let maxnode = mask.maxnode();
-    // SAFETY: valid out-pointers sized for `maxnode`; the caller vouches for `addr`.
-    let result = unsafe {
-        sys::get_mempolicy(
-            &mut mode,
-            mask.words_mut().as_mut_ptr(),
-            maxnode,
-            addr,
-            sys::MPOL_F_ADDR,
-        )
-    };
-    match result {
-        Ok(()) => MemPolicy::from_kernel(mode, NodeSet::from_kernel_words(mask.words()))
-            .map(Observed::Known),
-        Err(errno) => crate::policy::degrade_or_error(NumaCall::GetMempolicy, errno, || {
-            format!("addr={addr:p} flags=MPOL_F_ADDR maxnode={maxnode}")
-        })
-        .map(Observed::Degraded),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -486,6 +452,27 @@ mod tests {
         assert_eq!(e[3].kernel_page_kib, 2048);
         assert_eq!(e[4].policy, "default");
         assert_eq!((e[4].anon, e[4].dirty), (1, 1));
+    }
+
+    #[test]
+    fn maps_lines_parse() {
+        let text = "\
+7f0000000000-7f0000200000 rw-p 00000000 00:00 0 
+7f0000200000-7f0000201000 r--s 00001000 fd:01 1234                       /data/model file.bin
+7f0000201000-7f0000202000 rw-s 00000000 00:05 7                          /memfd:x (deleted)
+garbage
+";
+        let e = parse_maps(text);
+        assert_eq!(e.len(), 3);
+        assert_eq!(
+            (e[0].start, e[0].end, e[0].inode),
+            (0x7f0000000000, 0x7f0000200000, 0)
+        );
+        assert!(!e[0].is_shared() && e[0].path.is_none());
+        assert!(e[1].is_shared());
+        assert_eq!(e[1].offset, 0x1000);
+        assert_eq!(e[1].path.as_deref(), Some("/data/model file.bin"));
+        assert_eq!(e[2].path.as_deref(), Some("/memfd:x (deleted)"));
     }
 
     #[test]

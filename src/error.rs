@@ -150,8 +150,9 @@ pub enum Error {
         /// How many there are.
         len: usize,
     },
-    /// A policy names nodes this process may not allocate on (outside `mems_allowed`,
-    /// or without memory).
+    /// A policy names only nodes this process may not allocate on (outside
+    /// `mems_allowed`, or without memory): what the kernel's `EINVAL` meant
+    /// ([`Error::errno`] says `EINVAL`).
     #[error("{op}: node {node} is not one this process may allocate on (allowed: {allowed})")]
     NodeNotAllowed {
         /// The operation.
@@ -224,6 +225,7 @@ impl Error {
             Error::Os { errno, .. } => Some(*errno),
             Error::MissingCapability { .. } => Some(Errno::PERM),
             Error::Io { source, .. } => source.raw_os_error().map(Errno::from_raw_os_error),
+            Error::NodeNotAllowed { .. } => Some(Errno::INVAL),
             _ => None,
         }
     }

@@ -30,7 +30,7 @@ pub use probe::{
 };
 pub use region::{
     Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
-    migrate_process, range_placement,
+    migrate_process, range_placement, resident_pages,
 };
 pub use store::{
     ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,

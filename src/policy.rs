@@ -152,6 +152,32 @@ pub(crate) fn degrade_or_error(
     }
 }
 
+/// What an `EINVAL` from `mbind`/`set_mempolicy` meant, when it is this: a node-set
+/// policy none of whose nodes this process may allocate on (outside `mems_allowed`, or
+/// without memory, like the VM's memoryless node 3). Mode flags that reinterpret the set
+/// (`STATIC_NODES`, `RELATIVE_NODES`) are left to the kernel's answer.
+pub(crate) fn not_allowed(op: &'static str, policy: &MemPolicy, flags: ModeFlags) -> Option<Error> {
+    if flags.intersects(ModeFlags::STATIC_NODES | ModeFlags::RELATIVE_NODES) {
+        return None;
+    }
+    let (MemPolicy::Bind(set)
+    | MemPolicy::Interleave(set)
+    | MemPolicy::WeightedInterleave(set)
+    | MemPolicy::PreferredMany(set)) = policy
+    else {
+        return None;
+    };
+    let allowed = NodeSet::allowed().ok()?;
+    if !set.intersection(&allowed).is_empty() {
+        return None;
+    }
+    Some(Error::NodeNotAllowed {
+        op,
+        node: set.iter().next()?,
+        allowed: Box::new(allowed),
+    })
+}
+
 impl fmt::Display for DegradeReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -397,17 +423,46 @@ impl fmt::Display for MemPolicy {
 /// ```
 #[doc(alias = "get_mempolicy")]
 pub fn thread_policy() -> Result<Observed<(MemPolicy, ModeFlags)>> {
+    // SAFETY: a null address with no flags reads the calling thread's policy.
+    unsafe { get_policy(std::ptr::null_mut(), 0) }
+}
+
+/// The policy of the range holding `addr` (`get_mempolicy` with `MPOL_F_ADDR`).
+///
+/// # Safety
+/// `addr` must be an address of this process the caller owns (else the kernel answers
+/// `EFAULT`, which is returned as an error).
+///
+/// # Errors
+/// As [`thread_policy`].
+pub(crate) unsafe fn policy_at_addr(
+    addr: *mut std::ffi::c_void,
+) -> Result<Observed<(MemPolicy, ModeFlags)>> {
+    // SAFETY: forwarded from the caller.
+    unsafe { get_policy(addr, sys::MPOL_F_ADDR) }
+}
+
+/// `get_mempolicy` for the thread (`addr` null, `flags` 0) or a range (`MPOL_F_ADDR`),
+/// decoded: the one place that turns the kernel's mode and mask into a [`MemPolicy`].
+///
+/// # Safety
+/// With `MPOL_F_ADDR`, `addr` must be an address of this process the caller owns.
+unsafe fn get_policy(
+    addr: *mut std::ffi::c_void,
+    flags: std::ffi::c_ulong,
+) -> Result<Observed<(MemPolicy, ModeFlags)>> {
     let mut mode: i32 = 0;
     let mut mask = KernelMask::empty(possible_node_count());
     let maxnode = mask.maxnode();
-    // SAFETY: `mode` is a valid out-pointer and `mask` holds `maxnode / 64` words.
+    // SAFETY: `mode` is a valid out-pointer and `mask` holds `maxnode / 64` words; the
+    // caller vouches for `addr`.
     let result = unsafe {
         sys::get_mempolicy(
             &mut mode,
             mask.words_mut().as_mut_ptr(),
             maxnode,
-            std::ptr::null_mut(),
-            0,
+            addr,
+            flags,
         )
     };
     match result {
@@ -416,7 +471,7 @@ pub fn thread_policy() -> Result<Observed<(MemPolicy, ModeFlags)>> {
             MemPolicy::from_kernel(mode, nodes).map(Observed::Known)
         }
         Err(errno) => degrade_or_error(NumaCall::GetMempolicy, errno, || {
-            format!("maxnode={maxnode}")
+            format!("addr={addr:p} flags={flags:#x} maxnode={maxnode}")
         })
         .map(Observed::Degraded),
     }
@@ -443,6 +498,11 @@ pub fn set_thread_policy_with(policy: &MemPolicy, flags: ModeFlags) -> Result<Pl
     let mode = policy.mode() | flags.bits();
     // SAFETY: `mask` holds `maxnode / 64` words, more than the kernel reads.
     let result = unsafe { sys::set_mempolicy(mode, mask.words().as_ptr(), mask.maxnode()) };
+    if result == Err(Errno::INVAL)
+        && let Some(e) = not_allowed("set_mempolicy", policy, flags)
+    {
+        return Err(e);
+    }
     Placement::from_call(NumaCall::SetMempolicy, result, || {
         format!("policy={policy} flags={flags:?} maxnode={}", mask.maxnode())
     })

@@ -43,7 +43,7 @@ fn pack(weight_bytes: usize, slot_align: SlotAlign) -> (PinStore, numapin::Layer
 /// Resident bytes of the weights region (`mincore`, exact for the range).
 fn resident_weights(store: &PinStore, stride: usize) -> usize {
     let start = store.weights(0, 0).unwrap().as_ptr() as usize;
-    diag::resident_pages(start, stride * EXPERTS).unwrap() * page()
+    numapin::resident_pages(start, stride * EXPERTS).unwrap() * page()
 }
 
 #[test]

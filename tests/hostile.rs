@@ -122,6 +122,11 @@ fn placement_sampled_with_huge_steps_samples_the_first_page() {
     let wraps_to_zero = 1usize << (usize::BITS - page_size().trailing_zeros());
     for step in [usize::MAX, usize::MAX / 2, wraps_to_zero, pages, pages + 1] {
         match region.placement_sampled(step).unwrap() {
+            Observed::Known(h) if h.source == numapin::PagesSource::NumaMaps => {
+                // numa_maps counts are whole whatever the step (one read of the file).
+                assert_eq!(h.present(), 1, "step {step}: {h:?}");
+                assert_eq!(h.not_present, pages - 1, "step {step}: {h:?}");
+            }
             Observed::Known(h) => {
                 assert_eq!(h.present(), 1, "step {step}: {h:?}");
                 assert_eq!(h.not_present + h.other, 0, "step {step}: {h:?}");
@@ -150,20 +155,20 @@ fn placement_sampled_with_huge_steps_samples_the_first_page() {
     }
 }
 
-// ---- 2. diag::resident_pages with a huge length ----
+// ---- 2. numapin::resident_pages with a huge length ----
 
 #[test]
 fn resident_pages_rejects_overflowing_lengths_without_allocating() {
     let region = Region::anonymous(page_size()).unwrap();
     let addr = region.as_ptr() as usize;
     for len in [usize::MAX, usize::MAX - addr + 1, usize::MAX - addr] {
-        let e = diag::resident_pages(addr, len).unwrap_err();
+        let e = numapin::resident_pages(addr, len).unwrap_err();
         assert_eq!(e.errno(), Some(Errno::INVAL), "len {len}: {e}");
     }
     // Does not overflow but runs off the mapping: the kernel's ENOMEM, in bounded memory.
-    let e = diag::resident_pages(addr, usize::MAX / 2).unwrap_err();
+    let e = numapin::resident_pages(addr, usize::MAX / 2).unwrap_err();
     assert_eq!(e.errno(), Some(Errno::NOMEM), "{e}");
-    assert_eq!(diag::resident_pages(addr, 0).unwrap(), 0);
+    assert_eq!(numapin::resident_pages(addr, 0).unwrap(), 0);
 }
 
 #[test]
@@ -181,11 +186,11 @@ fn resident_pages_counts_exactly_across_windows() {
     }
     let addr = region.as_ptr() as usize;
     let len = pages * page_size();
-    assert_eq!(diag::resident_pages(addr, len).unwrap(), touched.len());
+    assert_eq!(numapin::resident_pages(addr, len).unwrap(), touched.len());
     // A length short of a page still counts its page.
-    assert_eq!(diag::resident_pages(addr, 1).unwrap(), 1);
+    assert_eq!(numapin::resident_pages(addr, 1).unwrap(), 1);
     // Unaligned start: EINVAL, as before.
-    let e = diag::resident_pages(addr + 1, 10).unwrap_err();
+    let e = numapin::resident_pages(addr + 1, 10).unwrap_err();
     assert_eq!(e.errno(), Some(Errno::INVAL), "{e}");
 }
 

@@ -140,7 +140,7 @@ fn anonymous_aligned_is_aligned_and_checks_its_arguments() {
     assert_eq!(r.len(), 3 << 20);
     // The whole asked length is mapped (mincore fails with ENOMEM on a hole).
     assert_eq!(
-        diag::resident_pages(r.as_ptr() as usize, r.len()).unwrap(),
+        numapin::resident_pages(r.as_ptr() as usize, r.len()).unwrap(),
         0
     );
     for (len, align) in [
@@ -244,14 +244,67 @@ fn populate_read_maps_pages_without_changing_them() {
     let mut r = Region::anonymous(8 * page()).unwrap();
     r.as_mut_slice().unwrap()[3 * page()] = 7;
     let start = r.as_ptr() as usize;
-    assert_eq!(numapin::diag::resident_pages(start, 8 * page()).unwrap(), 1);
+    assert_eq!(numapin::resident_pages(start, 8 * page()).unwrap(), 1);
     // Rounded out to whole pages: [page + 1, 3 * page + 1) covers pages 1, 2 and 3.
     r.populate_read(page() + 1..3 * page() + 1).unwrap();
-    assert_eq!(numapin::diag::resident_pages(start, 8 * page()).unwrap(), 3);
+    assert_eq!(numapin::resident_pages(start, 8 * page()).unwrap(), 3);
     assert_eq!(r.as_slice()[3 * page()], 7);
     assert!(r.populate_read(0..8 * page() + 1).is_err());
     #[allow(clippy::reversed_empty_ranges)]
     let reversed = 2..1;
     assert!(r.populate_read(reversed).is_err());
     r.populate_read(5..5).unwrap();
+}
+
+#[test]
+fn bind_range_refuses_a_shared_file_mapping_like_region_bind() {
+    let dir = std::env::temp_dir().join(format!("numapin-bindfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data.bin");
+    std::fs::write(&path, vec![1u8; 2 * page()]).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    // What memmap2's `Mmap::map` makes: a shared read-only mapping of a regular file.
+    // SAFETY: a new mapping of our own file, unmapped below; nothing else uses it.
+    let ptr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            2 * page(),
+            rustix::mm::ProtFlags::READ,
+            rustix::mm::MapFlags::SHARED,
+            &file,
+            0,
+        )
+    }
+    .unwrap();
+    let policy = MemPolicy::Bind(NodeSet::allowed().unwrap());
+    // f_type's integer type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
+    let on_tmpfs = rustix::fs::statfs(&path).unwrap().f_type as i64 == 0x0102_1994;
+    // SAFETY: the range is our own mapping; binding it would not change its contents.
+    let result =
+        unsafe { numapin::bind_range(ptr.cast(), 2 * page(), &policy, MbindFlags::empty()) };
+    if on_tmpfs {
+        // tmpfs is shared memory with a shared policy: binding is meaningful there.
+        assert!(result.is_ok(), "{result:?}");
+    } else {
+        match result {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("page cache"), "{reason}")
+            }
+            other => panic!("bind_range over a shared file mapping gave {other:?}"),
+        }
+    }
+    // Anonymous memory next to it is still bound as before.
+    let anon = Region::anonymous(page()).unwrap();
+    // SAFETY: our own region, untouched.
+    let placement =
+        unsafe { numapin::bind_range(anon.as_ptr(), page(), &policy, MbindFlags::empty()) }
+            .unwrap();
+    assert_eq!(
+        placement,
+        common::degrade_here().map_or(Placement::Bound, Placement::Degraded)
+    );
+    // SAFETY: unmapping the mapping made above.
+    unsafe { rustix::mm::munmap(ptr, 2 * page()) }.unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
 }

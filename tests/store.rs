@@ -192,7 +192,7 @@ fn file_sources_load_exactly_with_and_without_coalescing() {
 /// Resident bytes of a slot's whole stride (mincore: exact per range, unlike smaps,
 /// whose mappings merge with equal neighbours such as the layer's other region).
 fn slot_rss(ptr: *const u8, stride: usize) -> usize {
-    diag::resident_pages(ptr as usize, stride).unwrap() * numapin::page_size()
+    numapin::resident_pages(ptr as usize, stride).unwrap() * numapin::page_size()
 }
 
 #[test]

@@ -23,7 +23,7 @@ mod shmem;
 pub use bind::bind_range;
 pub(crate) use bind::mbind_checked;
 pub(crate) use pages::page_histogram;
-pub use pages::{MoveReport, NodeHistogram, PagesSource, migrate_process};
+pub use pages::{MoveReport, NodeHistogram, PagesSource, migrate_process, resident_pages};
 pub use shmem::{HugePageSize, Seals};
 
 use std::ffi::c_void;
@@ -657,7 +657,7 @@ impl Region {
             ));
         }
         // SAFETY: the address is inside our own mapping.
-        unsafe { diag::policy_at_addr(self.as_ptr().add(offset).cast()) }
+        unsafe { crate::policy::policy_at_addr(self.as_ptr().add(offset).cast()) }
     }
 }
 

@@ -311,6 +311,61 @@ unsafe fn for_each_page_status(
     Ok(None)
 }
 
+/// Resident pages of `[start, start + len)` of this process (`mincore(2)`): exact per
+/// range, where `smaps` only knows whole mappings (which merge with equal neighbours).
+///
+/// Asks the kernel in windows of at most 4096 pages into one fixed 4 KiB buffer, so any
+/// length costs bounded memory.
+///
+/// # Errors
+/// `start + len` overflows the address space (`EINVAL`, checked before any call);
+/// `start` is not page-aligned (`EINVAL`) or part of the range is unmapped (`ENOMEM`);
+/// the error names the whole range and the window that failed.
+pub fn resident_pages(start: usize, len: usize) -> Result<usize> {
+    let page = crate::page_size();
+    let end = start
+        .checked_add(len)
+        .and_then(|end| end.checked_next_multiple_of(page));
+    let Some(end) = end else {
+        return Err(Error::os(
+            "mincore",
+            Errno::INVAL,
+            format_args!(
+                "addr={start:#x} len={len}: the range passes the end of the address space"
+            ),
+        ));
+    };
+    let mut vec = [0u8; RESIDENCY_WINDOW];
+    let mut resident = 0;
+    let mut addr = start;
+    // `addr` stays a multiple of the page after the first window when `start` is; an
+    // unaligned `start` fails in the first call.
+    while addr < end {
+        let window = (end - addr).min(RESIDENCY_WINDOW * page);
+        let pages = window.div_ceil(page);
+        // SAFETY: mincore only reads the page tables of the range (the kernel validates
+        // it) and writes one byte per page of `window` into `vec`, which holds
+        // RESIDENCY_WINDOW ≥ `pages` bytes.
+        let rc = unsafe { libc::mincore(addr as *mut c_void, window, vec.as_mut_ptr()) };
+        if rc != 0 {
+            let errno = Errno::from_raw_os_error(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            );
+            return Err(Error::os(
+                "mincore",
+                errno,
+                format_args!("addr={start:#x} len={len} (window addr={addr:#x} len={window})"),
+            ));
+        }
+        resident += vec[..pages].iter().filter(|&&b| b & 1 != 0).count();
+        addr += window;
+    }
+    Ok(resident)
+}
+
+/// Pages [`resident_pages`] asks `mincore` about per call (its buffer's size in bytes).
+const RESIDENCY_WINDOW: usize = 4096;
+
 /// What a migration did, counted from the kernel's own per-page answers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MoveReport {
@@ -425,8 +480,7 @@ pub fn migrate_process(
             format!("from {{{from}}} and to {{{to}}} must both name nodes"),
         ));
     }
-    // SAFETY: getpid cannot fail.
-    let own = pid == 0 || pid == unsafe { libc::getpid() };
+    let own = pid == 0 || pid == rustix::process::getpid().as_raw_nonzero().get();
     let available = NumaCall::MigratePages.support()? == MempolicySupport::Available;
     // Read the target's ids first: a missing process is ESRCH in every environment.
     let same_user = if own { true } else { same_user(pid)? };
@@ -486,8 +540,10 @@ fn same_user(pid: i32) -> Result<bool> {
                 .collect()
         })
         .unwrap_or_default();
-    // SAFETY: getuid/geteuid cannot fail.
-    let (uid, euid) = unsafe { (libc::getuid(), libc::geteuid()) };
+    let (uid, euid) = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::geteuid().as_raw(),
+    );
     let (real, saved) = (ids.first().copied(), ids.get(2).copied());
     Ok([real, saved]
         .iter()
