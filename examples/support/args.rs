@@ -143,13 +143,7 @@ impl PinModelArgs {
     /// Whether to purge jemalloc after the load: `--purge`, `--no-purge` (the last one
     /// given wins), else on exactly when built with jemalloc.
     pub fn purge(&self) -> bool {
-        if self.purge {
-            true
-        } else if self.no_purge {
-            false
-        } else {
-            cfg!(feature = "jemalloc")
-        }
+        self.purge || (!self.no_purge && cfg!(feature = "jemalloc"))
     }
 
     /// `--layout` over `--nodes`.
