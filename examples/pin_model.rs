@@ -3,10 +3,9 @@
 //! `cargo run --release --example pin_model` writes a 16 layers × 64 experts model
 //! (1 MiB weights + 32 KiB scales each) to a temp dir, packs it interleaved over the
 //! allowed nodes, verifies every slot against the file, and prints a report.
-//!
-//! Flags: `--layers N --experts N --weight-bytes N --scale-bytes N
-//! --layout interleave|layer-per-node|unplaced --nodes <nodestring> --file <path>
-//! --threads N --no-huge-pages --baseline --json --purge --no-purge`.
+//! `cargo run --release --example pin_model -- --help` lists the flags and their
+//! defaults (`examples/support/args.rs`); `--json` prints one object
+//! (`examples/support/report.rs`, schema 2).
 //!
 //! Built with `--features jemalloc`, jemalloc is the global allocator (with
 //! `retain:false` baked in) and the example purges its arenas after the load by default,
@@ -26,81 +25,15 @@ pub static malloc_conf: &[u8; 13] = b"retain:false\0";
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use numapin::store::{Layout, StoreOptions};
+use numapin::store::StoreOptions;
 use numapin::{NodeSet, diag};
-use numapin_testkit::synthetic::SyntheticModel;
-use support::{Run, json_string, run_baseline, run_store};
-
-struct Args {
-    model: SyntheticModel,
-    layout: String,
-    nodes: String,
-    file: Option<PathBuf>,
-    threads: Option<usize>,
-    huge_pages: bool,
-    baseline: bool,
-    json: bool,
-    purge: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        model: SyntheticModel::default(),
-        layout: "interleave".into(),
-        nodes: "all".into(),
-        file: None,
-        threads: None,
-        huge_pages: true,
-        baseline: false,
-        json: false,
-        purge: cfg!(feature = "jemalloc"),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        let number = |v: String| {
-            v.parse::<usize>()
-                .map_err(|_| format!("{flag}: {v:?} is not a number"))
-        };
-        match flag.as_str() {
-            "--layers" => args.model.layers = number(value()?)?,
-            "--experts" => args.model.experts = number(value()?)?,
-            "--weight-bytes" => args.model.weight_bytes = number(value()?)?,
-            "--scale-bytes" => args.model.scale_bytes = number(value()?)?,
-            "--layout" => args.layout = value()?,
-            "--nodes" => args.nodes = value()?,
-            "--file" => args.file = Some(PathBuf::from(value()?)),
-            "--threads" => args.threads = Some(number(value()?)?),
-            "--no-huge-pages" => args.huge_pages = false,
-            "--baseline" => args.baseline = true,
-            "--json" => args.json = true,
-            "--purge" => args.purge = true,
-            "--no-purge" => args.purge = false,
-            "--help" | "-h" => {
-                println!(
-                    "{}",
-                    include_str!("pin_model.rs")
-                        .lines()
-                        .take(10)
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown flag {other:?} (try --help)")),
-        }
-    }
-    if args.purge && !cfg!(feature = "jemalloc") {
-        return Err("--purge needs jemalloc: build with `--features jemalloc`".into());
-    }
-    if args.model.layers == 0 || args.model.experts == 0 || args.model.weight_bytes == 0 {
-        return Err("--layers, --experts and --weight-bytes must be at least 1".into());
-    }
-    Ok(args)
-}
+use support::args::PinModelArgs;
+use support::report::{BaselineJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson};
+use support::{Run, run_baseline, run_store};
 
 fn main() -> ExitCode {
-    match run() {
+    let args = PinModelArgs::try_parse_checked(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pin_model: {e}");
@@ -118,20 +51,10 @@ impl Drop for TempDir {
     }
 }
 
-fn run() -> Result<(), String> {
-    let args = parse_args()?;
-    let nodes = NodeSet::parse(&args.nodes).map_err(|e| e.to_string())?;
-    let layout = match args.layout.as_str() {
-        "interleave" => Layout::Interleave(nodes),
-        "layer-per-node" => Layout::LayerPerNode(nodes),
-        "unplaced" => Layout::Unplaced,
-        other => {
-            return Err(format!(
-                "--layout {other:?}: expected interleave, layer-per-node or unplaced"
-            ));
-        }
-    };
-    let model = args.model;
+fn run(args: &PinModelArgs) -> Result<(), String> {
+    let nodes = args.nodes;
+    let layout = args.layout();
+    let model = args.model();
     let total = model.total_bytes().map_err(|e| e.to_string())?;
 
     let mut _temp = None;
@@ -169,41 +92,34 @@ fn run() -> Result<(), String> {
     let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
 
     let mut options = StoreOptions {
-        huge_pages: args.huge_pages,
+        huge_pages: !args.no_huge_pages,
         ..StoreOptions::default()
     };
     if let Some(t) = args.threads {
         options.loader_threads = t;
     }
     let (run, store) = run_store(&model, &file, layout, options, true)?;
-    let purge = if args.purge { Some(purge()?) } else { None };
+    let purge = if args.purge() { Some(purge()?) } else { None };
     drop(store);
     let baseline = args
         .baseline
         .then(|| run_baseline(&model, &file, layout).map(|(run, _slabs)| run));
 
     if args.json {
-        let baseline = match &baseline {
-            None => String::new(),
-            Some(Ok(b)) => format!(",\"baseline\":{}", b.to_json()),
-            Some(Err(e)) => format!(",\"baseline\":{{\"error\":{}}}", json_string(e)),
+        let json = PinModelJson {
+            schema: PIN_MODEL_SCHEMA,
+            run: RunJson::new(&run),
+            nodes: nodes.to_string(),
+            layout: args.layout.name(),
+            verified: true,
+            purge,
+            baseline: baseline.as_ref().map(BaselineJson::new),
         };
-        let purge = purge.map_or(String::new(), |p| {
-            format!(
-                ",\"purge\":{{\"rss_before\":{},\"rss_after\":{},\"live_bytes\":{}}}",
-                p.rss_before, p.rss_after, p.live_bytes
-            )
-        });
-        let run_json = run.to_json();
-        println!(
-            "{},\"nodes\":{},\"layout\":{},\"verified\":true{purge}{baseline}}}",
-            &run_json[..run_json.len() - 1],
-            json_string(&nodes.to_string()),
-            json_string(&args.layout)
-        );
+        let text = serde_json::to_string(&json).map_err(|e| format!("JSON: {e}"))?;
+        println!("{text}");
         return Ok(());
     }
-    print_report(&run, baseline.as_ref(), &nodes, &args.layout);
+    print_report(&run, baseline.as_ref(), &nodes, args.layout.name());
     if let Some(p) = purge {
         println!(
             "  jemalloc purge   RSS {} -> {} (live heap bytes {})",
@@ -213,13 +129,6 @@ fn run() -> Result<(), String> {
         );
     }
     Ok(())
-}
-
-/// RSS around a purge of every jemalloc arena, and the live heap bytes after it.
-struct Purge {
-    rss_before: u64,
-    rss_after: u64,
-    live_bytes: u64,
 }
 
 #[cfg(feature = "jemalloc")]
@@ -297,7 +206,8 @@ fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeS
 fn rows(r: &Run) -> Vec<(&'static str, String)> {
     vec![
         ("layers", r.layers.to_string()),
-        ("experts", r.experts.to_string()),
+        ("experts/layer", r.experts_per_layer.to_string()),
+        ("experts total", r.experts.to_string()),
         ("bytes", gib(r.bytes)),
         ("load seconds", format!("{:.3}", r.load_seconds)),
         ("load GB/s", format!("{:.2}", r.gbps())),

@@ -1,11 +1,33 @@
-//! Prints what numapin finds on this machine: `cargo run --example probe`.
+//! Prints what numapin finds on this machine, and one line saying what placement does
+//! here: `cargo run --example probe` (`-- --json` for one JSON object, `-- --help`).
 
-fn main() {
-    match numapin::probe() {
-        Ok(support) => println!("{support}"),
+mod support;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use support::args::ProbeArgs;
+use support::report::{ProbeJson, verdict};
+
+fn main() -> ExitCode {
+    let args = ProbeArgs::parse();
+    let support = match numapin::probe() {
+        Ok(support) => support,
         Err(e) => {
             eprintln!("probe failed: {e}");
-            std::process::exit(1);
+            return ExitCode::FAILURE;
         }
+    };
+    if args.json {
+        match serde_json::to_string(&ProbeJson::new(&support)) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("probe: JSON: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        println!("{support}\n\n{}", verdict(&support));
     }
+    ExitCode::SUCCESS
 }

@@ -18,6 +18,11 @@ use crate::policy::DegradeReason;
 
 /// Whether a group of NUMA syscalls works in this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum MempolicySupport {
     /// The call answered its capability-free probe.
     Available,
@@ -247,6 +252,11 @@ fn populate_write_works() -> bool {
 
 /// Transparent huge page mode (`/sys/kernel/mm/transparent_hugepage/enabled`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum ThpMode {
     /// Every suitable anonymous mapping.
     Always,
@@ -260,6 +270,11 @@ pub enum ThpMode {
 
 /// What [`probe`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// With the `serde` feature it serializes field by field: the states and the THP mode as
+/// lowercase words (`"available"`, `"madvise"`), node sets as their
+/// [`Display`](fmt::Display) strings, nodes as numbers.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Support {
     /// Whether the policy calls work here (placement: `mbind`, `set_mempolicy`, ...).
     pub mempolicy: MempolicySupport,
@@ -374,38 +389,96 @@ fn node0() -> NodeSet {
     std::iter::once(Node(0)).collect()
 }
 
+/// A support state with the errno behind it.
+fn state_text(state: MempolicySupport) -> &'static str {
+    match state {
+        MempolicySupport::Available => "available",
+        MempolicySupport::Denied => "denied (EPERM)",
+        MempolicySupport::Unsupported => "unsupported (ENOSYS)",
+    }
+}
+
 impl fmt::Display for Support {
+    /// One `label value` row per fact, every value starting in the same column; the
+    /// distances as a table under a header of the node ids they lead to.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let yes = |b: bool| if b { "yes" } else { "no" };
-        writeln!(f, "mempolicy           {:?}", self.mempolicy)?;
-        writeln!(f, "page calls          {:?}", self.page_calls)?;
-        writeln!(f, "possible nodes      {}", self.possible_nodes)?;
-        writeln!(f, "nodes with memory   {}", self.nodes_with_memory)?;
-        writeln!(f, "nodes with CPUs     {}", self.nodes_with_cpus)?;
-        writeln!(f, "mems_allowed        {}", self.mems_allowed)?;
-        writeln!(f, "allowed (usable)    {}", self.allowed())?;
+        let yes = |b: bool| if b { "yes" } else { "no" }.to_string();
+        let nodes = |set: &NodeSet| {
+            if set.is_empty() {
+                "none".to_string()
+            } else {
+                set.to_string()
+            }
+        };
+        let mut rows: Vec<(String, String)> = vec![
+            ("mempolicy".into(), state_text(self.mempolicy).into()),
+            ("page calls".into(), state_text(self.page_calls).into()),
+            ("possible nodes".into(), self.possible_nodes.to_string()),
+            ("nodes with memory".into(), nodes(&self.nodes_with_memory)),
+            ("nodes with CPUs".into(), nodes(&self.nodes_with_cpus)),
+            ("mems_allowed".into(), nodes(&self.mems_allowed)),
+            ("allowed (usable)".into(), nodes(&self.allowed())),
+        ];
+        // One width for the header and every distance, so the table's columns line up.
+        let square = self
+            .distances
+            .iter()
+            .all(|(_, row)| row.len() == self.distances.len());
+        let ids = self.distances.iter().map(|(n, _)| n.to_string().len());
+        let distances = self.distances.iter().flat_map(|(_, row)| row);
+        let width = distances
+            .map(|d| d.to_string().len())
+            .chain(ids.filter(|_| square))
+            .max()
+            .unwrap_or(0);
+        let row_text = |values: &[String]| {
+            values
+                .iter()
+                .map(|v| format!("{v:>width$}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        if square && !self.distances.is_empty() {
+            let ids: Vec<String> = self.distances.iter().map(|(n, _)| n.to_string()).collect();
+            rows.push(("distance to node".into(), row_text(&ids)));
+        }
         for (n, row) in &self.distances {
             let row: Vec<String> = row.iter().map(u32::to_string).collect();
-            writeln!(f, "distance node {n:<5} {}", row.join(" "))?;
+            rows.push((format!("distance from {n}"), row_text(&row)));
         }
-        for (n, bytes) in &self.free_bytes {
-            writeln!(
-                f,
-                "free on node {n:<6} {:.1} GiB",
-                *bytes as f64 / (1u64 << 30) as f64
-            )?;
+        let free: Vec<String> = self
+            .free_bytes
+            .iter()
+            .map(|(_, bytes)| format!("{:.1}", *bytes as f64 / (1u64 << 30) as f64))
+            .collect();
+        let free_width = free.iter().map(String::len).max().unwrap_or(0);
+        for ((n, _), gib) in self.free_bytes.iter().zip(&free) {
+            rows.push((
+                format!("free on node {n}"),
+                format!("{gib:>free_width$} GiB"),
+            ));
         }
         let balancing = self
             .numa_balancing
             .map_or("absent".into(), |v| v.to_string());
-        writeln!(f, "numa_balancing      {balancing}")?;
-        writeln!(f, "THP                 {:?}", self.thp)?;
-        writeln!(
-            f,
-            "maps                {} of vm.max_map_count {}",
-            self.map_count, self.max_map_count
-        )?;
-        writeln!(f, "CAP_SYS_NICE        {}", yes(self.cap_sys_nice))?;
-        write!(f, "MADV_POPULATE_WRITE {}", yes(self.populate_write))
+        rows.push(("numa_balancing".into(), balancing));
+        rows.push(("THP".into(), format!("{:?}", self.thp).to_lowercase()));
+        rows.push((
+            "maps".into(),
+            format!(
+                "{} of vm.max_map_count {}",
+                self.map_count, self.max_map_count
+            ),
+        ));
+        rows.push(("CAP_SYS_NICE".into(), yes(self.cap_sys_nice)));
+        rows.push(("MADV_POPULATE_WRITE".into(), yes(self.populate_write)));
+        let label = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+        for (i, (name, value)) in rows.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{name:<label$} {value}")?;
+        }
+        Ok(())
     }
 }

@@ -1,5 +1,9 @@
-//! Measuring one load: shared by the main-job example and the benchmark.
+//! Measuring one load: shared by the main-job example and the benchmark; the examples'
+//! flags ([`args`]) and JSON ([`report`]).
 #![allow(dead_code)]
+
+pub mod args;
+pub mod report;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -14,6 +18,9 @@ use numapin_testkit::synthetic::SyntheticModel;
 #[derive(Debug, Clone, Default)]
 pub struct Run {
     pub layers: usize,
+    /// Experts in each layer.
+    pub experts_per_layer: usize,
+    /// Experts in all the layers (`experts_total` in the JSON).
     pub experts: usize,
     pub bytes: u64,
     pub vmas: usize,
@@ -39,47 +46,6 @@ impl Run {
     pub fn pages_source_name(&self) -> &'static str {
         self.pages_source.map_or("unavailable", PagesSource::name)
     }
-
-    pub fn to_json(&self) -> String {
-        let pages: Vec<String> = self
-            .pages_per_node
-            .iter()
-            .map(|(n, p)| format!("\"{n}\":{p}"))
-            .collect();
-        format!(
-            "{{\"layers\":{},\"experts\":{},\"bytes\":{},\"vmas\":{},\"mbind_calls\":{},\"load_seconds\":{:.6},\
-             \"gbps\":{:.3},\"pages_per_node\":{{{}}},\"pages_source\":\"{}\",\"pages_merged\":{},\"rss_bytes\":{},\"placement\":{},\"minor_faults\":{},\
-             \"anon_huge_bytes\":{}}}",
-            self.layers,
-            self.experts,
-            self.bytes,
-            self.vmas,
-            self.mbind_calls,
-            self.load_seconds,
-            self.gbps(),
-            pages.join(","),
-            self.pages_source_name(),
-            self.pages_merged,
-            self.rss_bytes,
-            json_string(&self.placement),
-            self.minor_faults,
-            self.anon_huge_bytes,
-        )
-    }
-}
-
-pub fn json_string(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 pub fn minor_faults() -> u64 {
@@ -133,6 +99,7 @@ pub fn run_store(
     let stats = store.stats().map_err(|e| e.to_string())?;
     let run = Run {
         layers: stats.layers,
+        experts_per_layer: model.experts,
         experts: stats.experts_loaded,
         bytes: stats.bytes,
         vmas: stats.vmas,
@@ -185,6 +152,7 @@ pub fn run_baseline(
     };
     let run = Run {
         layers: model.layers,
+        experts_per_layer: model.experts,
         experts: model.layers * model.experts,
         bytes: slabs.bytes(),
         vmas: slabs.vmas().map_err(|e| e.to_string())?,

@@ -1,0 +1,167 @@
+//! The examples' flags (clap derive): `--help` prints each flag with its default.
+
+use std::path::PathBuf;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
+use numapin::NodeSet;
+use numapin::store::Layout;
+use numapin_testkit::synthetic::SyntheticModel;
+
+/// How the store spreads the layers over `--nodes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// Each layer's pages spread over all the nodes, page by page.
+    Interleave,
+    /// Each layer bound whole to one node, the layers round robin over the nodes.
+    LayerPerNode,
+    /// No binding: pages land where the kernel puts first touches.
+    Unplaced,
+}
+
+impl LayoutArg {
+    /// The store's layout over `nodes` (ignored by `Unplaced`).
+    pub fn layout(self, nodes: NodeSet) -> Layout {
+        match self {
+            LayoutArg::Interleave => Layout::Interleave(nodes),
+            LayoutArg::LayerPerNode => Layout::LayerPerNode(nodes),
+            LayoutArg::Unplaced => Layout::Unplaced,
+        }
+    }
+
+    /// The word on the command line: `interleave`, `layer-per-node` or `unplaced`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutArg::Interleave => "interleave",
+            LayoutArg::LayerPerNode => "layer-per-node",
+            LayoutArg::Unplaced => "unplaced",
+        }
+    }
+}
+
+/// A count that must be at least 1.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A byte count.
+fn bytes(text: &str) -> Result<usize, String> {
+    text.parse::<usize>().map_err(|e| e.to_string())
+}
+
+/// Pin a synthetic MoE model with a PinStore and show where it went.
+///
+/// Writes a deterministic model of LAYERS × EXPERTS × (WEIGHT_BYTES + SCALE_BYTES) to a
+/// temp dir (or reads --file), packs it with one weights region and one scales region
+/// per layer, each bound once, verifies every slot against the file, and prints nodes,
+/// bytes, load time, mappings, mbind calls, pages per node, RSS and the placement (or
+/// one JSON object with --json).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "pin_model")]
+pub struct PinModelArgs {
+    /// Layers in the model.
+    #[arg(long, default_value_t = SyntheticModel::default().layers, value_parser = at_least_one)]
+    pub layers: usize,
+    /// Experts in each layer.
+    #[arg(long, default_value_t = SyntheticModel::default().experts, value_parser = at_least_one)]
+    pub experts: usize,
+    /// Weight bytes of each expert.
+    #[arg(long, default_value_t = SyntheticModel::default().weight_bytes, value_parser = at_least_one)]
+    pub weight_bytes: usize,
+    /// Scale bytes of each expert (0: no scales).
+    #[arg(long, default_value_t = SyntheticModel::default().scale_bytes, value_parser = bytes)]
+    pub scale_bytes: usize,
+    /// How the layers are spread over --nodes.
+    #[arg(long, value_enum, default_value_t = LayoutArg::Interleave)]
+    pub layout: LayoutArg,
+    /// The nodes to place on, in numactl's syntax (`0-3`, `0,2`, `0-3,!2`); `all` is the
+    /// nodes with memory this process may use.
+    #[arg(long, default_value = "all", value_parser = NodeSet::parse)]
+    pub nodes: NodeSet,
+    /// A model file to read instead of writing a temporary one; it needs at least the
+    /// model's bytes.
+    #[arg(long, value_name = "PATH")]
+    pub file: Option<PathBuf>,
+    /// Loader threads [default: one per CPU this process may run on].
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    pub threads: Option<usize>,
+    /// Do not ask for transparent huge pages (`MADV_HUGEPAGE`) on the regions.
+    #[arg(long)]
+    pub no_huge_pages: bool,
+    /// Also load the model one slab per expert, each bound on its own (as engines did
+    /// before), and print both.
+    #[arg(long)]
+    pub baseline: bool,
+    /// Print one JSON object instead of the report.
+    #[arg(long)]
+    pub json: bool,
+    /// Purge every jemalloc arena after the load and print RSS before and after
+    /// [default: on when built with `--features jemalloc`, which it needs].
+    #[arg(long, overrides_with = "no_purge")]
+    pub purge: bool,
+    /// Do not purge jemalloc's arenas after the load.
+    #[arg(long, overrides_with = "purge")]
+    pub no_purge: bool,
+}
+
+impl PinModelArgs {
+    /// Parses and checks `args` (the program name first), as `main` does with the
+    /// process's arguments.
+    ///
+    /// # Errors
+    /// clap's error for a bad or unknown flag, `--help` (kind `DisplayHelp`), or
+    /// `--purge` without the `jemalloc` feature (kind `ArgumentConflict`).
+    pub fn try_parse_checked<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let args = Self::try_parse_from(args)?;
+        if args.purge && !cfg!(feature = "jemalloc") {
+            return Err(Self::command().error(
+                ErrorKind::ArgumentConflict,
+                "--purge needs jemalloc: build with `--features jemalloc`",
+            ));
+        }
+        Ok(args)
+    }
+
+    /// The synthetic model the flags describe.
+    pub fn model(&self) -> SyntheticModel {
+        SyntheticModel {
+            layers: self.layers,
+            experts: self.experts,
+            weight_bytes: self.weight_bytes,
+            scale_bytes: self.scale_bytes,
+        }
+    }
+
+    /// Whether to purge jemalloc after the load: `--purge`, `--no-purge` (the last one
+    /// given wins), else on exactly when built with jemalloc.
+    pub fn purge(&self) -> bool {
+        self.purge || (!self.no_purge && cfg!(feature = "jemalloc"))
+    }
+
+    /// `--layout` over `--nodes`.
+    pub fn layout(&self) -> Layout {
+        self.layout.layout(self.nodes)
+    }
+}
+
+/// Print what numapin finds on this machine and what this process may do there.
+///
+/// The NUMA calls (each group probed once, in a form that needs no capability), the
+/// nodes, their distances and free memory, numa_balancing, THP, the mapping budget and
+/// the capabilities that matter; then one line saying what placement will do here.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "probe")]
+pub struct ProbeArgs {
+    /// Print one JSON object (`numapin::Support` field by field, the allowed nodes and
+    /// the verdict) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}

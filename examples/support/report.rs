@@ -1,0 +1,229 @@
+//! What the examples print as JSON (built with serde), and probe's one-line verdict.
+//!
+//! The JSON types are views over what the examples measured: they need no feature of
+//! the library (its `serde` feature is off by default), so `cargo run --example probe --
+//! --json` works with the default features.
+
+use std::collections::BTreeMap;
+
+use numapin::{MempolicySupport, Support, ThpMode};
+use serde::Serialize;
+
+use super::Run;
+
+/// Version of `pin_model --json`. 2: `experts` became `experts_per_layer` and
+/// `experts_total`, and `schema` appeared (the unversioned output was 1).
+pub const PIN_MODEL_SCHEMA: u32 = 2;
+
+/// Version of `probe --json`.
+pub const PROBE_SCHEMA: u32 = 1;
+
+/// One load, as JSON.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunJson<'a> {
+    pub layers: usize,
+    pub experts_per_layer: usize,
+    pub experts_total: usize,
+    /// Bytes of weights and scales loaded.
+    pub bytes: u64,
+    /// Mappings the load added.
+    pub vmas: usize,
+    pub mbind_calls: usize,
+    /// Rounded to the microsecond.
+    pub load_seconds: f64,
+    /// Rounded to the MB/s.
+    pub gbps: f64,
+    /// Node id (a string, as JSON keys are) → pages.
+    pub pages_per_node: BTreeMap<u16, u64>,
+    /// `move_pages`, `numa_maps` or `unavailable`.
+    pub pages_source: &'static str,
+    /// Pages in a mapping merged with a neighbour, whose node numa_maps cannot tell.
+    pub pages_merged: u64,
+    /// The process's RSS after the load.
+    pub rss_bytes: u64,
+    /// `bound`, `degraded: ...` or `unplaced (no binding requested)`.
+    pub placement: &'a str,
+    pub minor_faults: u64,
+    /// Bytes backed by transparent huge pages.
+    pub anon_huge_bytes: u64,
+}
+
+impl<'a> RunJson<'a> {
+    pub fn new(run: &'a Run) -> Self {
+        RunJson {
+            layers: run.layers,
+            experts_per_layer: run.experts_per_layer,
+            experts_total: run.experts,
+            bytes: run.bytes,
+            vmas: run.vmas,
+            mbind_calls: run.mbind_calls,
+            load_seconds: (run.load_seconds * 1e6).round() / 1e6,
+            gbps: (run.gbps() * 1e3).round() / 1e3,
+            pages_per_node: run.pages_per_node.iter().map(|(n, p)| (n.0, *p)).collect(),
+            pages_source: run.pages_source_name(),
+            pages_merged: run.pages_merged,
+            rss_bytes: run.rss_bytes,
+            placement: &run.placement,
+            minor_faults: run.minor_faults,
+            anon_huge_bytes: run.anon_huge_bytes,
+        }
+    }
+}
+
+/// RSS around a purge of every jemalloc arena, and the live heap bytes after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Purge {
+    pub rss_before: u64,
+    pub rss_after: u64,
+    pub live_bytes: u64,
+}
+
+/// The one-slab-per-expert comparison: its load, or why it failed (it is expected to
+/// fail with ENOMEM past `vm.max_map_count`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum BaselineJson<'a> {
+    Run(RunJson<'a>),
+    Failed { error: &'a str },
+}
+
+impl<'a> BaselineJson<'a> {
+    pub fn new(baseline: &'a Result<Run, String>) -> Self {
+        match baseline {
+            Ok(run) => BaselineJson::Run(RunJson::new(run)),
+            Err(error) => BaselineJson::Failed { error },
+        }
+    }
+}
+
+/// `pin_model --json`: one object, the PinStore's load at the top level.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PinModelJson<'a> {
+    /// [`PIN_MODEL_SCHEMA`].
+    pub schema: u32,
+    #[serde(flatten)]
+    pub run: RunJson<'a>,
+    /// The `--nodes` set (numactl syntax).
+    pub nodes: String,
+    /// The `--layout` word.
+    pub layout: &'static str,
+    /// Every slot was compared with the file (pin_model fails otherwise).
+    pub verified: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub purge: Option<Purge>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<BaselineJson<'a>>,
+}
+
+/// `numapin::Support` field by field, in the form the library's `serde` feature gives it
+/// (tests/examples.rs holds the two together): states and the THP mode as lowercase
+/// words, node sets as their Display strings, nodes as numbers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SupportJson<'a> {
+    pub mempolicy: &'static str,
+    pub page_calls: &'static str,
+    pub possible_nodes: usize,
+    pub nodes_with_memory: String,
+    pub nodes_with_cpus: String,
+    pub mems_allowed: String,
+    pub distances: Vec<(u16, &'a [u32])>,
+    pub free_bytes: Vec<(u16, u64)>,
+    pub numa_balancing: Option<u32>,
+    pub thp: &'static str,
+    pub max_map_count: usize,
+    pub map_count: usize,
+    pub cap_sys_nice: bool,
+    pub populate_write: bool,
+}
+
+fn state_word(state: MempolicySupport) -> &'static str {
+    match state {
+        MempolicySupport::Available => "available",
+        MempolicySupport::Denied => "denied",
+        MempolicySupport::Unsupported => "unsupported",
+    }
+}
+
+fn thp_word(thp: ThpMode) -> &'static str {
+    match thp {
+        ThpMode::Always => "always",
+        ThpMode::Madvise => "madvise",
+        ThpMode::Never => "never",
+        ThpMode::Unknown => "unknown",
+    }
+}
+
+impl<'a> SupportJson<'a> {
+    pub fn new(support: &'a Support) -> Self {
+        SupportJson {
+            mempolicy: state_word(support.mempolicy),
+            page_calls: state_word(support.page_calls),
+            possible_nodes: support.possible_nodes,
+            nodes_with_memory: support.nodes_with_memory.to_string(),
+            nodes_with_cpus: support.nodes_with_cpus.to_string(),
+            mems_allowed: support.mems_allowed.to_string(),
+            distances: support
+                .distances
+                .iter()
+                .map(|(n, row)| (n.0, row.as_slice()))
+                .collect(),
+            free_bytes: support.free_bytes.iter().map(|(n, b)| (n.0, *b)).collect(),
+            numa_balancing: support.numa_balancing,
+            thp: thp_word(support.thp),
+            max_map_count: support.max_map_count,
+            map_count: support.map_count,
+            cap_sys_nice: support.cap_sys_nice,
+            populate_write: support.populate_write,
+        }
+    }
+}
+
+/// `probe --json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProbeJson<'a> {
+    /// [`PROBE_SCHEMA`].
+    pub schema: u32,
+    pub support: SupportJson<'a>,
+    /// `Support::allowed()`: the nodes placement can use.
+    pub allowed: String,
+    /// [`verdict`].
+    pub verdict: String,
+}
+
+impl<'a> ProbeJson<'a> {
+    pub fn new(support: &'a Support) -> Self {
+        ProbeJson {
+            schema: PROBE_SCHEMA,
+            support: SupportJson::new(support),
+            allowed: support.allowed().to_string(),
+            verdict: verdict(support),
+        }
+    }
+}
+
+/// What placement does here, in one line: whether the policy calls work, over how many
+/// nodes, and where placement is read from when the page calls are denied.
+pub fn verdict(support: &Support) -> String {
+    let allowed = support.allowed();
+    let placement = match support.mempolicy {
+        MempolicySupport::Denied => return "NUMA calls denied (EPERM): running unplaced".into(),
+        MempolicySupport::Unsupported => {
+            return "kernel without NUMA (ENOSYS): running unplaced".into();
+        }
+        MempolicySupport::Available => match allowed.len() {
+            0 => "no memory node allowed: nothing to place on".to_string(),
+            1 if support.nodes_with_memory.len() > 1 => format!(
+                "one allowed memory node ({allowed} of {}): placement is a no-op here",
+                support.nodes_with_memory
+            ),
+            1 => "one memory node: placement is a no-op here".to_string(),
+            _ => format!("placement works on nodes {allowed}"),
+        },
+    };
+    let pages = match support.page_calls {
+        MempolicySupport::Available => return placement,
+        MempolicySupport::Denied => "page calls denied (EPERM)",
+        MempolicySupport::Unsupported => "page calls unsupported (ENOSYS)",
+    };
+    format!("{placement}; {pages}: placement proven through numa_maps")
+}
