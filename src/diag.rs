@@ -117,10 +117,55 @@ pub fn parse_maps(text: &str) -> Vec<MapsEntry> {
 /// # Errors
 /// `/proc/self/maps` cannot be read.
 pub fn maps_entries_in(start: usize, end: usize) -> Result<Vec<MapsEntry>> {
-    Ok(parse_maps(&read("/proc/self/maps")?)
-        .into_iter()
-        .filter(|e| e.start < end && start < e.end)
-        .collect())
+    use std::io::BufRead;
+    const PATH: &str = "/proc/self/maps";
+    // Read line by line and stop past `end`: the file is sorted by address, and the
+    // kernel writes it as it is read, so a range near the start costs little even in a
+    // process with tens of thousands of mappings.
+    let file = std::fs::File::open(PATH).map_err(|e| Error::io("open", PATH, e))?;
+    let mut found = Vec::new();
+    for line in std::io::BufReader::new(file).lines() {
+        let line = line.map_err(|e| Error::io("read", PATH, e))?;
+        let Some(entry) = parse_maps(&line).pop() else {
+            continue;
+        };
+        if entry.start >= end {
+            break;
+        }
+        if start < entry.end {
+            found.push(entry);
+        }
+    }
+    Ok(found)
+}
+
+/// The file-backed mappings of this process, as `[start, end)` ranges, from the entries
+/// of `/proc/self/map_files` (one per file-backed mapping: anonymous memory, however many
+/// mappings it has, costs nothing to list).
+///
+/// # Errors
+/// The directory cannot be read (Linux before 4.3 required `CAP_SYS_ADMIN`).
+pub fn file_backed_ranges() -> Result<Vec<(usize, usize)>> {
+    const PATH: &str = "/proc/self/map_files";
+    let dir = std::fs::read_dir(PATH).map_err(|e| Error::io("read_dir", PATH, e))?;
+    let mut ranges = Vec::new();
+    for entry in dir {
+        let entry = entry.map_err(|e| Error::io("read_dir", PATH, e))?;
+        let name = entry.file_name();
+        let parsed = name
+            .to_str()
+            .and_then(|n| n.split_once('-'))
+            .and_then(|(a, b)| {
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                ))
+            });
+        if let Some(range) = parsed {
+            ranges.push(range);
+        }
+    }
+    Ok(ranges)
 }
 
 /// `vm.max_map_count`: how many mappings a process may have.

@@ -52,21 +52,16 @@ pub unsafe fn bind_range(
 /// The answer [`crate::Region::bind`] gives a shared file mapping, for memory other crates
 /// own: a `MAP_SHARED` mapping of a regular file is placed by the page cache, which
 /// ignores VMA policy, so binding it would return `Bound` and place nothing. Shared memory
-/// (memfd, SysV, tmpfs, hugetlbfs) keeps a shared policy and is fine. `/proc/self/maps`
-/// tells the backing of the range.
+/// (memfd, SysV, tmpfs, hugetlbfs) keeps a shared policy and is fine.
 fn refuse_page_cache(start: usize, len: usize) -> Result<()> {
     const TMPFS_MAGIC: i64 = 0x0102_1994;
     const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
     let end = start.saturating_add(len);
-    for entry in crate::diag::maps_entries_in(start, end)? {
-        if !entry.is_shared() || entry.inode == 0 {
-            continue;
-        }
-        let path = entry.path.as_deref().unwrap_or("");
+    for (vma_start, vma_end, path) in shared_file_mappings(start, end)? {
         if path.starts_with("/memfd:") || path.starts_with("/SYSV") {
             continue;
         }
-        let live = path.strip_suffix(" (deleted)").unwrap_or(path);
+        let live = path.strip_suffix(" (deleted)").unwrap_or(&path);
         // f_type's integer type differs between architectures.
         #[allow(clippy::unnecessary_cast)]
         let fs = rustix::fs::statfs(live).map(|s| s.f_type as i64);
@@ -76,14 +71,93 @@ fn refuse_page_cache(start: usize, len: usize) -> Result<()> {
         return Err(Error::invalid(
             "bind_range",
             format!(
-                "{:#x}-{:#x} is a shared mapping of {path:?}, a file placed by the page cache, \
-                 which ignores VMA policy: pages stay where they were first read. Copy the \
-                 data into anonymous or memfd memory bound before the copy",
-                entry.start, entry.end
+                "{vma_start:#x}-{vma_end:#x} is a shared mapping of {path:?}, a file placed by \
+                 the page cache, which ignores VMA policy: pages stay where they were first \
+                 read. Copy the data into anonymous or memfd memory bound before the copy"
             ),
         ));
     }
     Ok(())
+}
+
+/// The `MAP_SHARED` file mappings overlapping `[start, end)`: `(start, end, path)`. Asks
+/// the kernel about just these addresses with `PROCMAP_QUERY` (Linux 6.11) — one ioctl
+/// per mapping in the range whatever the process's map count, which matters to a caller
+/// binding tens of thousands of slabs one by one — and on older kernels lists
+/// `/proc/self/map_files`, reading `/proc/self/maps` only for a file-backed range.
+fn shared_file_mappings(start: usize, end: usize) -> Result<Vec<(usize, usize, String)>> {
+    if let Some(found) = procmap_query(start, end) {
+        return Ok(found);
+    }
+    // Before 6.11: list the file-backed mappings first (cheap), and read the maps file
+    // only when one of them overlaps the range.
+    if let Ok(ranges) = crate::diag::file_backed_ranges()
+        && !ranges.iter().any(|&(a, b)| a < end && start < b)
+    {
+        return Ok(Vec::new());
+    }
+    Ok(crate::diag::maps_entries_in(start, end)?
+        .into_iter()
+        .filter(|e| e.is_shared() && e.inode != 0)
+        .map(|e| (e.start, e.end, e.path.unwrap_or_default()))
+        .collect())
+}
+
+/// `PROCMAP_QUERY` over `[start, end)`: `None` when the kernel does not know the ioctl (or
+/// `/proc` cannot be opened), so the caller falls back to reading the maps file.
+fn procmap_query(start: usize, end: usize) -> Option<Vec<(usize, usize, String)>> {
+    use linux_raw_sys::general::procmap_query;
+    use linux_raw_sys::general::procmap_query_flags::{
+        PROCMAP_QUERY_COVERING_OR_NEXT_VMA, PROCMAP_QUERY_VMA_SHARED,
+    };
+    use std::os::fd::AsRawFd;
+    // `_IOWR('f', 17, struct procmap_query)`.
+    const PROCMAP_QUERY: libc::c_ulong = 0xC068_6611;
+    // Opened per call, not cached: after a fork, a cached /proc/self/maps would still
+    // describe the parent.
+    let maps = std::fs::File::open("/proc/self/maps").ok()?;
+    let mut found = Vec::new();
+    let mut name = vec![0u8; 4096 + 64];
+    let mut addr = start;
+    while addr < end {
+        // SAFETY: procmap_query is plain old data; all-zero is a valid value.
+        let mut q: procmap_query = unsafe { std::mem::zeroed() };
+        q.size = std::mem::size_of::<procmap_query>() as u64;
+        // Every mapping from `addr` on, not only shared file ones: a filter makes the
+        // kernel walk past every other mapping to the next match (tens of thousands in a
+        // process binding slab by slab), while this costs one ioctl per mapping in range.
+        q.query_flags = u64::from(PROCMAP_QUERY_COVERING_OR_NEXT_VMA as u32);
+        q.query_addr = addr as u64;
+        q.vma_name_addr = name.as_mut_ptr() as u64;
+        q.vma_name_size = name.len() as u32;
+        // SAFETY: `q` is a valid procmap_query whose `size` says so; the kernel writes at
+        // most `vma_name_size` bytes of the name into `name`, which outlives the call.
+        let rc = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+        if rc != 0 {
+            return match std::io::Error::last_os_error().raw_os_error() {
+                // No file-backed shared mapping at or after `addr`.
+                Some(libc::ENOENT) => Some(found),
+                // ENOTTY/EINVAL: a kernel before 6.11.
+                _ => None,
+            };
+        }
+        let (vma_start, vma_end) = (q.vma_start as usize, q.vma_end as usize);
+        if vma_start >= end || vma_end <= addr {
+            break;
+        }
+        let shared = q.vma_flags & u64::from(PROCMAP_QUERY_VMA_SHARED as u32) != 0;
+        if shared && q.inode != 0 {
+            let len = (q.vma_name_size as usize).min(name.len());
+            let text = name[..len].split(|&b| b == 0).next().unwrap_or(&[]);
+            found.push((
+                vma_start,
+                vma_end,
+                String::from_utf8_lossy(text).into_owned(),
+            ));
+        }
+        addr = vma_end;
+    }
+    Some(found)
 }
 
 /// `mbind` with validation and errno handling shared by every binding entry point.
@@ -137,4 +211,48 @@ pub(crate) unsafe fn mbind_checked(
         return Err(e);
     }
     Placement::from_call(NumaCall::Mbind, result, args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn procmap_query_agrees_with_the_maps_file() {
+        let path = std::env::temp_dir().join(format!("numapin-pmq-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 3 * page_size()]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a new read-only shared mapping of our own file, unmapped below.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                3 * page_size(),
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::SHARED,
+                &file,
+                0,
+            )
+        }
+        .unwrap();
+        let (start, end) = (ptr as usize, ptr as usize + 3 * page_size());
+        let from_file: Vec<(usize, usize, String)> = crate::diag::maps_entries_in(start, end)
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.is_shared() && e.inode != 0)
+            .map(|e| (e.start, e.end, e.path.unwrap_or_default()))
+            .collect();
+        assert_eq!(from_file.len(), 1, "{from_file:?}");
+        assert_eq!(from_file[0].2, path.display().to_string());
+        match procmap_query(start, end) {
+            Some(found) => assert_eq!(found, from_file),
+            None => println!("NOT RUN: PROCMAP_QUERY needs Linux 6.11; the maps file served"),
+        }
+        // Anonymous memory has no shared file mapping.
+        let anon = crate::Region::anonymous(page_size()).unwrap();
+        let a = anon.as_ptr() as usize;
+        assert!(shared_file_mappings(a, a + page_size()).unwrap().is_empty());
+        // SAFETY: unmapping the mapping made above.
+        unsafe { rustix::mm::munmap(ptr, 3 * page_size()) }.unwrap();
+        std::fs::remove_file(&path).unwrap();
+    }
 }
