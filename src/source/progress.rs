@@ -6,7 +6,7 @@
 //! other one's next report covers its bytes. A slow hook therefore holds up at most the
 //! one loader that is calling it (all of the load when there is one loader thread), never
 //! the others. Each call runs under `catch_unwind`; after a panic the hook is not called
-//! again and loading goes on.
+//! again (it is marked in the hook, so no store calls it) and loading goes on.
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -46,8 +46,8 @@ impl Progress {
 /// layer, the reports are monotonic, at least [`PROGRESS_STEP`] bytes apart, and the
 /// last one has `bytes_done == bytes_total` and comes exactly once, after every slot is
 /// filled and before `pack_layer` returns. Packs of different layers running at once
-/// call the hook concurrently. A hook that panics is not called again for that layer;
-/// the load goes on and the store is unaffected.
+/// call the hook concurrently. A hook that panics is not called again (by any store;
+/// [`ProgressHook::panicked`] tells); the load goes on and the store is unaffected.
 ///
 /// Two hooks are equal when they are the same `Arc`.
 ///
@@ -71,12 +71,26 @@ impl Progress {
 /// # Ok::<(), numapin::Error>(())
 /// ```
 #[derive(Clone)]
-pub struct ProgressHook(Arc<dyn Fn(&Progress) + Send + Sync>);
+pub struct ProgressHook(Arc<Hook>);
+
+struct Hook {
+    call: Box<dyn Fn(&Progress) + Send + Sync>,
+    /// The hook panicked once: it is not called again, by any store.
+    panicked: AtomicBool,
+}
 
 impl ProgressHook {
     /// Wraps a closure.
     pub fn new(hook: impl Fn(&Progress) + Send + Sync + 'static) -> Self {
-        ProgressHook(Arc::new(hook))
+        ProgressHook(Arc::new(Hook {
+            call: Box::new(hook),
+            panicked: AtomicBool::new(false),
+        }))
+    }
+
+    /// Whether the hook panicked (it is then never called again).
+    pub fn panicked(&self) -> bool {
+        self.0.panicked.load(Ordering::Relaxed)
     }
 }
 
@@ -107,8 +121,6 @@ pub(crate) struct Meter<'h> {
     reporting: Mutex<u64>,
     /// A copy of the last report's bytes, read without the lock.
     last: AtomicU64,
-    /// The hook panicked: do not call it again.
-    dead: AtomicBool,
 }
 
 impl<'h> Meter<'h> {
@@ -121,7 +133,6 @@ impl<'h> Meter<'h> {
             done: Mutex::new((0, 0)),
             reporting: Mutex::new(0),
             last: AtomicU64::new(0),
-            dead: AtomicBool::new(false),
         }
     }
 
@@ -137,7 +148,7 @@ impl<'h> Meter<'h> {
             d.1 += 1;
             *d
         };
-        if self.dead.load(Ordering::Relaxed)
+        if self.hook.panicked()
             || done.saturating_sub(self.last.load(Ordering::Relaxed)) < PROGRESS_STEP
         {
             return;
@@ -165,7 +176,7 @@ impl<'h> Meter<'h> {
     }
 
     fn call(&self, bytes_done: u64, slots_done: usize) {
-        if self.dead.load(Ordering::Relaxed) {
+        if self.hook.panicked() {
             return;
         }
         let progress = Progress {
@@ -176,8 +187,8 @@ impl<'h> Meter<'h> {
             slots_total: self.slots_total,
         };
         // The hook sees only `&Progress`; a panic leaves nothing of ours half-updated.
-        if catch_unwind(AssertUnwindSafe(|| (self.hook.0)(&progress))).is_err() {
-            self.dead.store(true, Ordering::Relaxed);
+        if catch_unwind(AssertUnwindSafe(|| (self.hook.0.call)(&progress))).is_err() {
+            self.hook.0.panicked.store(true, Ordering::Relaxed);
         }
     }
 }

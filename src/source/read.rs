@@ -349,7 +349,7 @@ impl Direct {
         while !dest.is_empty() {
             let address = dest.as_ptr() as usize;
             let head = (offset % align as u64) as usize;
-            if head == 0 && address % mem == 0 && dest.len() >= align {
+            if head == 0 && address.is_multiple_of(mem) && dest.len() >= align {
                 // Aligned: straight into the slot.
                 let len = (dest.len() / align * align).min(MAX_DIRECT);
                 let got = pread(&self.file, &mut dest[..len], offset)
@@ -365,7 +365,7 @@ impl Direct {
             // after it, so that the rest goes straight in.
             let to_boundary = (align - head) % align;
             let copy = if head != 0
-                && (address + to_boundary) % mem == 0
+                && (address + to_boundary).is_multiple_of(mem)
                 && dest.len() >= to_boundary + align
             {
                 to_boundary
