@@ -243,6 +243,11 @@ fn dont_need(file: &File, offset: u64, len: u64) -> Result<()> {
 /// Opens `file` again with `O_DIRECT` through `/proc/self/fd`, with its alignment; or
 /// the reason to read it buffered.
 fn open_direct(file: &File) -> Result<std::result::Result<Direct, ReadFallback>> {
+    open_direct_in(file, "/proc/self/fd")
+}
+
+/// [`open_direct`] through `fd_dir` (`/proc/self/fd`; another directory in tests).
+fn open_direct_in(file: &File, fd_dir: &str) -> Result<std::result::Result<Direct, ReadFallback>> {
     let fd = file.as_raw_fd();
     let stat = match rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
         Ok(stat) => stat,
@@ -268,7 +273,7 @@ fn open_direct(file: &File) -> Result<std::result::Result<Direct, ReadFallback>>
             ),
         ));
     }
-    let path = format!("/proc/self/fd/{fd}");
+    let path = format!("{fd_dir}/{fd}");
     match OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -398,5 +403,70 @@ fn pread(file: &File, buf: &mut [u8], offset: u64) -> std::result::Result<usize,
             Err(Errno::INTR) => continue,
             other => return other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target_file(name: &str, len: usize) -> (std::path::PathBuf, File) {
+        // The crate's target directory: a disk file system here, not tmpfs.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target")
+            .join(format!("read-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, vec![5u8; len]).unwrap();
+        (dir, File::open(&path).unwrap())
+    }
+
+    fn has_dio(file: &File) -> bool {
+        rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).is_ok_and(|s| {
+            s.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
+        })
+    }
+
+    #[test]
+    fn without_proc_fd_direct_reads_fall_back_with_the_reason() {
+        let (dir, file) = target_file("noproc", 1000);
+        if !has_dio(&file) {
+            println!("NOT RUN: the target directory's file system reports no STATX_DIOALIGN");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        let missing = dir.join("no-such-proc").display().to_string();
+        assert!(matches!(
+            open_direct_in(&file, &missing),
+            Ok(Err(ReadFallback::NoProcFs))
+        ));
+        let direct = open_direct_in(&file, "/proc/self/fd").unwrap().unwrap();
+        assert!(direct.offset_align.is_power_of_two() && direct.mem_align.is_power_of_two());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_direct_reader_reads_short_files_and_reports_the_end() {
+        let (dir, file) = target_file("short", 1000);
+        if !has_dio(&file) {
+            println!("NOT RUN: the target directory's file system reports no STATX_DIOALIGN");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
+        assert_eq!(reader.outcome(), (ReadMode::Direct, None));
+        let mut scratch = reader.scratch();
+        let mut dest = vec![0u8; 1000];
+        reader
+            .read(&file, 0, &mut dest, &mut scratch, &|| "t".into())
+            .unwrap();
+        assert!(dest.iter().all(|&b| b == 5));
+        // Past the end: an error naming the read, not a silent short slot.
+        let mut dest = vec![0u8; 10];
+        let e = reader
+            .read(&file, 995, &mut dest, &mut scratch, &|| "t".into())
+            .unwrap_err();
+        assert!(e.to_string().contains("at file offset 1000"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

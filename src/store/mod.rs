@@ -475,11 +475,13 @@ impl PinStore {
         }
         // Direct reads give each loader thread a bounce buffer: one more heap mapping.
         let bounce_maps = usize::from(reader.needs_scratch());
-        let scratch = {
+        let scratch = if bounce_maps > 0 {
             let _reservation = self.maps.reserve(
                 || format!("layer {layer} direct-I/O bounce buffer"),
                 bounce_maps,
             )?;
+            reader.scratch()
+        } else {
             reader.scratch()
         };
         let bytes: u64 = lengths.iter().flatten().map(|&n| n as u64).sum();
