@@ -142,8 +142,7 @@ fn scaling_row(experts: usize, layout: Layout, policy: &MemPolicy) {
 }
 
 fn main() {
-    if memory::run_child(&SyntheticModel::default()) || peers::run_child(&SyntheticModel::default())
-    {
+    if memory::run_child(&SyntheticModel::default()) || peers::run_child() {
         return;
     }
     let nodes = NodeSet::allowed().expect("allowed nodes");
@@ -168,16 +167,16 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("numapin-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("model.bin");
-    model.write(&path).expect("write model");
     let peer_runs: usize = std::env::var("NUMAPIN_BENCH_PEER_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
-        peers::rows(&model, &path, peer_runs);
+        peers::rows(&path, peer_runs);
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
+    model.write(&path).expect("write model");
     let file = File::open(&path).expect("open model");
     // The file is page-cached now (just written); the memory copy of it is the ceiling's
     // source.
@@ -262,7 +261,7 @@ fn main() {
     drop(source);
     memory::allocator_rows(&path, runs);
     memory::sharing_rows(&model, &path, runs);
-    peers::rows(&model, &path, peer_runs);
+    peers::rows(&path, peer_runs);
     let _ = std::fs::remove_dir_all(&dir);
 
     println!();

@@ -20,10 +20,19 @@ const HUGE: usize = 2 << 20;
 /// Window of the plain `O_DIRECT` read and of the warm-up read.
 const WINDOW: usize = 8 << 20;
 
+/// The model of the peers table: the default's shape with half the experts (528 MiB), so
+/// that 17 rows × 3 runs, each warmed or evicted first, fit the benchmark's few minutes.
+pub fn model() -> SyntheticModel {
+    SyntheticModel {
+        experts: 32,
+        ..SyntheticModel::default()
+    }
+}
+
 /// The rows: (name, child mode, read warm and cold?).
 const ROWS: &[(&str, &str, bool)] = &[
     ("one slab per expert", "slabs", true),
-    ("mmap + touch (unplaced)", "mmap", true),
+    ("mmap + touch (llama.cpp default)", "mmap", true),
     ("read all, interleave policy", "read-all", true),
     ("layer mmap+mbind+pread, 1 thr", "per-layer", true),
     ("PinStore buffered", "pin-buffered", true),
@@ -184,11 +193,11 @@ fn load(
 fn ceiling(mode: &str, path: &Path) -> Result<String, String> {
     let source = std::fs::read(path).map_err(|e| e.to_string())?;
     let interleave = MemPolicy::Interleave(nodes()?);
+    let rss = diag::rss_bytes().map_err(|e| e.to_string())?;
     let mut dest = fresh(source.len(), &interleave)?;
     if mode == "memcpy-prefaulted" {
         dest.populate_write().map_err(|e| e.to_string())?;
     }
-    let rss = diag::rss_bytes().map_err(|e| e.to_string())?;
     let start = Instant::now();
     copy_2_threads(&source, dest.as_mut_slice().map_err(|e| e.to_string())?);
     let seconds = start.elapsed().as_secs_f64();
@@ -202,10 +211,11 @@ fn ceiling(mode: &str, path: &Path) -> Result<String, String> {
 }
 
 /// Runs this process's peer row if it is a peer child; returns whether it was.
-pub fn run_child(model: &SyntheticModel) -> bool {
+pub fn run_child() -> bool {
     let Ok(mode) = std::env::var("NUMAPIN_BENCH_PEER") else {
         return false;
     };
+    let model = &model();
     let path = std::env::var("NUMAPIN_BENCH_MODEL").expect("model path");
     let path = Path::new(&path);
     let result = if mode.starts_with("memcpy") {
@@ -296,13 +306,28 @@ fn measure(mode: &str, cold: Option<bool>, path: &Path, runs: usize) -> Result<R
     })
 }
 
-/// Prints the peers table for the model file at `path`.
-pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
+/// Writes the peers' model next to `beside` and prints the peers table.
+pub fn rows(beside: &Path, runs: usize) {
+    let model = &model();
+    let path = &beside.with_file_name("peers.bin");
+    if let Err(e) = model.write(path) {
+        println!("peers: cannot write {}: {e}", path.display());
+        return;
+    }
+    table(model, path, runs);
+    let _ = std::fs::remove_file(path);
+}
+
+fn table(model: &SyntheticModel, path: &Path, runs: usize) {
     println!();
     println!(
-        "peers on the same file ({:.2} GiB), warm (page-cached) and cold (evicted first); \
-         each row a process of its own, median of {runs}",
-        model.total_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64
+        "peers on one file ({} layers x {} experts x ({} + {} bytes) = {} MiB), warm \
+         (page-cached) and cold (evicted first); each row a process of its own, median of {runs}",
+        model.layers,
+        model.experts,
+        model.weight_bytes,
+        model.scale_bytes,
+        model.total_bytes().unwrap_or(0) >> 20
     );
     println!(
         "{:<31} {:>5} {:>7} {:>8} {:>10} {:>9}",

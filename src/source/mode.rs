@@ -44,7 +44,9 @@ pub enum ReadMode {
     /// `pread` through the page cache, then `POSIX_FADV_DONTNEED` on what was read so far
     /// (rounded out to 2 MiB) after every [`DROP_BEHIND_EVERY`] bytes read from a file,
     /// and on the whole file at the end of each layer: the cache holds at most about that
-    /// much of the file at a time.
+    /// much of the file at a time. The advice evicts the file's clean pages whoever
+    /// cached them: a file that was cached before the load is not cached after it (use
+    /// [`ReadMode::Direct`] to leave the cache as it was).
     ///
     /// [`DROP_BEHIND_EVERY`]: crate::store::DROP_BEHIND_EVERY
     DropBehind,
