@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use numapin::store::{
-    DROP_BEHIND_EVERY, ExpertSource, LayerSpec, Layout, Piece, PinStore, ProgressHook,
+    DROP_BEHIND_EVERY, ExpertSource, Kind, LayerSpec, Layout, Piece, PinStore, ProgressHook,
     ReadFallback, ReadMode, StoreOptions,
 };
 use numapin_testkit::cache::{cached_pages, evict};
@@ -268,6 +268,59 @@ fn a_cold_load_leaves_the_page_cache_as_promised() {
             peak <= bound,
             "{mode}: {peak} pages cached during the load, more than {bound}"
         );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Whole synthetic models in every mode: experts back to back in the file, which direct
+/// reads take in batches of consecutive slots (one `preadv` into the slots where every
+/// piece is aligned, bounce-buffer windows where not), ending at the end of the file.
+#[test]
+fn consecutive_slots_load_byte_exact_in_every_mode() {
+    let dir = dir("batches");
+    let shapes = [
+        // Aligned: 64 KiB weights + 4 KiB scales.
+        (64 << 10, 4 << 10),
+        // Unaligned, the file's size not a multiple of 512.
+        ((300 << 10) + 333, 4096 + 5),
+        // Slots larger than a batch (8 MiB) and than the bounce buffer.
+        ((9 << 20) + 1, 17),
+    ];
+    for (weight_bytes, scale_bytes) in shapes {
+        let model = SyntheticModel {
+            layers: 2,
+            experts: 9,
+            weight_bytes,
+            scale_bytes,
+        };
+        let path = dir.join("model.bin");
+        model.write(&path).unwrap();
+        let file = File::open(&path).unwrap();
+        for mode in ReadMode::ALL {
+            for threads in [1, 2] {
+                let store = PinStore::new(Layout::Unplaced, options(mode, threads)).unwrap();
+                for layer in 0..model.layers {
+                    let report = store
+                        .pack_layer(layer, &model.spec(), &model.sources(&file, layer))
+                        .unwrap();
+                    assert_eq!(
+                        (report.read_mode, report.read_fallback),
+                        expected_outcome(mode, &file)
+                    );
+                    for e in 0..model.experts {
+                        for (kind, bytes) in [
+                            (Kind::Weights, store.weights(layer, e).unwrap()),
+                            (Kind::Scales, store.scales(layer, e).unwrap()),
+                        ] {
+                            assert!(
+                                model.verify(layer, e, kind, bytes),
+                                "{model:?} {mode} {threads} threads: layer {layer} expert {e} {kind:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
 pub(crate) use super::progress::Meter;
-pub(crate) use super::read::{Reader, Scratch};
+pub(crate) use super::read::{DIRECT_BATCH, Reader, Scratch, Segment};
 use super::{Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 
@@ -119,22 +119,40 @@ pub(crate) fn fill<P>(
     } = loading;
     let reads = AtomicUsize::new(0);
     let helpers = helpers(threads, jobs.len());
+    // Jobs are taken from the end: reversed, they are taken in the order given (file
+    // order, usually, which the kernel's readahead rewards on a cold file).
+    let mut jobs = jobs;
+    jobs.reverse();
     let queue = Mutex::new(jobs);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let started = (Mutex::new(0usize), Condvar::new());
+    let batches = reader.batches();
     let work = |mut scratch: Scratch| {
         loop {
             if first_error.lock().is_ok_and(|e| e.is_some()) {
                 return;
             }
-            let Some(job) = queue.lock().ok().and_then(|mut q| q.pop()) else {
-                return;
+            let batch = match queue.lock() {
+                Ok(mut q) => take(&mut q, batches),
+                Err(_) => Vec::new(),
             };
-            let bytes = job.tensor.len();
-            match fill_one(job, &reads, reader, &mut scratch) {
+            if batch.is_empty() {
+                return;
+            }
+            let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
+            let result = if batch.len() == 1 {
+                batch
+                    .into_iter()
+                    .try_for_each(|job| fill_one(job, &reads, reader, &mut scratch))
+            } else {
+                fill_batch(batch, &reads, reader, &mut scratch)
+            };
+            match result {
                 Ok(()) => {
                     if let Some(meter) = meter {
-                        meter.slot_done(bytes as u64);
+                        for bytes in sizes {
+                            meter.slot_done(bytes as u64);
+                        }
                     }
                 }
                 Err(e) => {
@@ -187,6 +205,106 @@ pub(crate) fn fill<P>(
             Ok(reads.into_inner())
         }
     }
+}
+
+/// The next job from the (reversed) queue; with `batches`, also the jobs after it whose
+/// file pieces continue it in the same file, up to [`DIRECT_BATCH`] bytes.
+fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
+    let Some(first) = queue.pop() else {
+        return Vec::new();
+    };
+    let mut bytes = first.tensor.len();
+    let mut end = last_end(&first.tensor);
+    let mut batch = vec![first];
+    while batches {
+        let Some(next) = queue.last() else { break };
+        let (Some((file, at)), Tensor::File(pieces)) = (end, next.tensor) else {
+            break;
+        };
+        let continues = pieces
+            .iter()
+            .find(|p| p.len > 0)
+            .is_some_and(|p| std::ptr::eq(p.file, file) && p.offset == at);
+        let len = next.tensor.len();
+        if !continues || bytes + len > DIRECT_BATCH {
+            break;
+        }
+        bytes += len;
+        end = last_end(&next.tensor);
+        batch.extend(queue.pop());
+    }
+    batch
+}
+
+/// Where a file tensor's last piece ends: its file and offset.
+fn last_end<'a>(tensor: &Tensor<'a>) -> Option<(&'a File, u64)> {
+    match *tensor {
+        Tensor::Memory(_) => None,
+        Tensor::File(pieces) => pieces
+            .iter()
+            .rev()
+            .find(|p| p.len > 0)
+            .map(|p| (p.file, p.offset + p.len as u64)),
+    }
+}
+
+/// Fills consecutive file slots with one set of segments, so that runs across slots are
+/// read together.
+fn fill_batch(
+    batch: Vec<Job<'_>>,
+    reads: &AtomicUsize,
+    reader: &Reader<'_>,
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let first = batch[0].what;
+    let last = batch[batch.len() - 1].what;
+    let what = || {
+        format!(
+            "layer {} expert {} {} to expert {} {}",
+            first.0,
+            first.1,
+            first.2.name(),
+            last.1,
+            last.2.name()
+        )
+    };
+    let mut segments = Vec::new();
+    for job in batch {
+        let Tensor::File(pieces) = job.tensor else {
+            return Err(Error::invalid(
+                "load",
+                format!("{}: not a file batch", what()),
+            ));
+        };
+        let room = job.dest.len();
+        let mut rest: &mut [u8] = job.dest;
+        let mut at = 0;
+        for read in plan_reads(pieces) {
+            reads.fetch_add(1, Ordering::Relaxed);
+            let fits = read.dest >= at && read.dest + read.len <= room;
+            if !fits {
+                return Err(Error::invalid(
+                    "load",
+                    format!(
+                        "{}: {} bytes at file offset {} do not fit a slot of {room}",
+                        what(),
+                        read.len,
+                        read.offset
+                    ),
+                ));
+            }
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(read.dest - at);
+            let (dest, tail) = tail.split_at_mut(read.len);
+            rest = tail;
+            at = read.dest + read.len;
+            segments.push(Segment {
+                file: read.file,
+                offset: read.offset,
+                dest,
+            });
+        }
+    }
+    reader.read_segments(&mut segments, scratch, &what)
 }
 
 /// Fills one slot on the calling thread, with buffered reads.

@@ -30,8 +30,17 @@ pub const DROP_BEHIND_EVERY: u64 = 64 << 20;
 const FOLIO_MAX: u64 = 2 << 20;
 
 /// The bounce buffer of one loader thread for direct reads (at least two alignment
-/// units): an unaligned 1 MiB expert takes one read.
-const BOUNCE: usize = 4 << 20;
+/// units): an unaligned 1 MiB expert takes one read, and a batch of small unaligned
+/// slots one window.
+const BOUNCE: usize = 8 << 20;
+
+/// The most file bytes one loader takes at once, as consecutive slots, for direct reads:
+/// large requests are what a device reads fast, and `O_DIRECT` has no readahead to merge
+/// small ones.
+pub(crate) const DIRECT_BATCH: usize = 8 << 20;
+
+/// Segments per `preadv` (`IOV_MAX`).
+const IOV_MAX: usize = 1024;
 
 /// The longest single direct read into a slot.
 const MAX_DIRECT: usize = 64 << 20;
@@ -202,6 +211,52 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Whether loaders should take consecutive slots in batches ([`DIRECT_BATCH`]).
+    pub(crate) fn batches(&self) -> bool {
+        self.needs_scratch()
+    }
+
+    /// Reads every segment; runs of segments that continue each other in one directly
+    /// read file are read together (one `preadv` straight into the slots when every
+    /// segment is aligned, else aligned windows through the bounce buffer).
+    ///
+    /// # Errors
+    /// As [`Reader::read`].
+    pub(crate) fn read_segments(
+        &self,
+        segments: &mut [Segment<'_, '_>],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let mut i = 0;
+        while i < segments.len() {
+            let mut j = i + 1;
+            while j < segments.len()
+                && std::ptr::eq(segments[j].file, segments[i].file)
+                && Some(segments[j].offset)
+                    == segments[j - 1]
+                        .offset
+                        .checked_add(segments[j - 1].dest.len() as u64)
+            {
+                j += 1;
+            }
+            let run = &mut segments[i..j];
+            let source = self.index.get(&key(run[0].file)).map(|&k| &self.files[k]);
+            match source.map(|s| &s.how) {
+                Some(How::Direct(direct)) if run.len() > 1 => {
+                    direct.read_run(run, scratch, what)?
+                }
+                _ => {
+                    for segment in run.iter_mut() {
+                        self.read(segment.file, segment.offset, segment.dest, scratch, what)?;
+                    }
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+
     /// The end of a fill: drop-behind files are advised whole.
     ///
     /// # Errors
@@ -292,6 +347,13 @@ fn open_direct_in(file: &File, fd_dir: &str) -> Result<std::result::Result<Direc
     }
 }
 
+/// One destination of a batch: `dest.len()` bytes of `file` at `offset`.
+pub(crate) struct Segment<'f, 'd> {
+    pub(crate) file: &'f File,
+    pub(crate) offset: u64,
+    pub(crate) dest: &'d mut [u8],
+}
+
 /// A loader thread's bounce buffer: `len` bytes aligned for direct I/O inside `buf`.
 #[derive(Default)]
 pub(crate) struct Scratch {
@@ -314,6 +376,136 @@ impl Scratch {
 }
 
 impl Direct {
+    fn eof(&self, offset: u64, len: usize, what: &dyn Fn() -> String) -> Error {
+        Error::io(
+            "pread",
+            format!(
+                "{}: O_DIRECT read of {len} bytes at file offset {offset} ended at the end of the file",
+                what()
+            ),
+            std::io::ErrorKind::UnexpectedEof.into(),
+        )
+    }
+
+    fn failed(
+        &self,
+        op: &'static str,
+        errno: Errno,
+        offset: u64,
+        len: usize,
+        what: &dyn Fn() -> String,
+    ) -> Error {
+        Error::os(
+            op,
+            errno,
+            format_args!(
+                "{}: O_DIRECT fd={} offset={offset} len={len} alignment: offset and length {}, memory {}",
+                what(),
+                self.file.as_raw_fd(),
+                self.offset_align,
+                self.mem_align,
+            ),
+        )
+    }
+
+    /// Reads a run of segments that continue each other in the file.
+    fn read_run(
+        &self,
+        run: &mut [Segment<'_, '_>],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let (mem, align) = (self.mem_align, self.offset_align);
+        let aligned = run.iter().all(|s| {
+            s.offset.is_multiple_of(align as u64)
+                && s.dest.len().is_multiple_of(align)
+                && (s.dest.as_ptr() as usize).is_multiple_of(mem)
+        });
+        if aligned {
+            for group in run.chunks_mut(IOV_MAX) {
+                self.read_vectored(group, scratch, what)?;
+            }
+            return Ok(());
+        }
+        if scratch.len == 0 {
+            return Err(no_scratch(what));
+        }
+        // Aligned windows over the run, each copied out to the segments it covers.
+        let start = run[0].offset - run[0].offset % align as u64;
+        let end = run.last().map_or(start, |s| s.offset + s.dest.len() as u64);
+        let mut window_start = start;
+        let mut next = 0; // the first segment not yet fully copied
+        while window_start < end {
+            let want = ((end - window_start) as usize)
+                .next_multiple_of(align)
+                .min(scratch.len);
+            let bounce = scratch.get();
+            let got = pread(&self.file, &mut bounce[..want], window_start)
+                .map_err(|e| self.failed("pread", e, window_start, want, what))?;
+            let window_end = window_start + got as u64;
+            while next < run.len() {
+                let s = &mut run[next];
+                let (s_start, s_end) = (s.offset, s.offset + s.dest.len() as u64);
+                let from = s_start.max(window_start);
+                let to = s_end.min(window_end);
+                if from < to {
+                    let (a, b) = ((from - window_start) as usize, (to - window_start) as usize);
+                    let at = (from - s_start) as usize;
+                    s.dest[at..at + (b - a)].copy_from_slice(&bounce[a..b]);
+                }
+                if s_end <= window_end {
+                    next += 1;
+                } else {
+                    break;
+                }
+            }
+            if got < want && window_end < end {
+                return Err(self.eof(window_end, (end - window_end) as usize, what));
+            }
+            window_start = window_end;
+        }
+        Ok(())
+    }
+
+    /// One `preadv` straight into aligned segments; a short read finishes segment by
+    /// segment.
+    fn read_vectored(
+        &self,
+        group: &mut [Segment<'_, '_>],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let offset = group[0].offset;
+        let total: usize = group.iter().map(|s| s.dest.len()).sum();
+        let got = {
+            let mut iovecs: Vec<std::io::IoSliceMut<'_>> = group
+                .iter_mut()
+                .map(|s| std::io::IoSliceMut::new(&mut *s.dest))
+                .collect();
+            loop {
+                match rustix::io::preadv(&self.file, &mut iovecs, offset) {
+                    Err(Errno::INTR) => continue,
+                    other => break other,
+                }
+            }
+            .map_err(|e| self.failed("preadv", e, offset, total, what))?
+        };
+        if got == total {
+            return Ok(());
+        }
+        let mut skip = got;
+        for s in group.iter_mut() {
+            let len = s.dest.len();
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            self.read(s.offset + skip as u64, &mut s.dest[skip..], scratch, what)?;
+            skip = 0;
+        }
+        Ok(())
+    }
+
     /// Reads `dest.len()` bytes at `offset`: straight into `dest` where the address, the
     /// offset and the length are aligned, through `scratch` in aligned windows elsewhere.
     fn read(
@@ -324,33 +516,9 @@ impl Direct {
         what: &dyn Fn() -> String,
     ) -> Result<()> {
         let (mem, align) = (self.mem_align, self.offset_align);
-        let eof = |offset: u64, len: usize| {
-            Error::io(
-                "pread",
-                format!(
-                    "{}: O_DIRECT read of {len} bytes at file offset {offset} ended at the end of the file",
-                    what()
-                ),
-                std::io::ErrorKind::UnexpectedEof.into(),
-            )
-        };
-        let failed = |errno: Errno, offset: u64, len: usize| {
-            Error::os(
-                "pread",
-                errno,
-                format_args!(
-                    "{}: O_DIRECT fd={} offset={offset} len={len} alignment: offset and length {align}, memory {mem}",
-                    what(),
-                    self.file.as_raw_fd(),
-                ),
-            )
-        };
-        if scratch.len == 0 {
-            return Err(Error::invalid(
-                "O_DIRECT read",
-                format!("{}: the loader thread has no bounce buffer", what()),
-            ));
-        }
+        let eof = |offset: u64, len: usize| self.eof(offset, len, what);
+        let failed =
+            |errno: Errno, offset: u64, len: usize| self.failed("pread", errno, offset, len, what);
         while !dest.is_empty() {
             let address = dest.as_ptr() as usize;
             let head = (offset % align as u64) as usize;
@@ -365,6 +533,9 @@ impl Direct {
                 dest = &mut dest[got..];
                 offset += got as u64;
                 continue;
+            }
+            if scratch.len == 0 {
+                return Err(no_scratch(what));
             }
             // Through the bounce buffer. Copy only the head when the slot is aligned
             // after it, so that the rest goes straight in.
@@ -394,6 +565,13 @@ impl Direct {
         }
         Ok(())
     }
+}
+
+fn no_scratch(what: &dyn Fn() -> String) -> Error {
+    Error::invalid(
+        "O_DIRECT read",
+        format!("{}: the loader thread has no bounce buffer", what()),
+    )
 }
 
 /// `pread`, again after `EINTR`.

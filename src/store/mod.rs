@@ -473,6 +473,9 @@ impl PinStore {
                 });
             }
         }
+        // Expert by expert, each expert's weights then scales: the order a checkpoint
+        // usually has them in, so that the loaders walk the file forwards.
+        jobs.sort_by_key(|job| (job.what.1, job.what.2));
         // Direct reads give each loader thread a bounce buffer: one more heap mapping.
         let bounce_maps = usize::from(reader.needs_scratch());
         let scratch = if bounce_maps > 0 {
