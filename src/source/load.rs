@@ -216,7 +216,10 @@ fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
     let mut bytes = first.tensor.len();
     let mut end = last_end(&first.tensor);
     let mut batch = vec![first];
-    while batches {
+    if !batches {
+        return batch;
+    }
+    loop {
         let Some(next) = queue.last() else { break };
         let (Some((file, at)), Tensor::File(pieces)) = (end, next.tensor) else {
             break;
