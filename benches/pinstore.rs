@@ -171,12 +171,12 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    model.write(&path).expect("write model");
     if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
         peers::rows(&path, peer_runs);
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
-    model.write(&path).expect("write model");
     let file = File::open(&path).expect("open model");
     // The file is page-cached now (just written); the memory copy of it is the ceiling's
     // source.

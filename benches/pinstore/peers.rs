@@ -20,13 +20,10 @@ const HUGE: usize = 2 << 20;
 /// Window of the plain `O_DIRECT` read and of the warm-up read.
 const WINDOW: usize = 8 << 20;
 
-/// The model of the peers table: the default's shape with half the experts (528 MiB), so
-/// that 17 rows × 3 runs, each warmed or evicted first, fit the benchmark's few minutes.
+/// The model of the peers table: the benchmark's (1.03 GiB); 17 rows × 3 runs, each
+/// warmed or evicted first, take about a minute here.
 pub fn model() -> SyntheticModel {
-    SyntheticModel {
-        experts: 32,
-        ..SyntheticModel::default()
-    }
+    SyntheticModel::default()
 }
 
 /// The rows: (name, child mode, read warm and cold?).
@@ -306,19 +303,9 @@ fn measure(mode: &str, cold: Option<bool>, path: &Path, runs: usize) -> Result<R
     })
 }
 
-/// Writes the peers' model next to `beside` and prints the peers table.
-pub fn rows(beside: &Path, runs: usize) {
+/// Prints the peers table for the benchmark's model file at `path`.
+pub fn rows(path: &Path, runs: usize) {
     let model = &model();
-    let path = &beside.with_file_name("peers.bin");
-    if let Err(e) = model.write(path) {
-        println!("peers: cannot write {}: {e}", path.display());
-        return;
-    }
-    table(model, path, runs);
-    let _ = std::fs::remove_file(path);
-}
-
-fn table(model: &SyntheticModel, path: &Path, runs: usize) {
     println!();
     println!(
         "peers on one file ({} layers x {} experts x ({} + {} bytes) = {} MiB), warm \

@@ -219,8 +219,7 @@ fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
     if !batches {
         return batch;
     }
-    loop {
-        let Some(next) = queue.last() else { break };
+    while let Some(next) = queue.last() {
         let (Some((file, at)), Tensor::File(pieces)) = (end, next.tensor) else {
             break;
         };
