@@ -317,7 +317,7 @@ pub fn rows(path: &Path, runs: usize) {
         model.total_bytes().unwrap_or(0) >> 20
     );
     println!(
-        "{:<31} {:>5} {:>7} {:>8} {:>10} {:>9}",
+        "{:<33} {:>5} {:>7} {:>8} {:>10} {:>9}",
         "case", "file", "GB/s", "x fresh", "RSS/bytes", "cached %"
     );
     let mut results: Vec<(&str, &str, Result<Row, String>)> = Vec::new();
@@ -344,14 +344,14 @@ pub fn rows(path: &Path, runs: usize) {
     for (name, label, row) in &results {
         match row {
             Ok(r) => println!(
-                "{name:<31} {label:>5} {:>7.2} {:>8.2} {:>10.2} {:>9}",
+                "{name:<33} {label:>5} {:>7.2} {:>8.2} {:>10.2} {:>9}",
                 r.gbps,
                 r.gbps / fresh,
                 r.rss_per_byte,
                 r.cached
                     .map_or_else(|| "-".to_string(), |c| format!("{:.1}", c * 100.0))
             ),
-            Err(e) => println!("{name:<31} {label:>5} failed: {}", e.trim()),
+            Err(e) => println!("{name:<33} {label:>5} failed: {}", e.trim()),
         }
     }
     let gbps = |name: &str, label: &str| {
