@@ -302,16 +302,16 @@ fn consecutive_slots_load_byte_exact_in_every_mode() {
     let dir = dir("batches");
     let shapes = [
         // Aligned: 64 KiB weights + 4 KiB scales.
-        (64 << 10, 4 << 10),
+        (9, 64 << 10, 4 << 10),
         // Unaligned, the file's size not a multiple of 512.
-        ((300 << 10) + 333, 4096 + 5),
+        (9, (300 << 10) + 333, 4096 + 5),
         // Slots larger than a batch (8 MiB) and than the bounce buffer.
-        ((9 << 20) + 1, 17),
+        (3, (9 << 20) + 1, 17),
     ];
-    for (weight_bytes, scale_bytes) in shapes {
+    for (experts, weight_bytes, scale_bytes) in shapes {
         let model = SyntheticModel {
             layers: 2,
-            experts: 9,
+            experts,
             weight_bytes,
             scale_bytes,
         };
