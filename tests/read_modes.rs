@@ -70,8 +70,8 @@ fn options(mode: ReadMode, threads: usize) -> StoreOptions {
     }
 }
 
-/// Size of file A: 6 MiB + 333, not a multiple of 512.
-const A_LEN: usize = (6 << 20) + 333;
+/// Size of file A: 10 MiB + 333, not a multiple of 512.
+const A_LEN: usize = (10 << 20) + 333;
 /// Size of file B: 3 × 512 + 17.
 const B_LEN: usize = 3 * 512 + 17;
 const BASES: [u64; 2] = [0, 1 << 40];
@@ -85,8 +85,8 @@ fn expert_pieces() -> Vec<(Vec<(usize, u64, usize)>, Vec<(usize, u64, usize)>)> 
         (vec![(0, 4096, 8192)], vec![(0, 512, 512)]),
         // Aligned offset, odd length: the bulk direct, the tail through the bounce buffer.
         (vec![(0, 1 << 20, 8192 + 100)], vec![(1, 0, 1)]),
-        // Odd offset and length, larger than one bounce buffer (4 MiB).
-        (vec![(0, 7, (5 << 20) + 77)], vec![(0, 3, 5)]),
+        // Odd offset and length, larger than one bounce buffer (8 MiB).
+        (vec![(0, 7, (9 << 20) + 77)], vec![(0, 3, 5)]),
         // A 5-byte piece, then one whose offset is ≡ 5 (mod 512): after its head, the
         // slot is aligned and the rest goes straight in.
         (vec![(0, 1000, 5), (0, 2053, 10_000)], vec![]),

@@ -2,6 +2,14 @@
 //! source file, how it is read (its `O_DIRECT` descriptor and alignment, or its
 //! drop-behind bookkeeping); each loader thread has its own [`Scratch`] bounce buffer for
 //! direct reads of unaligned pieces.
+//!
+//! Direct reads have no readahead, so the loaders take consecutive slots in batches of
+//! up to [`DIRECT_BATCH`] bytes ([`Reader::read_segments`]): a run of pieces that continue
+//! each other is read with one `preadv` straight into the slots when every piece is
+//! aligned, or in aligned windows through the bounce buffer and copied out when not.
+//! A single piece ([`Reader::read`]) goes straight into its slot where its address,
+//! offset and length are aligned, and through the bounce buffer elsewhere (only its head,
+//! when the slot is aligned after it).
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -22,7 +30,8 @@ use crate::error::{Error, Result};
 /// pages it could not drop, drains the per-CPU LRU caches of every CPU: a call costs
 /// from microseconds to milliseconds. Every 64 MiB keeps that under about 30 calls per
 /// second at 2 GB/s (a few percent of the load at worst) while the cache holds at most
-/// about 64 MiB per file plus the 2 MiB edges and the reads in flight.
+/// about 64 MiB per file plus the 2 MiB edges, the reads in flight and the kernel's
+/// readahead past them (`read_ahead_kb`, 8 MiB on this machine's disk).
 pub const DROP_BEHIND_EVERY: u64 = 64 << 20;
 
 /// Drop-behind advice is rounded out to this: `POSIX_FADV_DONTNEED` skips a large folio
