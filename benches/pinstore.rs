@@ -1,7 +1,9 @@
 //! `cargo bench --bench pinstore`: PinStore against one-slab-per-expert binding,
 //! mmap-then-copy, and the ceiling (memcpy from memory into fresh memory with the same
 //! huge-page setting), all in one run; medians of `NUMAPIN_BENCH_RUNS` runs (default 5)
-//! after one warm-up of each. Then the mappings each strategy needs as experts grow.
+//! after one warm-up of each. Then the peers side by side, warm and cold, with the page
+//! cache each leaves (`NUMAPIN_BENCH_PEER_RUNS`, default 3; `NUMAPIN_BENCH_ONLY=peers`
+//! prints that table alone), and the mappings each strategy needs as experts grow.
 //!
 //! Figures are printed, never asserted: the machine is shared and noisy, so compare the
 //! ratios within one run.
@@ -11,6 +13,9 @@ mod support;
 
 #[path = "pinstore/memory.rs"]
 mod memory;
+
+#[path = "pinstore/peers.rs"]
+mod peers;
 
 #[cfg(feature = "jemalloc")]
 #[global_allocator]
@@ -137,7 +142,7 @@ fn scaling_row(experts: usize, layout: Layout, policy: &MemPolicy) {
 }
 
 fn main() {
-    if memory::run_child(&SyntheticModel::default()) {
+    if memory::run_child(&SyntheticModel::default()) || peers::run_child() {
         return;
     }
     let nodes = NodeSet::allowed().expect("allowed nodes");
@@ -162,7 +167,16 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("numapin-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("model.bin");
+    let peer_runs: usize = std::env::var("NUMAPIN_BENCH_PEER_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     model.write(&path).expect("write model");
+    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
+        peers::rows(&path, peer_runs);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let file = File::open(&path).expect("open model");
     // The file is page-cached now (just written); the memory copy of it is the ceiling's
     // source.
@@ -247,6 +261,7 @@ fn main() {
     drop(source);
     memory::allocator_rows(&path, runs);
     memory::sharing_rows(&model, &path, runs);
+    peers::rows(&path, peer_runs);
     let _ = std::fs::remove_dir_all(&dir);
 
     println!();

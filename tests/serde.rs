@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use common::{degrade_here, nodes};
 use numapin::store::{
     ExpertSource, Kind, LayerReport, LayerSpec, Layout, Manifest, ManifestRegion, PinStore,
-    StoreOptions, StoreStats,
+    ReadFallback, ReadMode, StoreOptions, StoreStats,
 };
 use numapin::{DegradeReason, MemPolicy, Node, NodeSet, Placement};
 use proptest::prelude::*;
@@ -134,12 +134,14 @@ fn stats_and_report_have_fixed_field_names() {
         regions: 1,
         mbind_calls: 1,
         reads: 0,
+        read_mode: ReadMode::Buffered,
+        read_fallback: Some(ReadFallback::NoDirectIoAlignment),
         policy: Some(MemPolicy::Interleave(set(&[0, 1]))),
         placement: Some(Placement::Degraded(DegradeReason::Unsupported)),
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"policy":"interleave:0,1","placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

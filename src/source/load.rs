@@ -2,10 +2,11 @@
 //! helper threads, reading adjacent file pieces with one `pread`.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
+pub(crate) use super::progress::Meter;
+pub(crate) use super::read::{DIRECT_BATCH, Reader, Scratch, Segment};
 use super::{Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 
@@ -85,47 +86,92 @@ pub(crate) fn helpers(threads: usize, jobs: usize) -> usize {
     threads.clamp(1, jobs.max(1)) - 1
 }
 
+/// How a fill reads and reports: the per-file readers, the caller's bounce buffer, and
+/// the progress meter.
+pub(crate) struct Loading<'r, 'a> {
+    pub(crate) reader: &'r Reader<'a>,
+    /// The calling thread's bounce buffer ([`Reader::scratch`]; helpers make their own).
+    pub(crate) scratch: Scratch,
+    pub(crate) meter: Option<&'r Meter<'r>>,
+}
+
 /// Fills every job's slot with the calling thread and up to `threads - 1` helpers;
-/// returns the `pread` count. Stops at the first error.
+/// returns the `pread` count (planned reads, after coalescing). Stops at the first
+/// error. Ends with the reader's end-of-fill advice and, on success, the final progress
+/// report.
 ///
 /// Each helper is spawned under a `permit(helper_number)`, held until the helper runs and
-/// has made its first allocation: by then its stack, signal stack and malloc arena exist,
-/// and whoever grants the next permit counts them (the store's map budget). A helper
-/// without a permit, or that cannot be spawned, is not started and leaves its share to
-/// the others: the fill itself never fails for want of threads.
+/// has made its first allocation (and its bounce buffer, for direct reads): by then its
+/// stack, signal stack and malloc arena exist, and whoever grants the next permit counts
+/// them (the store's map budget). A helper without a permit, or that cannot be spawned,
+/// is not started and leaves its share to the others: the fill itself never fails for
+/// want of threads.
 pub(crate) fn fill<P>(
     jobs: Vec<Job<'_>>,
     threads: usize,
+    loading: Loading<'_, '_>,
     permit: impl Fn(usize) -> Option<P>,
 ) -> Result<usize> {
+    let Loading {
+        reader,
+        scratch,
+        meter,
+    } = loading;
     let reads = AtomicUsize::new(0);
     let helpers = helpers(threads, jobs.len());
+    // Jobs are taken from the end: reversed, they are taken in the order given (file
+    // order, usually, which the kernel's readahead rewards on a cold file).
+    let mut jobs = jobs;
+    jobs.reverse();
     let queue = Mutex::new(jobs);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let started = (Mutex::new(0usize), Condvar::new());
-    let work = || {
+    let batches = reader.batches();
+    let work = |mut scratch: Scratch| {
         loop {
             if first_error.lock().is_ok_and(|e| e.is_some()) {
                 return;
             }
-            let Some(job) = queue.lock().ok().and_then(|mut q| q.pop()) else {
-                return;
+            let batch = match queue.lock() {
+                Ok(mut q) => take(&mut q, batches),
+                Err(_) => Vec::new(),
             };
-            if let Err(e) = fill_one(job, &reads)
-                && let Ok(mut slot) = first_error.lock()
-            {
-                slot.get_or_insert(e);
+            if batch.is_empty() {
+                return;
+            }
+            let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
+            let result = if batch.len() == 1 {
+                batch
+                    .into_iter()
+                    .try_for_each(|job| fill_one(job, &reads, reader, &mut scratch))
+            } else {
+                fill_batch(batch, &reads, reader, &mut scratch)
+            };
+            match result {
+                Ok(()) => {
+                    if let Some(meter) = meter {
+                        for bytes in sizes {
+                            meter.slot_done(bytes as u64);
+                        }
+                    }
+                }
+                Err(e) => {
+                    if let Ok(mut slot) = first_error.lock() {
+                        slot.get_or_insert(e);
+                    }
+                }
             }
         }
     };
     let helper = || {
         // The first allocation gives this thread its malloc arena now, under the
-        // spawner's permit, not later outside it.
+        // spawner's permit, not later outside it; so does the bounce buffer.
         drop(std::hint::black_box(Box::new(0u8)));
+        let scratch = reader.scratch();
         let (count, ready) = &started;
         *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         ready.notify_all();
-        work();
+        work(scratch);
     };
     std::thread::scope(|scope| {
         for spawned in 0..helpers {
@@ -146,20 +192,139 @@ pub(crate) fn fill<P>(
             }
             drop(permit);
         }
-        work();
+        work(scratch);
     });
+    let finished = reader.finish();
     match first_error.into_inner().ok().flatten() {
         Some(e) => Err(e),
-        None => Ok(reads.into_inner()),
+        None => {
+            finished?;
+            if let Some(meter) = meter {
+                meter.finish();
+            }
+            Ok(reads.into_inner())
+        }
     }
 }
 
-/// Fills one slot on the calling thread.
-pub(crate) fn fill_slot(job: Job<'_>) -> Result<()> {
-    fill_one(job, &AtomicUsize::new(0))
+/// The next job from the (reversed) queue; with `batches`, also the jobs after it whose
+/// file pieces continue it in the same file, up to [`DIRECT_BATCH`] bytes.
+fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
+    let Some(first) = queue.pop() else {
+        return Vec::new();
+    };
+    let mut bytes = first.tensor.len();
+    let mut end = last_end(&first.tensor);
+    let mut batch = vec![first];
+    if !batches {
+        return batch;
+    }
+    while let Some(next) = queue.last() {
+        let (Some((file, at)), Tensor::File(pieces)) = (end, next.tensor) else {
+            break;
+        };
+        let continues = pieces
+            .iter()
+            .find(|p| p.len > 0)
+            .is_some_and(|p| std::ptr::eq(p.file, file) && p.offset == at);
+        let len = next.tensor.len();
+        if !continues || bytes + len > DIRECT_BATCH {
+            break;
+        }
+        bytes += len;
+        end = last_end(&next.tensor);
+        batch.extend(queue.pop());
+    }
+    batch
 }
 
-fn fill_one(job: Job<'_>, reads: &AtomicUsize) -> Result<()> {
+/// Where a file tensor's last piece ends: its file and offset.
+fn last_end<'a>(tensor: &Tensor<'a>) -> Option<(&'a File, u64)> {
+    match *tensor {
+        Tensor::Memory(_) => None,
+        Tensor::File(pieces) => pieces
+            .iter()
+            .rev()
+            .find(|p| p.len > 0)
+            .map(|p| (p.file, p.offset + p.len as u64)),
+    }
+}
+
+/// Fills consecutive file slots with one set of segments, so that runs across slots are
+/// read together.
+fn fill_batch(
+    batch: Vec<Job<'_>>,
+    reads: &AtomicUsize,
+    reader: &Reader<'_>,
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let first = batch[0].what;
+    let last = batch[batch.len() - 1].what;
+    let what = || {
+        format!(
+            "layer {} expert {} {} to expert {} {}",
+            first.0,
+            first.1,
+            first.2.name(),
+            last.1,
+            last.2.name()
+        )
+    };
+    let mut segments = Vec::new();
+    for job in batch {
+        let Tensor::File(pieces) = job.tensor else {
+            return Err(Error::invalid(
+                "load",
+                format!("{}: not a file batch", what()),
+            ));
+        };
+        let room = job.dest.len();
+        let mut rest: &mut [u8] = job.dest;
+        let mut at = 0;
+        for read in plan_reads(pieces) {
+            reads.fetch_add(1, Ordering::Relaxed);
+            let fits = read.dest >= at && read.dest + read.len <= room;
+            if !fits {
+                return Err(Error::invalid(
+                    "load",
+                    format!(
+                        "{}: {} bytes at file offset {} do not fit a slot of {room}",
+                        what(),
+                        read.len,
+                        read.offset
+                    ),
+                ));
+            }
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(read.dest - at);
+            let (dest, tail) = tail.split_at_mut(read.len);
+            rest = tail;
+            at = read.dest + read.len;
+            segments.push(Segment {
+                file: read.file,
+                offset: read.offset,
+                dest,
+            });
+        }
+    }
+    reader.read_segments(&mut segments, scratch, &what)
+}
+
+/// Fills one slot on the calling thread, with buffered reads.
+pub(crate) fn fill_slot(job: Job<'_>) -> Result<()> {
+    fill_one(
+        job,
+        &AtomicUsize::new(0),
+        &Reader::buffered(),
+        &mut Scratch::default(),
+    )
+}
+
+fn fill_one(
+    job: Job<'_>,
+    reads: &AtomicUsize,
+    reader: &Reader<'_>,
+    scratch: &mut Scratch,
+) -> Result<()> {
     let (layer, expert, kind) = job.what;
     match job.tensor {
         Tensor::Memory(bytes) => {
@@ -178,28 +343,27 @@ fn fill_one(job: Job<'_>, reads: &AtomicUsize) -> Result<()> {
             Ok(())
         }
         Tensor::File(pieces) => {
+            let what = || format!("layer {layer} expert {expert} {}", kind.name());
+            let room = job.dest.len();
             for read in plan_reads(pieces) {
                 reads.fetch_add(1, Ordering::Relaxed);
                 let window = read
                     .dest
                     .checked_add(read.len)
-                    .and_then(|end| job.dest.get_mut(read.dest..end));
-                let result = match window {
-                    Some(window) => read.file.read_exact_at(window, read.offset),
-                    None => Err(std::io::Error::from(std::io::ErrorKind::InvalidInput)),
-                };
-                result.map_err(|e| {
-                    Error::io(
-                        "pread",
-                        format!(
-                            "layer {layer} expert {expert} {}: {} bytes at file offset {}",
-                            kind.name(),
-                            read.len,
-                            read.offset
-                        ),
-                        e,
-                    )
-                })?;
+                    .and_then(|end| job.dest.get_mut(read.dest..end))
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "load",
+                            format!(
+                                "{}: {} bytes at file offset {} do not fit a slot of {}",
+                                what(),
+                                read.len,
+                                read.offset,
+                                room
+                            ),
+                        )
+                    })?;
+                reader.read(read.file, read.offset, window, scratch, &what)?;
             }
             Ok(())
         }

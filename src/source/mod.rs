@@ -4,12 +4,18 @@
 //! and the cache alike; it knows nothing of either.
 
 pub(crate) mod load;
+mod mode;
+pub(crate) mod progress;
+pub(crate) mod read;
 
 use std::fs::File;
 
 use crate::error::{Error, Result};
 
 pub use load::{MAPS_PER_THREAD, MAX_READ};
+pub use mode::{ReadFallback, ReadMode};
+pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
+pub use read::DROP_BEHIND_EVERY;
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -186,7 +192,26 @@ impl<'a> ExpertSource<'a> {
     }
 }
 
-impl Tensor<'_> {
+impl<'a> Tensor<'a> {
+    /// The byte count (saturating; [`Tensor::checked_len`] checks it).
+    pub(crate) fn len(&self) -> usize {
+        match *self {
+            Tensor::Memory(bytes) => bytes.len(),
+            Tensor::File(pieces) => pieces
+                .iter()
+                .fold(0usize, |sum, p| sum.saturating_add(p.len)),
+        }
+    }
+
+    /// The files the tensor's pieces come from (repeats included).
+    pub(crate) fn files(&self) -> impl Iterator<Item = &'a File> + use<'a> {
+        let pieces: &'a [Piece<'a>] = match *self {
+            Tensor::Memory(_) => &[],
+            Tensor::File(pieces) => pieces,
+        };
+        pieces.iter().map(|p| p.file)
+    }
+
     /// The byte count, checking pieces against overflow and their files' lengths (each
     /// file's length read once per call).
     pub(crate) fn checked_len(&self, op: &'static str, what: &dyn Fn() -> String) -> Result<usize> {

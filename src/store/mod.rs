@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::source::load::{self, Job};
 pub use crate::source::{
-    ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ, Piece,
+    DROP_BEHIND_EVERY, ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ,
+    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
 use arena::Arena;
 use layer::Layer;
@@ -60,6 +61,13 @@ pub struct StoreOptions {
     /// slot; [`SlotAlign::HugePage`] lets `release` give back whole huge pages, at up to
     /// 2 MiB of padding per slot.
     pub slot_align: SlotAlign,
+    /// How [`PinStore::pack_layer`] reads file pieces (default [`ReadMode::Buffered`]);
+    /// [`LayerReport::read_mode`] says what ran. [`PinStore::ensure`] always reads
+    /// buffered.
+    pub read_mode: ReadMode,
+    /// Called with each layer's [`Progress`] while it loads (default none); see
+    /// [`ProgressHook`] for the rate and the guarantees.
+    pub progress: Option<ProgressHook>,
 }
 
 /// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
@@ -111,6 +119,8 @@ impl Default for StoreOptions {
             vma_budget: None,
             shared: false,
             slot_align: SlotAlign::Page,
+            read_mode: ReadMode::Buffered,
+            progress: None,
         }
     }
 }
@@ -204,8 +214,15 @@ pub struct LayerReport {
     pub regions: usize,
     /// `mbind` calls made for this layer.
     pub mbind_calls: usize,
-    /// `pread` calls made (after coalescing).
+    /// `pread` calls planned (after coalescing; a direct read may split one into aligned
+    /// windows).
     pub reads: usize,
+    /// How the files were read: [`StoreOptions::read_mode`], or [`ReadMode::Buffered`]
+    /// when a direct read fell back (then [`LayerReport::read_fallback`] says why).
+    pub read_mode: ReadMode,
+    /// Why [`ReadMode::Direct`] fell back to buffered reads (the first file that did),
+    /// if it did.
+    pub read_fallback: Option<ReadFallback>,
     /// The layer's policy (`None` for [`Layout::Unplaced`]).
     pub policy: Option<MemPolicy>,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
@@ -358,7 +375,8 @@ impl PinStore {
                 arena.populate()?;
             }
         }
-        let reads = self.fill(layer, &mut arenas, sources, &lengths)?;
+        let (reads, (read_mode, read_fallback)) =
+            self.fill(layer, &mut arenas, sources, &lengths)?;
 
         let regions = arenas.iter().flatten().count();
         let stride = |kind: Kind| arenas[kind.index()].as_ref().map_or(0, Arena::stride);
@@ -371,6 +389,8 @@ impl PinStore {
             regions,
             mbind_calls: if policy.is_some() { regions } else { 0 },
             reads,
+            read_mode,
+            read_fallback,
             policy,
             placement,
         };
@@ -421,20 +441,27 @@ impl PinStore {
 
     /// Step 4 (after populating): fills every slot with the loader threads, each helper
     /// thread spawned only if its mappings fit; marks the slots loaded. Returns the
-    /// `pread` count.
+    /// `pread` count and the read mode that ran.
     fn fill(
         &self,
         layer: usize,
         arenas: &mut [Option<Arena>; 2],
         sources: &[ExpertSource<'_>],
         lengths: &[[usize; 2]],
-    ) -> Result<usize> {
+    ) -> Result<(usize, (ReadMode, Option<ReadFallback>))> {
         let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
             Error::invalid(
                 PACK,
                 format!("layer {layer}: {} experts overflow usize", sources.len()),
             )
         })?;
+        let reader = load::Reader::new(
+            self.options.read_mode,
+            sources
+                .iter()
+                .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).files()))
+                .flatten(),
+        )?;
         let mut jobs = Vec::with_capacity(slots);
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
@@ -446,10 +473,37 @@ impl PinStore {
                 });
             }
         }
+        // Expert by expert, each expert's weights then scales: the order a checkpoint
+        // usually has them in, so that the loaders walk the file forwards.
+        jobs.sort_by_key(|job| (job.what.1, job.what.2));
+        // Direct reads give each loader thread a bounce buffer: one more heap mapping.
+        let bounce_maps = usize::from(reader.needs_scratch());
+        let scratch = if bounce_maps > 0 {
+            let _reservation = self.maps.reserve(
+                || format!("layer {layer} direct-I/O bounce buffer"),
+                bounce_maps,
+            )?;
+            reader.scratch()
+        } else {
+            reader.scratch()
+        };
+        let bytes: u64 = lengths.iter().flatten().map(|&n| n as u64).sum();
+        let meter = self
+            .options
+            .progress
+            .as_ref()
+            .map(|hook| load::Meter::new(hook, layer, bytes, jobs.len()));
         let threads = self.options.loader_threads;
-        let reads = load::fill(jobs, threads, |spawned| {
+        let loading = load::Loading {
+            reader: &reader,
+            scratch,
+            meter: meter.as_ref(),
+        };
+        let reads = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("loader thread {} of {threads}", spawned + 2);
-            self.maps.reserve(what, load::MAPS_PER_THREAD).ok()
+            self.maps
+                .reserve(what, load::MAPS_PER_THREAD + bounce_maps)
+                .ok()
         })?;
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
@@ -457,7 +511,7 @@ impl PinStore {
                 arena.mark_loaded(expert, l[kind.index()]);
             }
         }
-        Ok(reads)
+        Ok((reads, reader.outcome()))
     }
 
     /// Checks the request; returns each expert's `[weights, scales]` byte counts.

@@ -7,4 +7,5 @@
 #![warn(missing_docs)]
 
 pub mod baseline;
+pub mod cache;
 pub mod synthetic;

@@ -1,0 +1,148 @@
+//! How the loader reads file pieces: through the page cache (the default), around it
+//! (`O_DIRECT`), or through it and then evicting what it read (drop-behind); and why a
+//! direct read fell back to the page cache.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// How [`PinStore::pack_layer`](crate::store::PinStore::pack_layer) reads file pieces.
+///
+/// Reading a cold model through the page cache leaves a second full copy of it cached
+/// next to the placed one; where the model is most of RAM the kernel must evict that copy
+/// while loading. [`ReadMode::Direct`] and [`ReadMode::DropBehind`] keep it bounded.
+///
+/// `FromStr` and `Display` use the names `buffered`, `direct` and `drop-behind`.
+///
+/// # Example
+/// ```
+/// use numapin::store::ReadMode;
+/// let mode: ReadMode = "drop-behind".parse()?;
+/// assert_eq!(mode, ReadMode::DropBehind);
+/// assert_eq!(mode.to_string(), "drop-behind");
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+pub enum ReadMode {
+    /// `pread` through the page cache: fastest when the file is cached already, and the
+    /// file stays cached after the load.
+    #[default]
+    Buffered,
+    /// `pread` on a second descriptor opened with `O_DIRECT` (the caller's descriptor is
+    /// never changed): the page cache is not touched. Reads are aligned to the file's
+    /// `STATX_DIOALIGN`; pieces that are not aligned (most safetensors tensors) are read
+    /// in aligned windows into a per-thread bounce buffer and copied. Falls back to
+    /// [`ReadMode::Buffered`], with a [`ReadFallback`], where the file system reports no
+    /// direct-I/O alignment (tmpfs, ramfs), the `O_DIRECT` open answers `EINVAL`, or
+    /// `/proc/self/fd` is missing.
+    Direct,
+    /// `pread` through the page cache, then `POSIX_FADV_DONTNEED` on what was read so far
+    /// (rounded out to 2 MiB) after every [`DROP_BEHIND_EVERY`] bytes read from a file,
+    /// and on the whole file at the end of each layer: the cache holds at most about that
+    /// much of the file at a time. The advice evicts the file's clean pages whoever
+    /// cached them: a file that was cached before the load is not cached after it (use
+    /// [`ReadMode::Direct`] to leave the cache as it was).
+    ///
+    /// [`DROP_BEHIND_EVERY`]: crate::store::DROP_BEHIND_EVERY
+    DropBehind,
+}
+
+impl ReadMode {
+    /// Every mode.
+    pub const ALL: [ReadMode; 3] = [ReadMode::Buffered, ReadMode::Direct, ReadMode::DropBehind];
+
+    /// The mode's name (`"drop-behind"`), as `Display` and `FromStr` spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadMode::Buffered => "buffered",
+            ReadMode::Direct => "direct",
+            ReadMode::DropBehind => "drop-behind",
+        }
+    }
+}
+
+impl fmt::Display for ReadMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ReadMode {
+    type Err = Error;
+
+    /// `buffered`, `direct` or `drop-behind` (ASCII case ignored; `drop_behind` too).
+    fn from_str(s: &str) -> Result<ReadMode> {
+        let wanted = s.trim().to_ascii_lowercase().replace('_', "-");
+        ReadMode::ALL
+            .into_iter()
+            .find(|m| m.name() == wanted)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "ReadMode",
+                    format!("{s:?} is not a read mode: expected buffered, direct or drop-behind"),
+                )
+            })
+    }
+}
+
+/// Why a [`ReadMode::Direct`] load read a file through the page cache instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+#[non_exhaustive]
+pub enum ReadFallback {
+    /// `statx` reported no direct-I/O alignment for the file (`STATX_DIOALIGN` absent or
+    /// 0): tmpfs and ramfs report 0 (even where tmpfs accepts `O_DIRECT`), and kernels
+    /// before 6.1 do not know the field.
+    NoDirectIoAlignment,
+    /// Opening the file again with `O_DIRECT` answered `EINVAL`: the file system does not
+    /// support direct I/O.
+    DirectOpenRefused,
+    /// `/proc/self/fd/N` does not exist (no procfs here), so the file cannot be opened
+    /// again with `O_DIRECT` without changing the caller's descriptor.
+    NoProcFs,
+}
+
+impl fmt::Display for ReadFallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReadFallback::NoDirectIoAlignment => {
+                "the file system reports no direct-I/O alignment (statx STATX_DIOALIGN is 0 or \
+                 unknown: tmpfs, ramfs, or a kernel before 6.1)"
+            }
+            ReadFallback::DirectOpenRefused => {
+                "opening the file with O_DIRECT answered EINVAL (no direct I/O on this file system)"
+            }
+            ReadFallback::NoProcFs => {
+                "/proc/self/fd is unavailable, so the file cannot be reopened with O_DIRECT"
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_others_are_refused() {
+        for mode in ReadMode::ALL {
+            assert_eq!(mode.to_string().parse::<ReadMode>().unwrap(), mode);
+        }
+        assert_eq!(
+            "DROP_BEHIND".parse::<ReadMode>().unwrap(),
+            ReadMode::DropBehind
+        );
+        let e = "o_direct".parse::<ReadMode>().unwrap_err();
+        assert!(e.to_string().contains("\"o_direct\""), "{e}");
+        assert_eq!(ReadMode::default(), ReadMode::Buffered);
+    }
+}

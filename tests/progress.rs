@@ -1,0 +1,207 @@
+//! The progress hook: monotonic reports, exactly one final report at the total, a number
+//! of calls bounded by the byte count, and hooks that panic or sleep.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use numapin::store::{
+    ExpertSource, LayerSpec, Layout, PROGRESS_STEP, PinStore, Progress, ProgressHook, ReadMode,
+    StoreOptions,
+};
+use numapin_testkit::synthetic::SyntheticModel;
+
+const EXPERTS: usize = 40;
+const WEIGHTS: usize = (1 << 20) + 7;
+const SCALES: usize = 4099;
+
+fn data(layer: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    (0..EXPERTS)
+        .map(|e| {
+            let b = (layer * 31 + e) as u8;
+            (vec![b; WEIGHTS], vec![b ^ 0xff; SCALES])
+        })
+        .collect()
+}
+
+fn sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<ExpertSource<'_>> {
+    data.iter()
+        .map(|(w, s)| ExpertSource::Memory {
+            weights: w,
+            scales: s,
+        })
+        .collect()
+}
+
+fn spec() -> LayerSpec {
+    LayerSpec {
+        experts: EXPERTS,
+        weight_bytes: WEIGHTS,
+        scale_bytes: SCALES,
+    }
+}
+
+fn store(hook: ProgressHook, threads: usize) -> PinStore {
+    let options = StoreOptions {
+        progress: Some(hook),
+        loader_threads: threads,
+        ..StoreOptions::default()
+    };
+    PinStore::new(Layout::Unplaced, options).unwrap()
+}
+
+fn recorder() -> (ProgressHook, Arc<Mutex<Vec<Progress>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    (
+        ProgressHook::new(move |p| log.lock().unwrap().push(*p)),
+        seen,
+    )
+}
+
+/// Checks one layer's reports against the layer's report.
+fn check(reports: &[Progress], layer: usize, bytes: u64, slots: usize) {
+    assert!(!reports.is_empty(), "layer {layer}: no report");
+    assert!(reports[0].bytes_done >= PROGRESS_STEP || reports[0].is_done());
+    assert!(reports.iter().all(|p| p.layer == layer));
+    assert!(
+        reports
+            .iter()
+            .all(|p| (p.bytes_total, p.slots_total) == (bytes, slots))
+    );
+    // Intermediate reports are at least a step apart; the final one only later.
+    for pair in reports.windows(2) {
+        let step = if pair[1].is_done() { 1 } else { PROGRESS_STEP };
+        assert!(
+            pair[1].bytes_done >= pair[0].bytes_done + step
+                && pair[1].slots_done > pair[0].slots_done,
+            "layer {layer}: {:?} then {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let last = reports.last().unwrap();
+    assert!(last.is_done(), "layer {layer}: last report {last:?}");
+    assert_eq!(reports.iter().filter(|p| p.is_done()).count(), 1);
+    assert!(
+        reports
+            .iter()
+            .all(|p| p.bytes_done <= bytes && p.slots_done <= slots)
+    );
+    // At most one report per PROGRESS_STEP bytes, plus the final one.
+    let bound = (bytes / PROGRESS_STEP) as usize + 1;
+    assert!(
+        reports.len() <= bound,
+        "layer {layer}: {} reports for {bytes} bytes (at most {bound})",
+        reports.len()
+    );
+}
+
+#[test]
+fn reports_are_monotonic_bounded_and_end_at_the_total() {
+    for threads in [1, 4] {
+        let (hook, seen) = recorder();
+        let store = store(hook, threads);
+        for layer in 0..2 {
+            let data = data(layer);
+            let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
+            let reports = std::mem::take(&mut *seen.lock().unwrap());
+            check(&reports, layer, report.bytes, 2 * EXPERTS);
+            // 40 MiB: the step is crossed at least twice before the end.
+            assert!(reports.len() >= 3, "{threads} threads: {reports:?}");
+        }
+    }
+}
+
+#[test]
+fn file_loads_report_in_every_read_mode() {
+    let model = SyntheticModel {
+        layers: 1,
+        experts: 24,
+        weight_bytes: (1 << 20) + 333,
+        scale_bytes: 0,
+    };
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("progress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.bin");
+    model.write(&path).unwrap();
+    let file = File::open(&path).unwrap();
+    for mode in ReadMode::ALL {
+        let (hook, seen) = recorder();
+        let options = StoreOptions {
+            progress: Some(hook),
+            read_mode: mode,
+            loader_threads: 2,
+            ..StoreOptions::default()
+        };
+        let store = PinStore::new(Layout::Unplaced, options).unwrap();
+        let report = store
+            .pack_layer(0, &model.spec(), &model.sources(&file, 0))
+            .unwrap();
+        check(&seen.lock().unwrap(), 0, report.bytes, model.experts);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_panicking_hook_is_dropped_and_the_store_goes_on() {
+    for threads in [1, 3] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        let hook = ProgressHook::new(move |p| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            panic!("progress hook panics at {} bytes", p.bytes_done);
+        });
+        let store = store(hook.clone(), threads);
+        let data0 = data(0);
+        let report = store.pack_layer(0, &spec(), &sources(&data0)).unwrap();
+        assert_eq!(report.experts, EXPERTS);
+        assert!(hook.panicked());
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            1,
+            "called again after a panic"
+        );
+        // The store still packs and reads.
+        let data1 = data(1);
+        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            1,
+            "called again after a panic"
+        );
+        for (layer, data) in [(0, &data0), (1, &data1)] {
+            for (e, (w, s)) in data.iter().enumerate() {
+                assert_eq!(store.weights(layer, e).unwrap(), &w[..]);
+                assert_eq!(store.scales(layer, e).unwrap(), &s[..]);
+            }
+        }
+        let stats = store.stats().unwrap();
+        assert_eq!((stats.layers, stats.experts_loaded), (2, 2 * EXPERTS));
+    }
+}
+
+#[test]
+fn a_slow_hook_does_not_stop_the_load() {
+    let (hook, seen) = {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        (
+            ProgressHook::new(move |p: &Progress| {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                log.lock().unwrap().push(*p);
+            }),
+            seen,
+        )
+    };
+    let store = store(hook, 3);
+    let data = data(0);
+    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    check(&seen.lock().unwrap(), 0, report.bytes, 2 * EXPERTS);
+    for (e, (w, _)) in data.iter().enumerate() {
+        assert_eq!(store.weights(0, e).unwrap(), &w[..]);
+    }
+    assert_eq!(store.weights(0, 0).unwrap().len(), WEIGHTS);
+}
