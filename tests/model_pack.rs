@@ -117,7 +117,7 @@ fn read_piece(checkpoint: &Checkpoint, piece: &Piece) -> Vec<u8> {
 fn runs(pieces: &[Piece]) -> usize {
     let mut count = 0;
     let mut last: Option<&Piece> = None;
-    for p in pieces.iter().filter(|p| p.len() > 0) {
+    for p in pieces.iter().filter(|p| !p.is_empty()) {
         let continues =
             last.is_some_and(|l| l.file() == p.file() && l.offset() + l.len() == p.offset());
         if !continues {

@@ -192,7 +192,7 @@ impl Checkpoint {
         let specs = plan
             .layers()
             .iter()
-            .map(|l| Ok(LayerSpec::fitting(&self.sources(l)?)?))
+            .map(|l| LayerSpec::fitting(&self.sources(l)?))
             .collect::<Result<Vec<LayerSpec>>>()?;
         if let Some(first) = specs.first() {
             let mut widest = *first;

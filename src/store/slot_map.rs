@@ -90,7 +90,7 @@ pub(super) fn places(
 ) -> Result<Vec<SlotPiece>> {
     let overflow = || Error::invalid(OP, format!("{}: piece offsets overflow usize", what()));
     match source.tensor(kind) {
-        Tensor::Memory(bytes) if bytes.is_empty() => Ok(Vec::new()),
+        Tensor::Memory([]) => Ok(Vec::new()),
         Tensor::Memory(bytes) => Ok(vec![SlotPiece {
             offset: 0,
             len: bytes.len(),
