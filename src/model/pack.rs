@@ -382,7 +382,16 @@ impl Checkpoint {
                     format!("padding before piece {index} is not zero"),
                 )));
             }
-            let file = &self.files[piece.file()];
+            let file = self.files.get(piece.file()).ok_or_else(|| {
+                Error::invalid(
+                    "Checkpoint::verify",
+                    format!(
+                        "a piece names file {} of {}",
+                        piece.file(),
+                        self.files.len()
+                    ),
+                )
+            })?;
             let mut done = 0usize;
             while done < place.len {
                 let n = (place.len - done).min(buffer.len());
