@@ -30,6 +30,7 @@
 pub mod ggml;
 pub mod gguf;
 mod naming;
+mod pack;
 pub mod safetensors;
 
 use std::fs::File;
@@ -42,6 +43,7 @@ pub use gguf::{GgufArray, GgufValue};
 pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, LayerPlan, Naming, Piece, PieceRole, TensorRef,
 };
+pub use pack::{ModelReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
 
 use crate::error::{CheckpointFault, Error, Result};

@@ -2,6 +2,7 @@
 
 use super::LayerSpec;
 use super::arena::Arena;
+use super::slot_map::SlotMap;
 use crate::source::Kind;
 
 /// A packed (or attached) layer.
@@ -10,12 +11,32 @@ pub(crate) struct Layer {
     spec: LayerSpec,
     /// Indexed by [`Kind::index`]; `None` for a kind the layer has no bytes of.
     arenas: [Option<Arena>; Kind::ALL.len()],
+    /// Where each piece of each slot lies (`None` for an attached layer).
+    slot_map: Option<SlotMap>,
 }
 
 impl Layer {
     /// A layer from its arenas; the weights arena is required.
     pub(crate) fn new(spec: LayerSpec, arenas: [Option<Arena>; Kind::ALL.len()]) -> Layer {
-        Layer { spec, arenas }
+        Layer {
+            spec,
+            arenas,
+            slot_map: None,
+        }
+    }
+
+    /// The layer with its pieces' layout.
+    pub(crate) fn with_slot_map(mut self, map: SlotMap) -> Layer {
+        self.slot_map = Some(map);
+        self
+    }
+
+    pub(crate) fn slot_map(&self) -> Option<&SlotMap> {
+        self.slot_map.as_ref()
+    }
+
+    pub(crate) fn slot_map_mut(&mut self) -> Option<&mut SlotMap> {
+        self.slot_map.as_mut()
     }
 
     pub(crate) fn spec(&self) -> &LayerSpec {

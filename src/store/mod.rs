@@ -7,6 +7,7 @@ mod budget;
 mod layer;
 mod manifest;
 mod shared;
+mod slot_map;
 mod stats;
 mod table;
 
@@ -14,7 +15,7 @@ use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::source::load::{self, Job};
+use crate::source::load;
 pub use crate::source::{
     DROP_BEHIND_EVERY, ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ,
     PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
@@ -23,6 +24,7 @@ use arena::Arena;
 use layer::Layer;
 pub use manifest::{Manifest, ManifestRegion};
 pub use shared::Export;
+pub use slot_map::{SlotMap, SlotPiece};
 pub use stats::{PAGE_SAMPLE, StoreStats};
 
 use crate::error::{Error, Result};
@@ -68,6 +70,10 @@ pub struct StoreOptions {
     /// Called with each layer's [`Progress`] while it loads (default none); see
     /// [`ProgressHook`] for the rate and the guarantees.
     pub progress: Option<ProgressHook>,
+    /// Where pieces of a file source start inside a slot: at multiples of this power of
+    /// two (default 1: back to back). A slot grows by the padding; the padding bytes are
+    /// zero. [`PinStore::slot_map`] tells where each piece went.
+    pub piece_align: usize,
 }
 
 /// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
@@ -121,6 +127,7 @@ impl Default for StoreOptions {
             slot_align: SlotAlign::Page,
             read_mode: ReadMode::Buffered,
             progress: None,
+            piece_align: 1,
         }
     }
 }
@@ -302,7 +309,8 @@ impl PinStore {
     /// A store with no layers yet.
     ///
     /// # Errors
-    /// A layout with an empty node set, or zero loader threads.
+    /// A layout with an empty node set, zero loader threads, a bad slot alignment, or a
+    /// piece alignment that is not a power of two.
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
         if let Layout::Interleave(set) | Layout::LayerPerNode(set) = layout
             && set.is_empty()
@@ -316,6 +324,7 @@ impl PinStore {
             return Err(Error::invalid("PinStore::new", "loader_threads is 0"));
         }
         options.slot_align.bytes()?;
+        slot_map::check_piece_align(options.piece_align)?;
         Ok(PinStore {
             layout,
             state: State::Open,
@@ -347,7 +356,9 @@ impl PinStore {
     /// Reserves layer `layer`'s regions (weights and, if `scale_bytes > 0`, scales) at a
     /// fixed stride, binds each once before anything touches it, populates them, and
     /// fills every slot from `sources` with the loader threads. The layer becomes
-    /// readable only once every slot is loaded.
+    /// readable only once every slot is loaded. Each slot holds its source's pieces in
+    /// order, at multiples of [`StoreOptions::piece_align`] (the slots grow by the
+    /// padding); [`PinStore::slot_map`] records where.
     ///
     /// # Errors
     /// The layer is packed (or being packed) already, its index is too large, the expert
@@ -363,6 +374,8 @@ impl PinStore {
     ) -> Result<LayerReport> {
         self.check_open(PACK)?;
         let lengths = self.validate(layer, spec, sources)?;
+        let map = SlotMap::build(layer, sources, self.options.piece_align)?;
+        let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
         let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
@@ -376,7 +389,7 @@ impl PinStore {
             }
         }
         let (reads, (read_mode, read_fallback)) =
-            self.fill(layer, &mut arenas, sources, &lengths)?;
+            self.fill(layer, &mut arenas, sources, &lengths, &map)?;
 
         let regions = arenas.iter().flatten().count();
         let stride = |kind: Kind| arenas[kind.index()].as_ref().map_or(0, Arena::stride);
@@ -395,7 +408,10 @@ impl PinStore {
             placement,
         };
         self.layers
-            .set(layer, Box::new(Layer::new(*spec, arenas)))
+            .set(
+                layer,
+                Box::new(Layer::new(*spec, arenas).with_slot_map(map)),
+            )
             .map_err(|_| Error::AlreadyPacked {
                 op: PACK,
                 layer,
@@ -448,6 +464,7 @@ impl PinStore {
         arenas: &mut [Option<Arena>; 2],
         sources: &[ExpertSource<'_>],
         lengths: &[[usize; 2]],
+        map: &SlotMap,
     ) -> Result<(usize, (ReadMode, Option<ReadFallback>))> {
         let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
             Error::invalid(
@@ -466,11 +483,9 @@ impl PinStore {
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
             for (expert, (dest, source)) in arena.slots_mut()?.zip(sources).enumerate() {
-                jobs.push(Job {
-                    dest,
-                    tensor: source.tensor(kind),
-                    what: (layer, expert, kind),
-                });
+                let places = map.pieces(expert, kind).unwrap_or_default();
+                let what = (layer, expert, kind);
+                jobs.extend(slot_map::jobs(places, dest, source.tensor(kind), what)?);
             }
         }
         // Expert by expert, each expert's weights then scales: the order a checkpoint
@@ -507,8 +522,9 @@ impl PinStore {
         })?;
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
-            for (expert, l) in lengths.iter().enumerate() {
-                arena.mark_loaded(expert, l[kind.index()]);
+            for expert in 0..sources.len() {
+                let places = map.pieces(expert, kind).unwrap_or_default();
+                arena.mark_loaded(expert, slot_map::extent(places));
             }
         }
         Ok((reads, reader.outcome()))
@@ -705,31 +721,51 @@ impl PinStore {
     }
 
     /// Loads whatever of `expert` is released (weights, scales, or both) from `source`
-    /// into its own slot, under the policy the region kept. Loaded tensors are left as
-    /// they are.
+    /// into its own slot, under the policy the region kept, its pieces laid out as in
+    /// [`PinStore::pack_layer`] (the slot map follows). Loaded tensors are left as they
+    /// are.
     ///
     /// # Errors
     /// As [`PinStore::release_kind`] (including [`Error::Frozen`]), a source larger than
-    /// the slot, or a read fails (the
-    /// slot then stays released).
+    /// the slot (padding included), or a read fails (the slot then stays released).
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
         self.check_open("PinStore::ensure")?;
         let spec = *self.layer(layer)?.spec();
-        let lengths = check_fits(layer, expert, &spec, source)?;
+        check_fits(layer, expert, &spec, source)?;
         for kind in Kind::ALL {
+            let what = || describe(layer, expert, kind);
+            let places = slot_map::places(&what, source, kind, self.options.piece_align)?;
+            let len = slot_map::extent(&places);
+            if len > spec.bytes(kind) {
+                return Err(Error::invalid(
+                    "PinStore::ensure",
+                    format!(
+                        "{}: the pieces take {len} bytes with their padding but the slot holds {}",
+                        what(),
+                        spec.bytes(kind)
+                    ),
+                ));
+            }
             let Some(arena) = self.arena_mut(layer, expert, kind)? else {
                 continue;
             };
             if arena.loaded(expert).is_some() {
                 continue;
             }
-            let len = lengths[kind.index()];
-            load::fill_slot(Job {
-                dest: arena.slot_mut(expert)?,
-                tensor: source.tensor(kind),
-                what: (layer, expert, kind),
-            })?;
+            let tensor = source.tensor(kind);
+            let jobs = slot_map::jobs(
+                &places,
+                arena.slot_mut(expert)?,
+                tensor,
+                (layer, expert, kind),
+            )?;
+            for job in jobs {
+                load::fill_slot(job)?;
+            }
             arena.mark_loaded(expert, len);
+            if let Some(map) = self.layers.get_mut(layer).and_then(|l| l.slot_map_mut()) {
+                map.set(expert, kind, places);
+            }
         }
         Ok(())
     }

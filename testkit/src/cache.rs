@@ -8,7 +8,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
-use numapin::{Error, Region, Result, diag};
+use numapin::{Error, Region, Result};
 
 /// Writes back and evicts `file` from the page cache: `fdatasync`, then
 /// `POSIX_FADV_DONTNEED` on the whole file.
@@ -54,7 +54,7 @@ pub fn cached_pages(file: &File) -> Result<(usize, usize)> {
     // SAFETY: nothing reads the mapping (mincore looks at the page cache only), so a
     // concurrent write or truncation cannot be observed through a borrow of it.
     let mapping = unsafe { Region::map_file(file, 0, len) }?;
-    let resident = diag::resident_pages(mapping.as_ptr() as usize, len)?;
+    let resident = numapin::resident_pages(mapping.as_ptr() as usize, len)?;
     Ok((resident, len.div_ceil(numapin::page_size())))
 }
 

@@ -114,6 +114,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let tests = binaries::build(false)?;
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let logs = crate::target_dir()?.join("xtask/container");
+    // The fixtures live under the target directory, which the sandbox sees as the host
+    // does (only /proc is remounted there).
+    let fixtures = crate::fixtures::existing();
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
 
     let mut outcomes = Vec::new();
@@ -140,7 +143,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
             let err = file.try_clone().map_err(|e| e.to_string())?;
             let start = Instant::now();
-            let status = Command::new(&exe)
+            let mut command = Command::new(&exe);
+            if let Some(dir) = &fixtures {
+                command.env("NUMAPIN_FIXTURES", dir);
+            }
+            let status = command
                 .args([SANDBOX, env.name])
                 .arg(&test.path)
                 .env("NUMAPIN_EXPECT", env.expect)

@@ -3,7 +3,9 @@
 //! A venv under the target directory (`target/fixtures-venv`) gets `safetensors`, `numpy`
 //! and `gguf` (llama.cpp's gguf-py) from PyPI, then `xtask/fixtures/make_fixtures.py`
 //! writes the models and their expected slot bytes into `target/fixtures`. Tests find
-//! them through `NUMAPIN_FIXTURES`. No Python, no venv module or no registry is a failure.
+//! them through `NUMAPIN_FIXTURES`: the host stage sets it, the container stage passes it
+//! into the sandbox, the VM stage copies the directory into its initramfs. No Python, no
+//! venv module or no registry is a failure.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,6 +24,23 @@ fn target_dir() -> PathBuf {
 /// The fixture directory `run` writes (what `NUMAPIN_FIXTURES` should name).
 pub fn dir() -> PathBuf {
     target_dir().join("fixtures")
+}
+
+/// The fixtures the test stages hand on: `NUMAPIN_FIXTURES` when set, else [`dir`] when
+/// `run_fixtures` has written it; `None` (the fixture tests print NOT RUN) otherwise.
+pub fn existing() -> Option<PathBuf> {
+    let dir = std::env::var_os("NUMAPIN_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(dir);
+    if dir.join("ggml_quant_sizes.json").is_file() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "xtask: no fixtures in {}: the checkpoint fixture tests print NOT RUN              (`cargo xtask fixtures` writes them; `cargo xtask test` always does)",
+            dir.display()
+        );
+        None
+    }
 }
 
 /// Creates the venv if needed, installs the writers, and writes the fixtures.

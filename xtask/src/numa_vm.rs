@@ -5,7 +5,8 @@
 //! error names the packages to install as root); the kernel of Debian's
 //! linux-image-cloud-amd64, fetched with `apt-get download` and unpacked into
 //! `<target dir>/numa-vm/` by any user (no root needed once apt's lists exist). The initramfs (busybox, the release test binaries, the main-job
-//! example and the shared libraries `ldd` names) is written by `cpio.rs`; `/init` runs
+//! example, the shared libraries `ldd` names, and the checkpoint fixtures at `/fixtures`
+//! with `NUMAPIN_FIXTURES` pointing there) is written by `cpio.rs`; `/init` runs
 //! each case between markers on the serial console, which this module reads with a
 //! deadline.
 
@@ -31,6 +32,10 @@ const VM_HUGE_PAGES: usize = 32;
 const LOW_MAP_LIMIT: usize = 4096;
 /// The main job's model in the VM: small enough for 1.5 GiB of RAM and tmpfs.
 const PIN_MODEL_ARGS: &str = "--json --layers 6 --experts 24";
+/// Where the checkpoint fixtures (`target/fixtures`, ~2 MB) go in the initramfs.
+const VM_FIXTURES: &str = "/fixtures";
+/// Mutated headers per format in the VM: TCG runs the parsers ~10× slower than the host.
+const VM_FUZZ_CASES: usize = 10_000;
 
 struct Tools {
     qemu: PathBuf,
@@ -55,7 +60,8 @@ pub fn run() -> Result<(), String> {
     let tests = binaries::build(true)?;
     let pin_model = binaries::build_example("pin_model")?;
     let initramfs = cache.join("initramfs.cpio");
-    build_initramfs(&tools, &tests, &pin_model, &initramfs)?;
+    let fixtures = crate::fixtures::existing();
+    build_initramfs(&tools, &tests, &pin_model, fixtures.as_deref(), &initramfs)?;
 
     let timeout = std::env::var("NUMAPIN_VM_TIMEOUT")
         .ok()
@@ -308,7 +314,7 @@ fn all_cases(tests: &[TestBinary]) -> Vec<Case> {
     cases
 }
 
-fn init_script(cases: &[Case]) -> String {
+fn init_script(cases: &[Case], fixtures: bool) -> String {
     let mut s = String::from(
         "#!/bin/busybox sh\n\
          /bin/busybox --install -s /bin\n\
@@ -325,6 +331,10 @@ fn init_script(cases: &[Case]) -> String {
     s += &format!("echo {VM_HUGE_PAGES} > /proc/sys/vm/nr_hugepages\n");
     s += &format!("export NUMAPIN_HUGEPAGES={VM_HUGE_PAGES}\n");
     s += "export NUMAPIN_EXPECT=full NUMAPIN_TEST_NODES=4 RUST_BACKTRACE=1 TMPDIR=/tmp\n";
+    s += &format!("export NUMAPIN_FUZZ_CASES={VM_FUZZ_CASES}\n");
+    if fixtures {
+        s += &format!("export NUMAPIN_FIXTURES={VM_FIXTURES}\n");
+    }
     for case in cases {
         s += &format!(
             "echo \"{BEGIN}{name}@@\"\n{command} 2>&1\necho \"{END}{name} $?@@\"\n",
@@ -340,6 +350,7 @@ fn build_initramfs(
     tools: &Tools,
     tests: &[TestBinary],
     pin_model: &Path,
+    fixtures: Option<&Path>,
     out: &Path,
 ) -> Result<(), String> {
     let read = |p: &Path| std::fs::read(p).map_err(|e| format!("read {}: {e}", p.display()));
@@ -350,7 +361,18 @@ fn build_initramfs(
         archive.dir(dir);
     }
     archive.file("/bin/busybox", &read(&tools.busybox)?, true);
-    archive.file("/init", init_script(&cases(tests)).as_bytes(), true);
+    archive.file(
+        "/init",
+        init_script(&cases(tests), fixtures.is_some()).as_bytes(),
+        true,
+    );
+    if let Some(dir) = fixtures {
+        let bytes = add_tree(&mut archive, dir, VM_FIXTURES)?;
+        eprintln!(
+            "xtask: fixtures from {} ({bytes} bytes) at {VM_FIXTURES} in the VM",
+            dir.display()
+        );
+    }
     let mut libraries = std::collections::BTreeSet::new();
     for test in tests {
         archive.file(&format!("/t/{}", file_name(test)), &read(&test.path)?, true);
@@ -365,6 +387,33 @@ fn build_initramfs(
     archive
         .finish(std::io::BufWriter::new(file))
         .map_err(|e| format!("write {}: {e}", out.display()))
+}
+
+/// Adds every file below `dir` to the archive under `at`, in name order; returns their
+/// bytes.
+fn add_tree(archive: &mut Archive, dir: &Path, at: &str) -> Result<u64, String> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("read_dir {}: {e}", dir.display()))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("read_dir {}: {e}", dir.display()))?;
+    paths.sort();
+    let mut bytes = 0;
+    for path in paths {
+        let name = path
+            .file_name()
+            .ok_or_else(|| format!("{} has no file name", path.display()))?
+            .to_string_lossy();
+        let inside = format!("{at}/{name}");
+        if path.is_dir() {
+            bytes += add_tree(archive, &path, &inside)?;
+        } else {
+            let data = std::fs::read(&path).map_err(|e| format!("read {}: {e}", path.display()))?;
+            bytes += data.len() as u64;
+            archive.file(&inside, &data, false);
+        }
+    }
+    Ok(bytes)
 }
 
 /// Boots the VM and returns its console, or fails on a timeout with the console tail.

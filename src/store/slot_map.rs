@@ -1,0 +1,424 @@
+//! Where each piece of a slot starts: the table [`PinStore::slot_map`] answers from.
+//!
+//! A file source names its pieces in slot order (an engine's gate, up, down); the store
+//! knows them only as lengths. At pack time it lays them out back to back, or each at a
+//! multiple of [`StoreOptions::piece_align`](super::StoreOptions::piece_align) (the slot
+//! grows by the padding), records the layout per layer, and loads each run of pieces
+//! that touch inside the slot as one job, so that back-to-back pieces of one file are
+//! still read with one `pread`. Nothing here knows what a piece is for.
+
+use std::collections::HashMap;
+
+use super::{LayerSpec, PinStore};
+use crate::error::{Error, Result};
+use crate::source::load::Job;
+use crate::source::{ExpertSource, Kind, Tensor};
+
+/// Where one piece lies inside a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SlotPiece {
+    /// Its first byte, from the start of the slot.
+    pub offset: usize,
+    /// Its bytes.
+    pub len: usize,
+}
+
+impl SlotPiece {
+    /// The offset just past it.
+    pub fn end(&self) -> usize {
+        self.offset + self.len
+    }
+}
+
+/// One expert's pieces: `[weights, scales]`, each in slot order.
+type Places = [Box<[SlotPiece]>; Kind::ALL.len()];
+
+/// The pieces of every slot of a layer, as packed: for each expert and tensor kind, where
+/// each piece of its source starts in the slot and how long it is.
+///
+/// A source in memory is one piece (none when empty); a file source has one piece per
+/// [`Piece`](super::Piece), in its order. Experts that share a layout (every expert of a
+/// model layer does) share one entry.
+///
+/// # Example
+/// ```
+/// use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, SlotPiece, StoreOptions};
+///
+/// let options = StoreOptions { piece_align: 64, ..StoreOptions::default() };
+/// let store = PinStore::new(Layout::Unplaced, options)?;
+/// let file = std::fs::File::open("/proc/self/exe").unwrap();
+/// // Gate, up and down: 100, 100 and 50 bytes of the file.
+/// let source = ExpertSource::from_file(&file, &[(0, 100), (100, 100), (4096, 50)], &[]);
+/// store.pack_layer(0, &LayerSpec::fitting(std::slice::from_ref(&source))?, &[source])?;
+/// let map = store.slot_map(0)?;
+/// let at = |offset, len| SlotPiece { offset, len };
+/// assert_eq!(map.uniform(Kind::Weights), Some(&[at(0, 100), at(128, 100), at(256, 50)][..]));
+/// assert_eq!(store.weights(0, 0)?.len(), 306); // padding between pieces included
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotMap {
+    piece_align: usize,
+    /// Distinct layouts.
+    places: Vec<Places>,
+    /// Expert → index in `places`.
+    of_expert: Vec<usize>,
+}
+
+const OP: &str = "PinStore::pack_layer";
+
+/// Checks [`StoreOptions::piece_align`](super::StoreOptions::piece_align).
+pub(super) fn check_piece_align(align: usize) -> Result<()> {
+    if align.is_power_of_two() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "PinStore::new",
+            format!("piece_align {align} is not a power of two (1: pieces back to back)"),
+        ))
+    }
+}
+
+/// The layout of one tensor of `source`: its pieces in order, each at the next multiple
+/// of `align`.
+pub(super) fn places(
+    what: &dyn Fn() -> String,
+    source: &ExpertSource<'_>,
+    kind: Kind,
+    align: usize,
+) -> Result<Vec<SlotPiece>> {
+    let overflow = || Error::invalid(OP, format!("{}: piece offsets overflow usize", what()));
+    match source.tensor(kind) {
+        Tensor::Memory([]) => Ok(Vec::new()),
+        Tensor::Memory(bytes) => Ok(vec![SlotPiece {
+            offset: 0,
+            len: bytes.len(),
+        }]),
+        Tensor::File(pieces) => {
+            let mut end = 0usize;
+            let mut out = Vec::with_capacity(pieces.len());
+            for piece in pieces {
+                let offset = end.checked_next_multiple_of(align).ok_or_else(overflow)?;
+                end = offset.checked_add(piece.len).ok_or_else(overflow)?;
+                out.push(SlotPiece {
+                    offset,
+                    len: piece.len,
+                });
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The bytes a slot holds with these pieces: up to the end of the last one.
+pub(super) fn extent(places: &[SlotPiece]) -> usize {
+    places.last().map_or(0, SlotPiece::end)
+}
+
+/// The jobs that fill `dest` (one slot) with `tensor` laid out as `places`: one job per
+/// run of pieces that touch inside the slot (with `piece_align` 1, one job per slot, so
+/// adjacent pieces of one file still coalesce into one read).
+pub(super) fn jobs<'a>(
+    places: &[SlotPiece],
+    dest: &'a mut [u8],
+    tensor: Tensor<'a>,
+    what: (usize, usize, Kind),
+) -> Result<Vec<Job<'a>>> {
+    let pieces = match tensor {
+        Tensor::Memory(_) => return Ok(vec![Job { dest, tensor, what }]),
+        Tensor::File(pieces) => pieces,
+    };
+    let (layer, expert, kind) = what;
+    let room = dest.len();
+    let mismatch = || {
+        Error::invalid(
+            OP,
+            format!(
+                "layer {layer} expert {expert} {}: {} pieces laid out as {places:?} do not fit a \
+                 slot of {} bytes",
+                kind.name(),
+                pieces.len(),
+                room
+            ),
+        )
+    };
+    if places.len() != pieces.len() {
+        return Err(mismatch());
+    }
+    let mut jobs = Vec::new();
+    let mut rest = dest;
+    let mut consumed = 0;
+    let mut first = 0;
+    while first < pieces.len() {
+        let mut last = first;
+        while last + 1 < pieces.len() && places[last + 1].offset == places[last].end() {
+            last += 1;
+        }
+        let (start, end) = (places[first].offset, places[last].end());
+        let (_, tail) = rest
+            .split_at_mut_checked(start - consumed)
+            .ok_or_else(mismatch)?;
+        let (window, tail) = tail
+            .split_at_mut_checked(end - start)
+            .ok_or_else(mismatch)?;
+        jobs.push(Job {
+            dest: window,
+            tensor: Tensor::File(&pieces[first..=last]),
+            what,
+        });
+        rest = tail;
+        consumed = end;
+        first = last + 1;
+    }
+    Ok(jobs)
+}
+
+impl SlotMap {
+    /// The layout of every source of a layer.
+    pub(super) fn build(
+        layer: usize,
+        sources: &[ExpertSource<'_>],
+        align: usize,
+    ) -> Result<SlotMap> {
+        let mut index: HashMap<Places, usize> = HashMap::new();
+        let mut map = SlotMap {
+            piece_align: align,
+            places: Vec::new(),
+            of_expert: Vec::with_capacity(sources.len()),
+        };
+        for (expert, source) in sources.iter().enumerate() {
+            let mut places: Places = Default::default();
+            for kind in Kind::ALL {
+                let what = || format!("layer {layer} expert {expert} {}", kind.name());
+                places[kind.index()] = self::places(&what, source, kind, align)?.into();
+            }
+            let next = map.places.len();
+            let at = *index.entry(places.clone()).or_insert(next);
+            if at == next {
+                map.places.push(places);
+            }
+            map.of_expert.push(at);
+        }
+        Ok(map)
+    }
+
+    /// `spec` with each slot grown to hold its largest layout (padding included).
+    pub(super) fn grown(&self, spec: &LayerSpec) -> LayerSpec {
+        let mut grown = *spec;
+        for kind in Kind::ALL {
+            let most = self
+                .places
+                .iter()
+                .map(|p| extent(&p[kind.index()]))
+                .max()
+                .unwrap_or(0);
+            let bytes = grown.bytes_mut(kind);
+            *bytes = (*bytes).max(most);
+        }
+        grown
+    }
+
+    /// Replaces one tensor's layout of `expert` (after [`PinStore::ensure`] loaded it from
+    /// a source with other pieces).
+    pub(super) fn set(&mut self, expert: usize, kind: Kind, places: Vec<SlotPiece>) {
+        let Some(&at) = self.of_expert.get(expert) else {
+            return;
+        };
+        if *self.places[at][kind.index()] == *places {
+            return;
+        }
+        let mut new = self.places[at].clone();
+        new[kind.index()] = places.into();
+        let at = match self.places.iter().position(|p| *p == new) {
+            Some(at) => at,
+            None => {
+                self.places.push(new);
+                self.places.len() - 1
+            }
+        };
+        self.of_expert[expert] = at;
+    }
+
+    /// The piece alignment the layer was packed with (1: back to back).
+    pub fn piece_align(&self) -> usize {
+        self.piece_align
+    }
+
+    /// Experts in the layer.
+    pub fn experts(&self) -> usize {
+        self.of_expert.len()
+    }
+
+    /// The pieces of `expert`'s tensor `kind`, in slot order (empty for a kind the layer
+    /// has no bytes of); `None` when the expert is out of range.
+    pub fn pieces(&self, expert: usize, kind: Kind) -> Option<&[SlotPiece]> {
+        let at = *self.of_expert.get(expert)?;
+        Some(&self.places[at][kind.index()])
+    }
+
+    /// The pieces of tensor `kind` when every expert of the layer has the same layout
+    /// (always for a layer packed from a checkpoint); `None` otherwise.
+    pub fn uniform(&self, kind: Kind) -> Option<&[SlotPiece]> {
+        let first = self.places.first()?;
+        self.places
+            .iter()
+            .all(|p| p[kind.index()] == first[kind.index()])
+            .then_some(&first[kind.index()][..])
+    }
+}
+
+impl PinStore {
+    /// Where each piece starts inside the slots of `layer`, as it was packed (see
+    /// [`SlotMap`]).
+    ///
+    /// # Errors
+    /// [`Error::NotPacked`] when the layer is not packed; an invalid-argument error for a
+    /// layer attached from an export (the manifest carries no piece layout).
+    pub fn slot_map(&self, layer: usize) -> Result<&SlotMap> {
+        self.layer(layer)?.slot_map().ok_or_else(|| {
+            Error::invalid(
+                "PinStore::slot_map",
+                format!("layer {layer} was attached from an export, which carries no piece layout"),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Piece;
+    use std::fs::File;
+
+    fn file() -> File {
+        File::open("/proc/self/exe").unwrap()
+    }
+
+    fn offsets(places: &[SlotPiece]) -> Vec<(usize, usize)> {
+        places.iter().map(|p| (p.offset, p.len)).collect()
+    }
+
+    #[test]
+    fn pieces_go_back_to_back_or_at_multiples_of_the_alignment() {
+        let f = file();
+        let source = ExpertSource::from_file(&f, &[(0, 100), (100, 28), (500, 1)], &[(9, 3)]);
+        let what = || "test".to_string();
+        let back = places(&what, &source, Kind::Weights, 1).unwrap();
+        assert_eq!(offsets(&back), [(0, 100), (100, 28), (128, 1)]);
+        let aligned = places(&what, &source, Kind::Weights, 64).unwrap();
+        assert_eq!(offsets(&aligned), [(0, 100), (128, 28), (192, 1)]);
+        assert_eq!(extent(&aligned), 193);
+        let scales = places(&what, &source, Kind::Scales, 64).unwrap();
+        assert_eq!(offsets(&scales), [(0, 3)]);
+        let empty = ExpertSource::Memory {
+            weights: &[1, 2],
+            scales: &[],
+        };
+        assert_eq!(
+            offsets(&places(&what, &empty, Kind::Weights, 4096).unwrap()),
+            [(0, 2)]
+        );
+        assert!(
+            places(&what, &empty, Kind::Scales, 4096)
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn offsets_that_overflow_are_an_error() {
+        let f = file();
+        let source = ExpertSource::File {
+            weights: vec![Piece::new(&f, 0, usize::MAX - 10), Piece::new(&f, 0, 1)],
+            scales: vec![],
+        };
+        let what = || "layer 7".to_string();
+        let err = places(&what, &source, Kind::Weights, 64).unwrap_err();
+        assert!(err.to_string().contains("layer 7"), "{err}");
+    }
+
+    #[test]
+    fn touching_pieces_are_one_job_and_padding_splits_jobs() {
+        let f = file();
+        let pieces = [
+            Piece::new(&f, 0, 10),
+            Piece::new(&f, 10, 6),
+            Piece::new(&f, 100, 4),
+        ];
+        let tensor = Tensor::File(&pieces);
+        let mut slot = vec![0u8; 64];
+        let what = (1, 2, Kind::Weights);
+        let back = [
+            SlotPiece { offset: 0, len: 10 },
+            SlotPiece { offset: 10, len: 6 },
+            SlotPiece { offset: 16, len: 4 },
+        ];
+        let jobs = jobs(&back, &mut slot, tensor, what).unwrap();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].dest.len(), 20);
+        drop(jobs);
+        let padded = [
+            SlotPiece { offset: 0, len: 10 },
+            SlotPiece { offset: 16, len: 6 },
+            SlotPiece { offset: 22, len: 4 },
+        ];
+        let split = super::jobs(&padded, &mut slot, tensor, what).unwrap();
+        let shape: Vec<(usize, usize)> = split
+            .iter()
+            .map(|j| {
+                let Tensor::File(p) = j.tensor else {
+                    unreachable!()
+                };
+                (j.dest.len(), p.len())
+            })
+            .collect();
+        assert_eq!(shape, [(10, 1), (10, 2)]);
+        drop(split);
+        let too_far = [
+            SlotPiece { offset: 0, len: 10 },
+            SlotPiece { offset: 60, len: 6 },
+            SlotPiece { offset: 66, len: 4 },
+        ];
+        assert!(super::jobs(&too_far, &mut slot, tensor, what).is_err());
+        assert!(super::jobs(&back[..2], &mut slot, tensor, what).is_err());
+    }
+
+    #[test]
+    fn experts_with_one_layout_share_it_and_set_changes_one() {
+        let f = file();
+        let sources: Vec<ExpertSource> = (0..3)
+            .map(|e| ExpertSource::from_file(&f, &[(e * 100, 50), (e * 100 + 50, 50)], &[]))
+            .collect();
+        let mut map = SlotMap::build(0, &sources, 1).unwrap();
+        assert_eq!(map.places.len(), 1);
+        assert_eq!(map.experts(), 3);
+        assert_eq!(
+            offsets(map.uniform(Kind::Weights).unwrap()),
+            [(0, 50), (50, 50)]
+        );
+        let spec = LayerSpec {
+            experts: 3,
+            weight_bytes: 100,
+            scale_bytes: 0,
+        };
+        assert_eq!(map.grown(&spec), spec);
+        map.set(
+            1,
+            Kind::Weights,
+            vec![SlotPiece {
+                offset: 0,
+                len: 100,
+            }],
+        );
+        assert_eq!(map.uniform(Kind::Weights), None);
+        assert_eq!(offsets(map.pieces(1, Kind::Weights).unwrap()), [(0, 100)]);
+        assert_eq!(
+            offsets(map.pieces(2, Kind::Weights).unwrap()),
+            [(0, 50), (50, 50)]
+        );
+        assert_eq!(map.pieces(3, Kind::Weights), None);
+        let aligned = SlotMap::build(0, &sources, 4096).unwrap();
+        assert_eq!(aligned.grown(&spec).weight_bytes, 4096 + 50);
+    }
+}

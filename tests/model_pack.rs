@@ -1,0 +1,584 @@
+//! `Checkpoint::pack` into a `PinStore`: every fixture written by the official writers
+//! (`NUMAPIN_FIXTURES`, made by `cargo xtask fixtures`) packed with `Layout::Interleave`
+//! over the allowed nodes, every slot compared with the bytes numpy wrote, the slot map
+//! against the pieces, reads counted, dense layers absent, `piece_align`, `verify`.
+#![cfg(feature = "model")]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, Piece, TensorRef};
+use numapin::store::{ExpertSource, Kind, Layout, PinStore, StoreOptions};
+use numapin::{CheckpointFault, Error, Placement};
+
+const FIXTURES: [&str; 6] = [
+    "st-sharded",
+    "st-single",
+    "st-mixtral",
+    "st-fused",
+    "gguf-single",
+    "gguf-split",
+];
+
+fn fixtures(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("NUMAPIN_FIXTURES") {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "NOT RUN: {test}: set NUMAPIN_FIXTURES (cargo xtask test generates them; \
+                 or `cargo xtask fixtures` then NUMAPIN_FIXTURES=target/fixtures)"
+            );
+            None
+        }
+    }
+}
+
+fn store(piece_align: usize) -> PinStore {
+    let options = StoreOptions {
+        piece_align,
+        ..StoreOptions::default()
+    };
+    PinStore::new(Layout::Interleave(common::nodes()), options).unwrap()
+}
+
+fn expected_placement() -> Option<Placement> {
+    Some(common::degrade_here().map_or(Placement::Bound, Placement::Degraded))
+}
+
+struct Fixture {
+    root: PathBuf,
+    json: serde_json::Value,
+    checkpoint: Checkpoint,
+}
+
+impl Fixture {
+    fn open(dir: &Path, name: &str) -> Fixture {
+        let root = dir.join(name);
+        let json: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(root.join("fixture.json")).expect("fixture.json"),
+        )
+        .expect("fixture.json parses");
+        let checkpoint = Checkpoint::open(root.join(json["path"].as_str().unwrap())).unwrap();
+        Fixture {
+            root,
+            json,
+            checkpoint,
+        }
+    }
+
+    /// The bytes numpy wrote for a slot (`None`: no such file, a model without scales).
+    fn expected(&self, layer: usize, expert: usize, kind: Kind) -> Option<Vec<u8>> {
+        let path = self
+            .root
+            .join("expected")
+            .join(format!("L{layer}_E{expert}.{}.bin", kind.name()));
+        std::fs::read(path).ok()
+    }
+
+    /// Layer → experts, as the generator wrote them.
+    fn layers(&self) -> BTreeMap<usize, usize> {
+        self.json["layers"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap() as usize))
+            .collect()
+    }
+
+    fn has_scales(&self) -> bool {
+        self.json["has_scales"].as_bool().unwrap()
+    }
+
+    /// Bytes of every expected slot file.
+    fn expected_bytes(&self) -> u64 {
+        std::fs::read_dir(self.root.join("expected"))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum()
+    }
+}
+
+fn read_piece(checkpoint: &Checkpoint, piece: &Piece) -> Vec<u8> {
+    let mut buf = vec![0u8; piece.len() as usize];
+    checkpoint.files()[piece.file()]
+        .file()
+        .read_exact_at(&mut buf, piece.offset())
+        .unwrap();
+    buf
+}
+
+/// `pread`s a slot of these pieces needs: runs of pieces that continue each other in one
+/// file are one read (with pieces back to back in the slot).
+fn runs(pieces: &[Piece]) -> usize {
+    let mut count = 0;
+    let mut last: Option<&Piece> = None;
+    for p in pieces.iter().filter(|p| !p.is_empty()) {
+        let continues =
+            last.is_some_and(|l| l.file() == p.file() && l.offset() + l.len() == p.offset());
+        if !continues {
+            count += 1;
+        }
+        last = Some(p);
+    }
+    count
+}
+
+fn pieces(plan: &ExpertPlan, layer: usize, expert: usize, kind: Kind) -> &[Piece] {
+    let e = &plan.layer(layer).unwrap().experts()[expert];
+    match kind {
+        Kind::Weights => e.weights(),
+        Kind::Scales => e.scales(),
+    }
+}
+
+/// Packs fixture `name` and checks everything a pack promises.
+fn pack_fixture(test: &str, name: &str) {
+    let Some(dir) = fixtures(test) else { return };
+    let f = Fixture::open(&dir, name);
+    let store = store(1);
+    let report = f.checkpoint.pack(&store).unwrap();
+    let plan = f.checkpoint.expert_plan().unwrap();
+    let layers = f.layers();
+
+    // The report against what the generator wrote.
+    assert_eq!(report.naming, f.json["naming"].as_str().unwrap());
+    assert_eq!(report.files as u64, f.json["files"].as_u64().unwrap());
+    assert_eq!(report.layers, layers.len());
+    assert_eq!(report.experts_per_layer, layers);
+    assert_eq!(
+        report.engine_tensors as u64,
+        f.json["engine_tensors"].as_u64().unwrap()
+    );
+    let all_bytes: u64 = f.checkpoint.tensors().iter().map(|t| t.len()).sum();
+    assert_eq!(report.bytes, f.expected_bytes());
+    assert_eq!(report.engine_bytes, all_bytes - f.expected_bytes());
+    assert_eq!(
+        report
+            .layer_reports
+            .iter()
+            .map(|r| (r.layer, r.experts))
+            .collect::<BTreeMap<_, _>>(),
+        layers
+    );
+    let scale_regions = usize::from(f.has_scales());
+    for r in &report.layer_reports {
+        assert_eq!(r.regions, 1 + scale_regions, "{r:?}");
+        assert_eq!(r.placement, expected_placement(), "{r:?}");
+    }
+    assert_eq!(
+        report.layer_reports.iter().map(|r| r.bytes).sum::<u64>(),
+        report.bytes
+    );
+    let line = report.to_string();
+    assert!(
+        line.contains(&format!("naming {}", report.naming)) && line.contains("left for the engine"),
+        "{line}"
+    );
+
+    // Every slot equals numpy's bytes; the slot map agrees with the pieces; reads counted.
+    let mut reads = 0;
+    for (&layer, &experts) in &layers {
+        let map = store.slot_map(layer).unwrap();
+        assert_eq!(map.experts(), experts);
+        assert_eq!(map.piece_align(), 1);
+        let mut layer_reads = 0;
+        for e in 0..experts {
+            for kind in Kind::ALL {
+                let slot = match kind {
+                    Kind::Weights => store.weights(layer, e).unwrap(),
+                    Kind::Scales => store.scales(layer, e).unwrap(),
+                };
+                match f.expected(layer, e, kind) {
+                    Some(want) => assert!(slot == want, "{name} layer {layer} expert {e} {kind:?}"),
+                    None => {
+                        assert_eq!(kind, Kind::Scales);
+                        assert!(!f.has_scales());
+                        assert!(slot.is_empty());
+                    }
+                }
+                let from_plan = pieces(&plan, layer, e, kind);
+                let places = map.pieces(e, kind).unwrap();
+                assert_eq!(places.len(), from_plan.len());
+                let mut at = 0;
+                for (place, piece) in places.iter().zip(from_plan) {
+                    assert_eq!((place.offset, place.len as u64), (at, piece.len()));
+                    assert!(slot[place.offset..place.end()] == read_piece(&f.checkpoint, piece));
+                    at = place.end();
+                }
+                assert_eq!(at, slot.len());
+                layer_reads += runs(from_plan);
+            }
+        }
+        let r = report
+            .layer_reports
+            .iter()
+            .find(|r| r.layer == layer)
+            .unwrap();
+        assert_eq!(r.reads, layer_reads, "layer {layer}");
+        reads += layer_reads;
+    }
+    assert_eq!(report.reads, reads);
+
+    // Dense layers (and the one past the last) are absent.
+    let last = *layers.keys().next_back().unwrap();
+    let dense: Vec<usize> = (0..=last + 1).filter(|l| !layers.contains_key(l)).collect();
+    assert!(dense.contains(&0), "every fixture's layer 0 is dense");
+    for layer in dense {
+        assert!(
+            matches!(store.weights(layer, 0), Err(Error::NotPacked { layer: l, .. }) if l == layer),
+            "layer {layer}"
+        );
+        assert!(matches!(
+            store.slot_map(layer),
+            Err(Error::NotPacked { .. })
+        ));
+    }
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.layers, layers.len());
+    assert_eq!(stats.experts_loaded, layers.values().sum::<usize>());
+    assert_eq!(stats.bytes, report.bytes);
+
+    // verify re-reads every piece.
+    let verified = f.checkpoint.verify(&store).unwrap();
+    assert!(verified.verified(), "{verified}");
+    assert_eq!(
+        verified.slots,
+        layers.values().sum::<usize>() * (1 + scale_regions)
+    );
+    assert_eq!(verified.bytes, report.bytes);
+
+    // A second pack into the same store is refused at the first layer.
+    let first = *layers.keys().next().unwrap();
+    assert!(matches!(
+        f.checkpoint.pack(&store),
+        Err(Error::AlreadyPacked { layer, in_progress: false, .. }) if layer == first
+    ));
+}
+
+#[test]
+fn pack_sharded_safetensors() {
+    pack_fixture("pack_sharded_safetensors", "st-sharded");
+}
+
+#[test]
+fn pack_single_safetensors() {
+    pack_fixture("pack_single_safetensors", "st-single");
+}
+
+#[test]
+fn pack_mixtral_directory() {
+    pack_fixture("pack_mixtral_directory", "st-mixtral");
+}
+
+#[test]
+fn pack_fused_experts() {
+    pack_fixture("pack_fused_experts", "st-fused");
+}
+
+#[test]
+fn pack_gguf() {
+    pack_fixture("pack_gguf", "gguf-single");
+}
+
+#[test]
+fn pack_gguf_split() {
+    pack_fixture("pack_gguf_split", "gguf-split");
+}
+
+/// The sharded fixture's expert whose pieces lie in both shards, packed alone (a custom
+/// naming that keeps only its tensors): its slots fill with one read per run of pieces in
+/// one file, straight from both shards, and equal numpy's bytes.
+#[test]
+fn an_expert_straddling_two_shards_reads_each_shard_into_its_slot() {
+    let Some(dir) = fixtures("an_expert_straddling_two_shards") else {
+        return;
+    };
+    let f = Fixture::open(&dir, "st-sharded");
+    let plan = f.checkpoint.expert_plan().unwrap();
+    let (layer, expert) = plan
+        .layers()
+        .iter()
+        .flat_map(|l| {
+            l.experts()
+                .iter()
+                .enumerate()
+                .map(move |(e, x)| (l.layer(), e, x))
+        })
+        .find(|(_, _, x)| {
+            let first = x.weights()[0].file();
+            x.weights()
+                .iter()
+                .chain(x.scales())
+                .any(|p| p.file() != first)
+        })
+        .map(|(l, e, _)| (l, e))
+        .expect("the sharded fixture has an expert across both shards");
+    let files = |kind| {
+        let mut f: Vec<usize> = pieces(&plan, layer, expert, kind)
+            .iter()
+            .map(Piece::file)
+            .collect();
+        f.dedup();
+        f
+    };
+    let weight_files = files(Kind::Weights);
+    assert!(weight_files.len() >= 2, "{weight_files:?}");
+
+    let alone = Naming::Custom(CustomNaming::new("one expert", move |name| {
+        let r = Naming::PerExpert.classify(name)?;
+        (r.layer == layer && r.expert == Some(expert)).then_some(TensorRef {
+            expert: Some(0),
+            ..r
+        })
+    }));
+    let store = store(1);
+    let report = f.checkpoint.pack_with(&store, &alone).unwrap();
+    assert_eq!(report.naming, "one expert");
+    assert_eq!(report.experts_per_layer, BTreeMap::from([(layer, 1)]));
+    let want_reads = runs(pieces(&plan, layer, expert, Kind::Weights))
+        + runs(pieces(&plan, layer, expert, Kind::Scales));
+    assert!(want_reads >= 2);
+    assert_eq!(report.reads, want_reads);
+    assert_eq!(
+        store.weights(layer, 0).unwrap(),
+        f.expected(layer, expert, Kind::Weights).unwrap()
+    );
+    assert_eq!(
+        store.scales(layer, 0).unwrap(),
+        f.expected(layer, expert, Kind::Scales).unwrap()
+    );
+    let other: usize = f.checkpoint.tensors().len() - report.engine_tensors;
+    assert_eq!(
+        other,
+        pieces(&plan, layer, expert, Kind::Weights).len()
+            + pieces(&plan, layer, expert, Kind::Scales).len()
+    );
+}
+
+/// `piece_align = 4096`: every piece starts at a multiple of 4096 inside its slot, the
+/// bytes of each piece are exact, the padding is zero, the slots grew, and a released
+/// expert reloads into the same places.
+#[test]
+fn piece_align_puts_every_piece_at_a_multiple_and_keeps_the_bytes() {
+    let Some(dir) = fixtures("piece_align_puts_every_piece_at_a_multiple") else {
+        return;
+    };
+    const ALIGN: usize = 4096;
+    let mut padded_slots = 0;
+    for name in FIXTURES {
+        let f = Fixture::open(&dir, name);
+        let plan = f.checkpoint.expert_plan().unwrap();
+        let mut store = store(ALIGN);
+        let report = f.checkpoint.pack(&store).unwrap();
+        assert_eq!(report.bytes, f.expected_bytes());
+        for (&layer, &experts) in &f.layers() {
+            let map = store.slot_map(layer).unwrap().clone();
+            assert_eq!(map.piece_align(), ALIGN);
+            let r = report
+                .layer_reports
+                .iter()
+                .find(|r| r.layer == layer)
+                .unwrap();
+            for e in 0..experts {
+                for kind in Kind::ALL {
+                    let from_plan = pieces(&plan, layer, e, kind);
+                    let places = map.pieces(e, kind).unwrap();
+                    assert_eq!(places.len(), from_plan.len());
+                    let slot = match kind {
+                        Kind::Weights => store.weights(layer, e).unwrap(),
+                        Kind::Scales => store.scales(layer, e).unwrap(),
+                    };
+                    let Some(want) = f.expected(layer, e, kind) else {
+                        assert!(slot.is_empty());
+                        continue;
+                    };
+                    // numpy's bytes, cut at the piece lengths, each at its aligned place.
+                    let mut cut = 0;
+                    let mut covered = vec![false; slot.len()];
+                    for (i, (place, piece)) in places.iter().zip(from_plan).enumerate() {
+                        assert_eq!(place.offset % ALIGN, 0, "{name} L{layer} E{e} piece {i}");
+                        assert_eq!(place.len as u64, piece.len());
+                        assert!(slot[place.offset..place.end()] == want[cut..cut + place.len]);
+                        covered[place.offset..place.end()].fill(true);
+                        cut += place.len;
+                    }
+                    assert_eq!(cut, want.len());
+                    assert!(slot.iter().zip(&covered).all(|(&b, &c)| c || b == 0));
+                    let stride = match kind {
+                        Kind::Weights => r.weight_stride,
+                        Kind::Scales => r.scale_stride,
+                    };
+                    assert!(stride >= places.last().unwrap().end());
+                    // The slot grew by the padding: each piece but the last rounded up.
+                    let (last, before) = from_plan.split_last().unwrap();
+                    let grown: u64 = before
+                        .iter()
+                        .map(|p| p.len().next_multiple_of(ALIGN as u64))
+                        .sum::<u64>()
+                        + last.len();
+                    assert_eq!(slot.len() as u64, grown);
+                    padded_slots += usize::from(slot.len() > want.len());
+                }
+            }
+        }
+        assert!(f.checkpoint.verify(&store).unwrap().verified());
+
+        // Release one expert and ensure it again from its pieces: same places, same bytes.
+        let layer = plan.layers()[0].layer();
+        let before = store.weights(layer, 1).unwrap().to_vec();
+        let source = ExpertSource::File {
+            weights: source_pieces(&f.checkpoint, pieces(&plan, layer, 1, Kind::Weights)),
+            scales: source_pieces(&f.checkpoint, pieces(&plan, layer, 1, Kind::Scales)),
+        };
+        store.release(layer, 1).unwrap();
+        assert!(matches!(
+            store.weights(layer, 1),
+            Err(Error::Released { .. })
+        ));
+        assert!(matches!(
+            f.checkpoint.verify(&store),
+            Err(Error::Released { .. })
+        ));
+        store.ensure(layer, 1, &source).unwrap();
+        assert!(store.weights(layer, 1).unwrap() == before);
+        assert_eq!(
+            store.slot_map(layer).unwrap().pieces(1, Kind::Weights),
+            store.slot_map(layer).unwrap().pieces(0, Kind::Weights)
+        );
+        assert!(f.checkpoint.verify(&store).unwrap().verified());
+    }
+    assert!(
+        padded_slots > 0,
+        "no fixture has a piece that is not a multiple of {ALIGN}"
+    );
+}
+
+fn source_pieces<'a>(
+    checkpoint: &'a Checkpoint,
+    pieces: &[Piece],
+) -> Vec<numapin::store::Piece<'a>> {
+    pieces
+        .iter()
+        .map(|p| {
+            numapin::store::Piece::new(
+                checkpoint.files()[p.file()].file(),
+                p.offset(),
+                p.len() as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn piece_align_must_be_a_power_of_two() {
+    for (align, ok) in [
+        (0, false),
+        (3, false),
+        (4097, false),
+        (1, true),
+        (2, true),
+        (1 << 21, true),
+    ] {
+        let options = StoreOptions {
+            piece_align: align,
+            ..StoreOptions::default()
+        };
+        match PinStore::new(Layout::Unplaced, options) {
+            Ok(_) => assert!(ok, "{align}"),
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(!ok, "{align}");
+                assert!(reason.contains(&format!("piece_align {align}")), "{reason}");
+            }
+            Err(other) => panic!("{align}: {other:?}"),
+        }
+    }
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("model_pack")
+        .join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A checkpoint whose names no preset knows: `pack` says which names look like experts,
+/// and the store stays empty.
+#[test]
+fn pack_without_recognised_experts_lists_lookalikes() {
+    let dir = scratch("no-experts");
+    let header = r#"{"layers.0.moe.experts.0.fc1":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]},"norm":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[7u8; 16]);
+    std::fs::write(dir.join("m.safetensors"), bytes).unwrap();
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    let store = store(1);
+    match checkpoint.pack(&store) {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::NoExperts,
+            reason,
+            ..
+        }) => {
+            assert!(reason.contains("layers.0.moe.experts.0.fc1"), "{reason}");
+            assert!(!reason.contains("norm"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.stats().unwrap().layers, 0);
+}
+
+/// `verify` finds a byte that changed in the file after the pack, in the right slot at
+/// the right offset, and nothing else.
+#[test]
+fn verify_finds_a_byte_changed_after_the_pack() {
+    let Some(dir) = fixtures("verify_finds_a_byte_changed_after_the_pack") else {
+        return;
+    };
+    let copy = scratch("verify");
+    let source = dir.join("st-single").join("model.safetensors");
+    std::fs::copy(&source, copy.join("model.safetensors")).unwrap();
+    let checkpoint = Checkpoint::open(copy.join("model.safetensors")).unwrap();
+    let store = store(1);
+    checkpoint.pack(&store).unwrap();
+    assert!(checkpoint.verify(&store).unwrap().verified());
+
+    let plan = checkpoint.expert_plan().unwrap();
+    let layer = plan.layers()[1].layer();
+    let up = pieces(&plan, layer, 2, Kind::Weights)[1];
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(copy.join("model.safetensors"))
+        .unwrap();
+    let at = up.offset() + 5;
+    let mut byte = [0u8; 1];
+    checkpoint.files()[0]
+        .file()
+        .read_exact_at(&mut byte, at)
+        .unwrap();
+    file.write_all_at(&[!byte[0]], at).unwrap();
+
+    let report = checkpoint.verify(&store).unwrap();
+    assert!(!report.verified());
+    assert_eq!(report.mismatched_slots, 1);
+    let m = &report.mismatches[0];
+    let place = store
+        .slot_map(layer)
+        .unwrap()
+        .pieces(2, Kind::Weights)
+        .unwrap()[1];
+    assert_eq!(
+        (m.layer, m.expert, m.kind, m.slot_offset),
+        (layer, 2, Kind::Weights, place.offset + 5)
+    );
+    assert!(
+        report.to_string().starts_with("NOT verified: 1 of"),
+        "{report}"
+    );
+}
