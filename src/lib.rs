@@ -18,6 +18,7 @@ mod probe;
 mod region;
 mod source;
 pub mod store;
+pub mod topology;
 
 pub use error::{CheckpointFault, Errno, Error, Result};
 pub use node::{

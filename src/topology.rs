@@ -1,0 +1,190 @@
+//! The machine's shape as placement needs it at run time: which node each CPU belongs to,
+//! how far nodes are from each other, and which node the calling thread runs on. Read
+//! once from sysfs; cheap enough to ask per expert per token.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+use crate::node::{self, Node, NodeSet};
+
+/// CPUs per node and node distances, from `/sys/devices/system/node`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Topology {
+    /// `cpu_node[cpu]`: the node of each CPU id (`None`: offline or unknown).
+    cpu_node: Vec<Option<Node>>,
+    /// `node → distance to node 0, 1, ...` (sysfs `distance` rows).
+    distances: BTreeMap<Node, Vec<u32>>,
+}
+
+impl Topology {
+    /// Reads the topology from sysfs. Without NUMA sysfs (a kernel without NUMA) every
+    /// CPU is on node 0.
+    ///
+    /// # Errors
+    /// A sysfs file exists but cannot be read or parsed.
+    pub fn read() -> Result<Topology> {
+        let online = node::read_sysfs_nodes("online")?;
+        let Some(online) = online else {
+            return Ok(Topology::default());
+        };
+        let mut topology = Topology::default();
+        for n in online.iter() {
+            let dir = format!("/sys/devices/system/node/node{n}");
+            let cpulist = read_optional(&format!("{dir}/cpulist"))?;
+            for cpu in parse_cpu_list(&cpulist).ok_or_else(|| Error::Unparsable {
+                path: format!("{dir}/cpulist"),
+                what: "a CPU list",
+                found: cpulist.chars().take(64).collect(),
+            })? {
+                if cpu >= topology.cpu_node.len() {
+                    topology.cpu_node.resize(cpu + 1, None);
+                }
+                topology.cpu_node[cpu] = Some(n);
+            }
+            let row = read_optional(&format!("{dir}/distance"))?;
+            let row: Vec<u32> = row
+                .split_whitespace()
+                .filter_map(|d| d.parse().ok())
+                .collect();
+            if !row.is_empty() {
+                topology.distances.insert(n, row);
+            }
+        }
+        Ok(topology)
+    }
+
+    /// The topology of this machine, read once per process.
+    ///
+    /// # Errors
+    /// As [`Topology::read`] (the first call's error is kept).
+    pub fn get() -> Result<&'static Topology> {
+        static TOPOLOGY: OnceLock<std::result::Result<Topology, String>> = OnceLock::new();
+        TOPOLOGY
+            .get_or_init(|| Topology::read().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|why| Error::invalid("Topology", why.clone()))
+    }
+
+    /// The node of CPU `cpu` (node 0 where sysfs has no NUMA view).
+    pub fn node_of_cpu(&self, cpu: usize) -> Option<Node> {
+        if self.cpu_node.is_empty() {
+            return Some(Node(0));
+        }
+        self.cpu_node.get(cpu).copied().flatten()
+    }
+
+    /// The CPUs of `node`.
+    pub fn cpus_of(&self, node: Node) -> Vec<usize> {
+        (0..self.cpu_node.len())
+            .filter(|&cpu| self.cpu_node[cpu] == Some(node))
+            .collect()
+    }
+
+    /// The sysfs distance from `a` to `b` (10 = local), if known.
+    pub fn distance(&self, a: Node, b: Node) -> Option<u32> {
+        self.distances.get(&a)?.get(b.index()).copied()
+    }
+
+    /// The node of `among` nearest to `from` by distance, ties to the lower id; `from`
+    /// itself when it is in the set. `None` for an empty set.
+    pub fn nearest(&self, from: Node, among: &NodeSet) -> Option<Node> {
+        if among.contains(from) {
+            return Some(from);
+        }
+        among
+            .iter()
+            .min_by_key(|&n| (self.distance(from, n).unwrap_or(u32::MAX), n.index()))
+    }
+}
+
+/// The CPU the calling thread runs on now (`sched_getcpu`, from the vDSO where the kernel
+/// offers it: no syscall).
+pub fn current_cpu() -> usize {
+    rustix::thread::sched_getcpu()
+}
+
+/// The node the calling thread runs on now (node 0 where the topology is unknown).
+///
+/// # Errors
+/// The topology cannot be read.
+pub fn current_node() -> Result<Node> {
+    let topology = Topology::get()?;
+    Ok(topology.node_of_cpu(current_cpu()).unwrap_or(Node(0)))
+}
+
+fn read_optional(path: &str) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        Err(e) => Err(Error::io("read", path, e)),
+    }
+}
+
+/// A kernel CPU list (`0-3,8,10-11`); `None` if malformed. Ranges are bounded (a CPU id
+/// past 1 << 20 is refused) so a corrupt file cannot ask for a huge table.
+fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
+    const MAX_CPU: usize = 1 << 20;
+    let text = text.trim();
+    let mut cpus = Vec::new();
+    if text.is_empty() {
+        return Some(cpus);
+    }
+    for item in text.split(',') {
+        let (lo, hi) = match item.split_once('-') {
+            Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
+            None => {
+                let id = item.parse::<usize>().ok()?;
+                (id, id)
+            }
+        };
+        if lo > hi || hi >= MAX_CPU {
+            return None;
+        }
+        cpus.extend(lo..=hi);
+    }
+    Some(cpus)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse_and_garbage_does_not() {
+        assert_eq!(parse_cpu_list("0-2,5\n"), Some(vec![0, 1, 2, 5]));
+        assert_eq!(parse_cpu_list(""), Some(vec![]));
+        for bad in ["3-1", "x", "0-", "99999999999", "0-1048576"] {
+            assert_eq!(parse_cpu_list(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn nearest_uses_distances_and_ties_to_the_lower_id() {
+        let mut t = Topology::default();
+        // The VM's table: node 3 is 15 from node 2, 30 from 0 and 1.
+        for (n, row) in [
+            (0, vec![10, 20, 20, 30]),
+            (1, vec![20, 10, 20, 30]),
+            (2, vec![20, 20, 10, 15]),
+            (3, vec![30, 30, 15, 10]),
+        ] {
+            t.distances.insert(Node(n), row);
+        }
+        let memory = NodeSet::from_nodes([0, 1, 2]).unwrap();
+        assert_eq!(t.nearest(Node(3), &memory), Some(Node(2)));
+        assert_eq!(t.nearest(Node(1), &memory), Some(Node(1)));
+        let far = NodeSet::from_nodes([0, 1]).unwrap();
+        assert_eq!(t.nearest(Node(3), &far), Some(Node(0)), "tie: lower id");
+        assert_eq!(t.nearest(Node(0), &NodeSet::new()), None);
+    }
+
+    #[test]
+    fn this_machine_knows_the_current_cpu() {
+        let t = Topology::get().unwrap();
+        let cpu = current_cpu();
+        assert!(t.node_of_cpu(cpu).is_some(), "cpu {cpu}: {t:?}");
+        let node = current_node().unwrap();
+        assert!(t.cpus_of(node).contains(&cpu) || t.cpu_node.is_empty());
+    }
+}
