@@ -22,14 +22,19 @@ static ALLOCATOR: numapin::jemalloc::Jemalloc = numapin::jemalloc::Jemalloc;
 #[unsafe(export_name = "_rjem_malloc_conf")]
 pub static malloc_conf: &[u8; 13] = b"retain:false\0";
 
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
-use numapin::store::StoreOptions;
+use indicatif::{ProgressBar, ProgressStyle};
+use numapin::model::{Checkpoint, Naming};
+use numapin::store::{PinStore, Progress, ProgressHook, StoreOptions};
 use numapin::{NodeSet, diag};
 use support::args::PinModelArgs;
-use support::report::{BaselineJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson};
-use support::{Run, run_baseline, run_store};
+use support::report::{BaselineJson, ModelJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson};
+use support::{Run, measure, minor_faults, run_baseline, run_store};
 
 fn main() -> ExitCode {
     let args = PinModelArgs::try_parse_checked(std::env::args_os()).unwrap_or_else(|e| e.exit());
@@ -52,9 +57,12 @@ impl Drop for TempDir {
 }
 
 fn run(args: &PinModelArgs) -> Result<(), String> {
+    if let Some(path) = &args.model {
+        return run_checkpoint(args, path);
+    }
     let nodes = args.nodes;
     let layout = args.layout();
-    let model = args.model();
+    let model = args.synthetic();
     let total = model.total_bytes().map_err(|e| e.to_string())?;
 
     let mut _temp = None;
@@ -91,14 +99,11 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
     };
     let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
 
-    let mut options = StoreOptions {
-        huge_pages: !args.no_huge_pages,
-        ..StoreOptions::default()
-    };
-    if let Some(t) = args.threads {
-        options.loader_threads = t;
-    }
-    let (run, store) = run_store(&model, &file, layout, options, true)?;
+    let bar = progress_bar(args, total, model.layers);
+    // Every slot is compared with the bytes the model is defined to hold, computed, not
+    // re-read: the check leaves the page cache as the load left it.
+    let (run, store) = run_store(&model, &file, layout, store_options(args, &bar), true)?;
+    finish(&bar);
     let purge = if args.purge() { Some(purge()?) } else { None };
     drop(store);
     let baseline = args
@@ -106,20 +111,170 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
         .then(|| run_baseline(&model, &file, layout).map(|(run, _slabs)| run));
 
     if args.json {
-        let json = PinModelJson {
-            schema: PIN_MODEL_SCHEMA,
-            run: RunJson::new(&run),
-            nodes: nodes.to_string(),
-            layout: args.layout.name(),
-            verified: true,
-            purge,
-            baseline: baseline.as_ref().map(BaselineJson::new),
-        };
-        let text = serde_json::to_string(&json).map_err(|e| format!("JSON: {e}"))?;
-        println!("{text}");
-        return Ok(());
+        return print_json(args, &run, purge, None, baseline.as_ref());
     }
     print_report(&run, baseline.as_ref(), &nodes, args.layout.name());
+    print_purge(purge);
+    Ok(())
+}
+
+/// `--model PATH`: a real checkpoint, packed layer by layer at its model layer numbers,
+/// then every slot re-read from the files with the load's read mode and compared.
+fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), String> {
+    let err = |e: numapin::Error| e.to_string();
+    let checkpoint = Checkpoint::open(path).map_err(err)?;
+    let naming = Naming::detect(&checkpoint).map_err(err)?;
+    let plan = naming.plan(&checkpoint).map_err(err)?;
+    let bytes: u64 = plan
+        .layers()
+        .iter()
+        .map(|l| (l.weight_bytes() + l.scale_bytes()) * l.experts().len() as u64)
+        .sum();
+    let bar = progress_bar(args, bytes, plan.layers().len());
+    let store = PinStore::new(args.layout(), store_options(args, &bar)).map_err(err)?;
+    let faults = minor_faults();
+    let start = Instant::now();
+    let report = checkpoint.pack_with(&store, &naming).map_err(err)?;
+    let load_seconds = start.elapsed().as_secs_f64();
+    let minor = minor_faults() - faults;
+    finish(&bar);
+    let verify = checkpoint
+        .verify_in_mode(&store, &naming, args.read)
+        .map_err(err)?;
+    if !verify.verified() {
+        return Err(format!("{}: {verify}", path.display()));
+    }
+    let experts_per_layer = report
+        .experts_per_layer
+        .values()
+        .copied()
+        .max()
+        .unwrap_or(0);
+    let run = measure(
+        &store,
+        experts_per_layer,
+        load_seconds,
+        minor,
+        &report.layer_reports,
+    )?;
+    let purge = if args.purge() { Some(purge()?) } else { None };
+    let model = ModelJson {
+        path: path.display().to_string(),
+        naming: report.naming.clone(),
+        files: report.files,
+        experts_per_layer: report.experts_per_layer.clone(),
+        engine_tensors: report.engine_tensors,
+        engine_bytes: report.engine_bytes,
+        reads: report.reads,
+        slots_verified: verify.slots,
+    };
+    if args.json {
+        return print_json(args, &run, purge, Some(model), None);
+    }
+    println!("numapin pin_model: {}", path.display());
+    println!(
+        "  checkpoint       {} file(s), naming {}, {} MoE layers (model layers {})",
+        model.files,
+        model.naming,
+        report.layers,
+        layer_list(&model.experts_per_layer)
+    );
+    println!(
+        "  for the engine   {} tensors, {} (not experts: read them yourself)",
+        model.engine_tensors,
+        gib(model.engine_bytes)
+    );
+    println!(
+        "  verified         {} slots re-read from the files ({} read) and equal",
+        verify.slots, run.read_mode
+    );
+    print_report(&run, None, &args.nodes, args.layout.name());
+    print_purge(purge);
+    Ok(())
+}
+
+/// `0-2,5` style list of the model layer numbers, with the experts of each when they
+/// differ.
+fn layer_list(layers: &BTreeMap<usize, usize>) -> String {
+    let numbers: Vec<String> = layers.keys().map(usize::to_string).collect();
+    let experts: std::collections::BTreeSet<&usize> = layers.values().collect();
+    let experts = match experts.len() {
+        1 => format!(
+            "{} experts each",
+            experts.iter().next().copied().unwrap_or(&0)
+        ),
+        _ => "experts per layer differ".into(),
+    };
+    format!("{}; {experts}", numbers.join(","))
+}
+
+fn store_options(args: &PinModelArgs, bar: &Option<ProgressBar>) -> StoreOptions {
+    let mut options = StoreOptions {
+        huge_pages: !args.no_huge_pages,
+        read_mode: args.read,
+        ..StoreOptions::default()
+    };
+    if let Some(t) = args.threads {
+        options.loader_threads = t;
+    }
+    if let Some(bar) = bar {
+        let bar = bar.clone();
+        // Each layer reports its own bytes; the bar counts the whole model.
+        let done = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<usize, u64>::new()));
+        options.progress = Some(ProgressHook::new(move |p: &Progress| {
+            let mut done = done.lock().unwrap_or_else(|e| e.into_inner());
+            done.insert(p.layer, p.bytes_done);
+            bar.set_position(done.values().sum());
+            bar.set_message(format!("layer {}", p.layer));
+        }));
+    }
+    options
+}
+
+/// A progress bar on stderr when it is a terminal (never with --json or --no-progress).
+fn progress_bar(args: &PinModelArgs, bytes: u64, layers: usize) -> Option<ProgressBar> {
+    if args.json || args.no_progress || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(bytes);
+    let style = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:40} {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_message(format!("{layers} layers"));
+    Some(bar)
+}
+
+fn finish(bar: &Option<ProgressBar>) {
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+}
+
+fn print_json(
+    args: &PinModelArgs,
+    run: &Run,
+    purge: Option<Purge>,
+    model: Option<ModelJson>,
+    baseline: Option<&Result<Run, String>>,
+) -> Result<(), String> {
+    let json = PinModelJson {
+        schema: PIN_MODEL_SCHEMA,
+        run: RunJson::new(run),
+        nodes: args.nodes.to_string(),
+        layout: args.layout.name(),
+        verified: true,
+        purge,
+        model,
+        baseline: baseline.map(BaselineJson::new),
+    };
+    let text = serde_json::to_string(&json).map_err(|e| format!("JSON: {e}"))?;
+    println!("{text}");
+    Ok(())
+}
+
+fn print_purge(purge: Option<Purge>) {
     if let Some(p) = purge {
         println!(
             "  jemalloc purge   RSS {} -> {} (live heap bytes {})",
@@ -128,7 +283,6 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
             p.live_bytes
         );
     }
-    Ok(())
 }
 
 #[cfg(feature = "jemalloc")]
@@ -146,6 +300,13 @@ fn purge() -> Result<Purge, String> {
 #[cfg(not(feature = "jemalloc"))]
 fn purge() -> Result<Purge, String> {
     Err("--purge needs jemalloc: build with `--features jemalloc`".into())
+}
+
+fn read_mode(r: &Run) -> String {
+    match &r.read_fallback {
+        Some(why) => format!("{} (fell back: {why})", r.read_mode),
+        None => r.read_mode.clone(),
+    }
 }
 
 fn gib(bytes: u64) -> String {
@@ -176,7 +337,7 @@ fn pages(run: &Run) -> String {
 }
 
 fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeSet, layout: &str) {
-    println!("numapin pin_model: every slot verified against the file");
+    println!("numapin pin_model: every slot verified");
     println!("  nodes            {nodes} (layout {layout})");
     println!(
         "  map limit        vm.max_map_count = {}",
@@ -218,6 +379,7 @@ fn rows(r: &Run) -> Vec<(&'static str, String)> {
         ("process RSS", gib(r.rss_bytes)),
         ("pages per node", pages(r)),
         ("pages source", r.pages_source_name().to_string()),
+        ("read mode", read_mode(r)),
         ("placement", r.placement.clone()),
     ]
 }

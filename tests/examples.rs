@@ -34,7 +34,7 @@ fn set(ids: &[usize]) -> NodeSet {
 #[test]
 fn pin_model_without_flags_is_the_readme_run() {
     let args = parse(&[]).unwrap();
-    assert_eq!(args.model(), SyntheticModel::default());
+    assert_eq!(args.synthetic(), SyntheticModel::default());
     assert_eq!(args.layout, LayoutArg::Interleave);
     assert_eq!(args.nodes, NodeSet::allowed().unwrap());
     assert_eq!(
@@ -73,7 +73,7 @@ fn every_pin_model_flag_keeps_its_meaning() {
     ])
     .unwrap();
     assert_eq!(
-        args.model(),
+        args.synthetic(),
         SyntheticModel {
             layers: 3,
             experts: 5,
@@ -86,6 +86,17 @@ fn every_pin_model_flag_keeps_its_meaning() {
     assert_eq!(args.threads, Some(7));
     assert!(args.no_huge_pages && args.baseline && args.json);
     assert!(!args.purge());
+    assert_eq!(args.read, numapin::store::ReadMode::Buffered, "the default");
+    assert_eq!(args.model, None);
+    let more = parse(&["--read", "direct", "--model", "/m/ckpt", "--no-progress"]).unwrap();
+    assert_eq!(more.read, numapin::store::ReadMode::Direct);
+    assert_eq!(more.model, Some(PathBuf::from("/m/ckpt")));
+    assert!(more.no_progress);
+    assert_eq!(
+        parse(&["--read", "drop-behind"]).unwrap().read,
+        numapin::store::ReadMode::DropBehind
+    );
+    assert!(parse(&["--read", "mmap"]).is_err());
     assert_eq!(
         parse(&["--layout", "unplaced"]).unwrap().layout(),
         Layout::Unplaced
@@ -230,6 +241,7 @@ fn pin_model_json_from_a_real_load() {
         layout: LayoutArg::Interleave.name(),
         verified: true,
         purge: None,
+        model: None,
         baseline: Some(BaselineJson::new(&baseline)),
     };
     let text = serde_json::to_string(&json).unwrap();
@@ -278,6 +290,9 @@ fn pin_model_json_from_a_real_load() {
     assert_eq!(value["layout"], "interleave");
     assert_eq!(value["verified"], true);
     assert_eq!(value.get("purge"), None);
+    assert_eq!(value.get("model"), None, "only with --model");
+    assert_eq!(value["read_mode"], "buffered");
+    assert_eq!(value["fallback"], Value::Null);
     // xtask's VM check reads the first `"pages_per_node":{` and `"placement":"bound"`
     // from the compact text: the store's, before the baseline's.
     let first_pages = text.find("\"pages_per_node\":{").unwrap();

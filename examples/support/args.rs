@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
 use numapin::NodeSet;
-use numapin::store::Layout;
+use numapin::store::{Layout, ReadMode};
 use numapin_testkit::synthetic::SyntheticModel;
 
 /// How the store spreads the layers over `--nodes`.
@@ -106,6 +106,24 @@ pub struct PinModelArgs {
     /// Do not purge jemalloc's arenas after the load.
     #[arg(long, overrides_with = "purge")]
     pub no_purge: bool,
+    /// How the loaders read the file: `buffered` (through the page cache), `direct`
+    /// (O_DIRECT: the page cache stays empty; falls back to buffered where the file
+    /// system cannot, and says so) or `drop-behind` (buffered, evicted as it goes).
+    #[arg(long, value_name = "MODE", default_value_t = ReadMode::Buffered, value_parser = parse_read_mode)]
+    pub read: ReadMode,
+    /// A checkpoint to pin instead of the synthetic model: a `.safetensors` file, a
+    /// directory of safetensors shards (with or without `model.safetensors.index.json`),
+    /// a `.gguf` file or the first part of a split GGUF. The MoE experts are packed, every
+    /// slot is re-read from the files (with --read's mode) and compared.
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn parse_read_mode(text: &str) -> Result<ReadMode, String> {
+    text.parse::<ReadMode>().map_err(|e| e.to_string())
 }
 
 impl PinModelArgs {
@@ -131,7 +149,7 @@ impl PinModelArgs {
     }
 
     /// The synthetic model the flags describe.
-    pub fn model(&self) -> SyntheticModel {
+    pub fn synthetic(&self) -> SyntheticModel {
         SyntheticModel {
             layers: self.layers,
             experts: self.experts,

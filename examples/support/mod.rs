@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::time::Instant;
 
-use numapin::store::{Kind, Layout, PinStore, StoreOptions};
+use numapin::store::{Kind, LayerReport, Layout, PinStore, StoreOptions};
 use numapin::{Node, Observed, PagesSource, Placement, diag};
 use numapin_testkit::baseline::SlabPerExpert;
 use numapin_testkit::synthetic::SyntheticModel;
@@ -35,6 +35,10 @@ pub struct Run {
     pub placement: String,
     pub minor_faults: u64,
     pub anon_huge_bytes: u64,
+    /// The read mode that ran (`buffered`, `direct`, `drop-behind`).
+    pub read_mode: String,
+    /// Why a direct read fell back to buffered reads, if it did.
+    pub read_fallback: Option<String>,
 }
 
 impl Run {
@@ -74,10 +78,13 @@ pub fn run_store(
     let store = PinStore::new(layout, options).map_err(|e| e.to_string())?;
     let faults = minor_faults();
     let start = Instant::now();
+    let mut reports = Vec::with_capacity(model.layers);
     for layer in 0..model.layers {
-        store
-            .pack_layer(layer, &model.spec(), &model.sources(file, layer))
-            .map_err(|e| e.to_string())?;
+        reports.push(
+            store
+                .pack_layer(layer, &model.spec(), &model.sources(file, layer))
+                .map_err(|e| e.to_string())?,
+        );
     }
     let load_seconds = start.elapsed().as_secs_f64();
     let minor = minor_faults() - faults;
@@ -96,10 +103,23 @@ pub fn run_store(
             }
         }
     }
+    let run = measure(&store, model.experts, load_seconds, minor, &reports)?;
+    Ok((run, store))
+}
+
+/// The figures of a loaded store: its stats, the process's RSS, and what the layer
+/// reports say about the reads.
+pub fn measure(
+    store: &PinStore,
+    experts_per_layer: usize,
+    load_seconds: f64,
+    minor_faults: u64,
+    reports: &[LayerReport],
+) -> Result<Run, String> {
     let stats = store.stats().map_err(|e| e.to_string())?;
-    let run = Run {
+    Ok(Run {
         layers: stats.layers,
-        experts_per_layer: model.experts,
+        experts_per_layer,
         experts: stats.experts_loaded,
         bytes: stats.bytes,
         vmas: stats.vmas,
@@ -110,10 +130,16 @@ pub fn run_store(
         pages_merged: stats.pages_merged,
         rss_bytes: diag::rss_bytes().unwrap_or(0),
         placement: placement_text(stats.placement),
-        minor_faults: minor,
+        minor_faults,
         anon_huge_bytes: stats.anon_huge_bytes,
-    };
-    Ok((run, store))
+        read_mode: reports
+            .first()
+            .map_or("buffered".to_string(), |r| r.read_mode.to_string()),
+        read_fallback: reports
+            .iter()
+            .find_map(|r| r.read_fallback)
+            .map(|f| f.to_string()),
+    })
 }
 
 /// Loads the whole model one slab per expert tensor, each bound on its own.
@@ -165,6 +191,8 @@ pub fn run_baseline(
         placement: placement_text(placement),
         minor_faults: minor,
         anon_huge_bytes: 0,
+        read_mode: "buffered".into(),
+        read_fallback: None,
     };
     Ok((run, slabs))
 }

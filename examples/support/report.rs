@@ -46,6 +46,10 @@ pub struct RunJson<'a> {
     pub minor_faults: u64,
     /// Bytes backed by transparent huge pages.
     pub anon_huge_bytes: u64,
+    /// The read mode that ran: `buffered`, `direct` or `drop-behind`.
+    pub read_mode: &'a str,
+    /// Why a direct read fell back to buffered reads (`null`: it did not).
+    pub fallback: Option<&'a str>,
 }
 
 impl<'a> RunJson<'a> {
@@ -66,6 +70,8 @@ impl<'a> RunJson<'a> {
             placement: &run.placement,
             minor_faults: run.minor_faults,
             anon_huge_bytes: run.anon_huge_bytes,
+            read_mode: &run.read_mode,
+            fallback: run.read_fallback.as_deref(),
         }
     }
 }
@@ -111,8 +117,31 @@ pub struct PinModelJson<'a> {
     pub verified: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub purge: Option<Purge>,
+    /// The checkpoint pinned with `--model` (absent for the synthetic model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline: Option<BaselineJson<'a>>,
+}
+
+/// What `--model` found in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelJson {
+    /// The path given.
+    pub path: String,
+    /// The expert naming detected (`per-expert`, `mixtral`, `fused`, `gguf-merged`, ...).
+    pub naming: String,
+    /// Files read (shards, split parts).
+    pub files: usize,
+    /// Model layer number → experts packed (dense layers are absent).
+    pub experts_per_layer: BTreeMap<usize, usize>,
+    /// Tensors left for the engine (not expert tensors), and their bytes.
+    pub engine_tensors: usize,
+    pub engine_bytes: u64,
+    /// `pread`s issued by the pack (after coalescing adjacent pieces).
+    pub reads: usize,
+    /// Slots re-read from the files and compared.
+    pub slots_verified: usize,
 }
 
 /// `numapin::Support` field by field, in the form the library's `serde` feature gives it

@@ -4,10 +4,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::os::unix::fs::FileExt;
 
 use super::{Checkpoint, ExpertPlan, LayerPlan, Naming};
 use crate::error::{Error, Result};
+use crate::source::ReadMode;
+use crate::source::load::{Reader, Scratch};
 use crate::store::{ExpertSource, Kind, LayerReport, LayerSpec, Piece, PinStore, SlotPiece};
 
 /// What [`Checkpoint::pack`] did.
@@ -266,7 +267,8 @@ impl Checkpoint {
     /// `store` (as [`PinStore::slot_map`] says); the bytes between pieces must be zero.
     /// The naming is detected as in [`Checkpoint::pack`].
     ///
-    /// The reads go through the page cache (`pread`, at most 4 MiB at once).
+    /// The reads go through the page cache (`pread`, at most 4 MiB at once); see
+    /// [`Checkpoint::verify_in_mode`] to re-read the way a direct or drop-behind load did.
     ///
     /// # Errors
     /// As [`Checkpoint::verify_with`].
@@ -283,6 +285,36 @@ impl Checkpoint {
     /// The naming's errors (as [`Checkpoint::pack`]); [`Error::NotPacked`] for a layer
     /// the store does not hold; a released slot ([`Error::Released`]); a read that fails.
     pub fn verify_with(&self, store: &PinStore, naming: &Naming) -> Result<VerifyReport> {
+        self.verify_in_mode(store, naming, ReadMode::Buffered)
+    }
+
+    /// [`Checkpoint::verify_with`], re-reading the files the way the load read them:
+    /// [`ReadMode::Direct`] and [`ReadMode::DropBehind`] keep the page cache as empty as
+    /// the load left it (a buffered re-read would fill it with the whole model again).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_with`], or the direct-I/O set-up fails (a file system that
+    /// cannot do it falls back to buffered reads, as the load does).
+    pub fn verify_in_mode(
+        &self,
+        store: &PinStore,
+        naming: &Naming,
+        mode: ReadMode,
+    ) -> Result<VerifyReport> {
+        let reader = Reader::new(mode, self.files.iter().map(|f| f.file()))?;
+        let mut scratch = reader.scratch();
+        let report = self.verify_using(store, naming, &reader, &mut scratch)?;
+        reader.finish()?;
+        Ok(report)
+    }
+
+    fn verify_using(
+        &self,
+        store: &PinStore,
+        naming: &Naming,
+        reader: &Reader<'_>,
+        scratch: &mut Scratch,
+    ) -> Result<VerifyReport> {
         let plan = naming.plan(self)?;
         let mut report = VerifyReport {
             slots: 0,
@@ -314,8 +346,13 @@ impl Checkpoint {
                     }
                     report.slots += 1;
                     let places = map.pieces(e, kind).unwrap_or_default();
-                    let found =
-                        self.compare_slot(slot, pieces, places, &mut buffer, &mut report)?;
+                    let found = self.compare_slot(
+                        slot,
+                        pieces,
+                        places,
+                        (&mut buffer, reader, &mut *scratch),
+                        &mut report,
+                    )?;
                     if let Some((slot_offset, reason)) = found {
                         report.mismatched_slots += 1;
                         if report.mismatches.len() < VerifyReport::MAX_LISTED {
@@ -340,7 +377,7 @@ impl Checkpoint {
         slot: &[u8],
         pieces: &[super::Piece],
         places: &[SlotPiece],
-        buffer: &mut [u8],
+        (buffer, reader, scratch): (&mut [u8], &Reader<'_>, &mut Scratch),
         report: &mut VerifyReport,
     ) -> Result<Option<(usize, String)>> {
         if places.len() != pieces.len()
@@ -396,15 +433,8 @@ impl Checkpoint {
             while done < place.len {
                 let n = (place.len - done).min(buffer.len());
                 let offset = piece.offset() + done as u64;
-                file.file()
-                    .read_exact_at(&mut buffer[..n], offset)
-                    .map_err(|e| {
-                        Error::io(
-                            "pread",
-                            format!("{}: {n} bytes at {offset}", file.path().display()),
-                            e,
-                        )
-                    })?;
+                let what = || format!("verify {}", file.path().display());
+                reader.read(file.file(), offset, &mut buffer[..n], scratch, &what)?;
                 report.reads += 1;
                 report.bytes += n as u64;
                 let here = place.offset + done;

@@ -116,8 +116,55 @@ fn test_host() -> Result<(), String> {
     cmd.current_dir(root())
         .args(["test", "--workspace", "--all-features"]);
     // Fixture tests run when `fixtures` (or `test`) wrote them; otherwise they say NOT RUN.
-    if fixtures::dir().join("ggml_quant_sizes.json").is_file() {
+    let fixtures = fixtures::dir().join("ggml_quant_sizes.json").is_file();
+    if fixtures {
         cmd.env("NUMAPIN_FIXTURES", fixtures::dir());
     }
-    run(&mut cmd)
+    run(&mut cmd)?;
+    if fixtures {
+        main_job_on_checkpoints()?;
+    }
+    Ok(())
+}
+
+/// The main job on real checkpoints: `pin_model --model` on the sharded safetensors
+/// fixture and the split GGUF, each read mode once, must pin and verify every slot.
+fn main_job_on_checkpoints() -> Result<(), String> {
+    let pin_model = binaries::build_example("pin_model")?;
+    let dir = fixtures::dir();
+    let cases = [
+        (dir.join("st-sharded/model"), "buffered"),
+        (dir.join("st-sharded/model"), "direct"),
+        (
+            dir.join("gguf-split/model-00001-of-00003.gguf"),
+            "drop-behind",
+        ),
+        (dir.join("gguf-single/model.gguf"), "direct"),
+    ];
+    for (model, read) in cases {
+        let mut cmd = Command::new(&pin_model);
+        cmd.arg("--model")
+            .arg(&model)
+            .args(["--read", read, "--json"]);
+        eprintln!("xtask: running {cmd:?}");
+        let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ok = out.status.success()
+            && text.contains("\"verified\":true")
+            && text.contains("\"model\":{")
+            && text.contains("\"experts_per_layer\":{\"1\":4,\"2\":4}");
+        if !ok {
+            return Err(format!(
+                "pin_model --model {} --read {read}: {}\n{text}{}",
+                model.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        eprintln!(
+            "xtask: pin_model --model {} --read {read}: verified",
+            model.display()
+        );
+    }
+    Ok(())
 }
