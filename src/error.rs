@@ -127,7 +127,7 @@ pub enum Error {
     },
     /// A released slot was read: [`PinStore::ensure`](crate::store::PinStore::ensure)
     /// loads it again.
-    #[error("{op}: layer {layer} expert {expert} {} is released; ensure() loads it again", .kind.name())]
+    #[error("{op}: layer {layer} expert {expert} {kind} is released; ensure() loads it again")]
     Released {
         /// The operation.
         op: &'static str,
@@ -135,8 +135,9 @@ pub enum Error {
         layer: usize,
         /// The expert.
         expert: usize,
-        /// Which tensor.
-        kind: crate::store::Kind,
+        /// Which tensor, by its kind's name (`"weights"`, `"scales"`: `Kind::name`; a
+        /// string so that this leaf module names no store type).
+        kind: &'static str,
     },
     /// An index past the end: an expert of a layer, a slot, a node of a set.
     #[error("{op}: {what} {index} is out of range: there are {len}")]

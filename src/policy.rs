@@ -10,9 +10,10 @@ use std::marker::PhantomData;
 
 use numapin_sys as sys;
 
+pub use crate::calls::DegradeReason;
+use crate::calls::{NumaCall, degrade_or_error};
 use crate::error::{Errno, Error, Result};
 use crate::node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
-use crate::probe::{MempolicySupport, NumaCall};
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
 ///
@@ -79,79 +80,6 @@ bitflags::bitflags! {
     }
 }
 
-/// Why placement is unavailable here. Only these two errnos degrade; everything else
-/// is an [`Error`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(
-    feature = "serde",
-    derive(serde::Serialize, serde::Deserialize),
-    serde(rename_all = "lowercase")
-)]
-pub enum DegradeReason {
-    /// `EPERM`: a seccomp profile (Docker's default without `CAP_SYS_NICE`) denies the
-    /// NUMA syscalls.
-    Denied,
-    /// `ENOSYS`: the kernel has no NUMA support (`CONFIG_NUMA=n`).
-    Unsupported,
-}
-
-impl DegradeReason {
-    /// The errno this reason stands for.
-    pub fn errno(self) -> Errno {
-        match self {
-            DegradeReason::Denied => Errno::PERM,
-            DegradeReason::Unsupported => Errno::NOSYS,
-        }
-    }
-
-    /// `Some` for `EPERM` and `ENOSYS`, the two errnos that can mean "no placement here".
-    /// The errno alone does not decide it: an `EPERM` where the probe found the call
-    /// allowed is a missing capability, which numapin's own calls report as
-    /// [`Error::MissingCapability`].
-    pub fn from_errno(errno: Errno) -> Option<Self> {
-        match errno {
-            Errno::PERM => Some(DegradeReason::Denied),
-            Errno::NOSYS => Some(DegradeReason::Unsupported),
-            _ => None,
-        }
-    }
-}
-
-/// What an errno from a NUMA call means here, given what the probe found for that call
-/// (the one place that decides between "degrade" and "error"):
-///
-/// - `ENOSYS`: the kernel lacks the call: [`DegradeReason::Unsupported`].
-/// - `EPERM` where the probe was denied too: a seccomp profile refuses the call whatever
-///   its arguments: [`DegradeReason::Denied`].
-/// - `EPERM` where the probe passed: the kernel's capability check refused this one
-///   request (`CAP_SYS_NICE` for `MPOL_MF_MOVE_ALL`, another user's process, nodes
-///   outside the target's cpuset; a capability held only in a child user namespace does
-///   not count): [`Error::MissingCapability`].
-/// - anything else: [`Error::Os`] with `args`.
-///
-/// # Errors
-/// As above, or the probe itself failed.
-pub(crate) fn degrade_or_error(
-    call: NumaCall,
-    errno: Errno,
-    args: impl FnOnce() -> String,
-) -> Result<DegradeReason> {
-    let op = call.name();
-    match (errno, call.support()?) {
-        (Errno::NOSYS, _) => Ok(DegradeReason::Unsupported),
-        (Errno::PERM, MempolicySupport::Denied) => Ok(DegradeReason::Denied),
-        (Errno::PERM, MempolicySupport::Available) => Err(crate::capability::missing_sys_nice(
-            op,
-            format!(
-                "the kernel refused {op}({}) with EPERM although its probe passed here, so this \
-                 is its capability check (in the initial user namespace), not a seccomp profile",
-                args()
-            ),
-        )),
-        (errno, _) => Err(Error::os(op, errno, args())),
-    }
-}
-
 /// What an `EINVAL` from `mbind`/`set_mempolicy` meant, when it is this: a node-set
 /// policy none of whose nodes this process may allocate on (outside `mems_allowed`, or
 /// without memory, like the VM's memoryless node 3). Mode flags that reinterpret the set
@@ -176,21 +104,6 @@ pub(crate) fn not_allowed(op: &'static str, policy: &MemPolicy, flags: ModeFlags
         node: set.iter().next()?,
         allowed: Box::new(allowed),
     })
-}
-
-impl fmt::Display for DegradeReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DegradeReason::Denied => {
-                "NUMA syscalls denied (EPERM): a seccomp profile such as Docker's default \
-                 without CAP_SYS_NICE; memory runs unplaced"
-            }
-            DegradeReason::Unsupported => {
-                "NUMA syscalls unsupported (ENOSYS): kernel built without CONFIG_NUMA; \
-                 memory runs unplaced"
-            }
-        })
-    }
 }
 
 /// The outcome of setting a policy.

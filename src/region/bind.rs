@@ -4,10 +4,10 @@ use std::ffi::c_void;
 
 use numapin_sys as sys;
 
+use crate::calls::{MempolicySupport, NumaCall};
 use crate::error::{Errno, Error, Result};
 use crate::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
-use crate::probe::{MempolicySupport, NumaCall};
 
 /// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
 /// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.

@@ -6,11 +6,12 @@ use std::ffi::c_void;
 
 use numapin_sys as sys;
 
+use crate::calls::degrade_or_error;
+use crate::calls::{MempolicySupport, NumaCall};
 use crate::diag;
 use crate::error::{Errno, Error, Result};
 use crate::page_size;
-use crate::policy::{DegradeReason, Observed, degrade_or_error};
-use crate::probe::{MempolicySupport, NumaCall};
+use crate::policy::{DegradeReason, Observed};
 
 /// Where the counts of a [`NodeHistogram`] come from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]

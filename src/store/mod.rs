@@ -643,7 +643,7 @@ impl PinStore {
             op: "PinStore",
             layer,
             expert,
-            kind,
+            kind: kind.name(),
         })
     }
 
