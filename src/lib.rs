@@ -5,6 +5,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod capability;
 pub mod diag;
 mod error;
