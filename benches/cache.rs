@@ -229,7 +229,7 @@ fn main() {
     // One slab per entry.
     let base = diag::map_count().expect("maps");
     let mut lru = SlabLru {
-        policy: policy.clone(),
+        policy,
         entries: HashMap::new(),
         order: BTreeMap::new(),
         clock: 0,
