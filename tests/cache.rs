@@ -699,3 +699,47 @@ fn numa_cache_slots_stay_on_their_nodes_across_evictions() {
         }
     }
 }
+
+#[test]
+fn region_per_slot_accessors_check_their_ranges() {
+    let page = numapin::page_size();
+    let region = numapin::Region::anonymous(4 * page).unwrap();
+    assert!(matches!(
+        region.slot(0..4 * page + 1),
+        Err(Error::InvalidArgument { .. })
+    ));
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 8..4;
+    assert!(matches!(
+        region.slot(reversed),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // SAFETY: no other reference to the region's bytes lives in this test.
+    let a = unsafe { region.slot_mut_unchecked(0..page) }.unwrap();
+    // SAFETY: a range apart from `a`'s.
+    let b = unsafe { region.slot_mut_unchecked(page..3 * page) }.unwrap();
+    a.fill(1);
+    b.fill(2);
+    assert_eq!(region.slot(0..page).unwrap(), &vec![1u8; page][..]);
+    assert_eq!(
+        region.slot(page..3 * page).unwrap(),
+        &vec![2u8; 2 * page][..]
+    );
+    assert_eq!(
+        numapin::resident_pages(region.as_ptr() as usize, 4 * page).unwrap(),
+        3
+    );
+    // SAFETY: no slice of the range lives any more (`a` is not used after this).
+    let err = unsafe { region.release_unchecked(1..page) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    // SAFETY: as above.
+    unsafe { region.release_unchecked(0..page) }.unwrap();
+    assert_eq!(region.slot(0..page).unwrap(), &vec![0u8; page][..]);
+    assert_eq!(
+        numapin::resident_pages(region.as_ptr() as usize, 4 * page).unwrap(),
+        2
+    );
+    // SAFETY: nothing references bytes past the region (the call refuses the range).
+    let err = unsafe { region.slot_mut_unchecked(3 * page..5 * page) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+}
