@@ -139,6 +139,24 @@ pub enum Error {
         /// string so that this leaf module names no store type).
         kind: &'static str,
     },
+    /// Every slot of the cache's chosen node is held by a live entry: nothing can be
+    /// evicted for a miss (drop entries, or build a larger cache).
+    #[error(
+        "{op}: layer {layer} expert {expert}: every one of the {capacity} slots on node {node} \
+         is held by a live Entry; drop entries or build a larger cache"
+    )]
+    CacheFull {
+        /// The operation.
+        op: &'static str,
+        /// The layer asked for.
+        layer: usize,
+        /// The expert asked for.
+        expert: usize,
+        /// The node whose slots are all held.
+        node: crate::Node,
+        /// Slots per node.
+        capacity: usize,
+    },
     /// An index past the end: an expert of a layer, a slot, a node of a set.
     #[error("{op}: {what} {index} is out of range: there are {len}")]
     OutOfRange {

@@ -5,6 +5,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod cache;
 mod calls;
 pub mod capability;
 pub mod diag;

@@ -88,7 +88,8 @@ pub struct Region {
 unsafe impl Send for Region {}
 // SAFETY: `&self` methods only read the mapping or make syscalls that leave its contents
 // unchanged (mbind without MOVE flags, move_pages queries, harmless madvise); all
-// content-changing operations take `&mut self`.
+// content-changing operations take `&mut self`, except the `unsafe` per-range ones
+// (`slot_mut_unchecked`, `release_unchecked`) whose callers keep ranges exclusive.
 unsafe impl Sync for Region {}
 
 /// Harmless advice: nothing here changes the bytes a reader sees. Advice that can zero
@@ -658,6 +659,100 @@ impl Region {
         }
         // SAFETY: the address is inside our own mapping.
         unsafe { crate::policy::policy_at_addr(self.as_ptr().add(offset).cast()) }
+    }
+
+    /// The bytes of `range` only: a shared slice that covers nothing outside it, so that
+    /// another range of the region can be written meanwhile through
+    /// [`Region::slot_mut_unchecked`] (a slice from [`Region::as_slice`] covers the whole
+    /// region and forbids that).
+    ///
+    /// # Errors
+    /// The range is reversed or reaches past the region.
+    pub fn slot(&self, range: Range<usize>) -> Result<&[u8]> {
+        self.check_range("Region::slot", &range)?;
+        // SAFETY: inside the mapping, readable for the lifetime of `self`. Writers of this
+        // range through `slot_mut_unchecked` promised that no other reference to it lives
+        // while their slice does.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.as_ptr().add(range.start), range.end - range.start)
+        })
+    }
+
+    /// The bytes of `range`, writable, through `&self`: one slot of a region written
+    /// while other slots of it are read (an expert cache loading one entry while others
+    /// serve, a staging pool handing out buffers).
+    ///
+    /// # Safety
+    ///
+    /// While the returned slice lives, no other reference to any byte of `range` may
+    /// exist or be created: no slice from [`Region::as_slice`] (it covers every range),
+    /// [`Region::slot`] or another `slot_mut_unchecked` overlapping `range`, and no
+    /// [`Region::release_unchecked`] of an overlapping range. The caller keeps the ranges
+    /// it hands out apart (slot states under a lock, a free list).
+    ///
+    /// # Errors
+    /// The range is reversed or reaches past the region, or the region is not writable
+    /// (a file mapping, a sealed view).
+    // The point of this function: `&mut` from `&self`, with exclusivity promised by the
+    // caller per range (the `# Safety` contract) instead of by the borrow checker.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot_mut_unchecked(&self, range: Range<usize>) -> Result<&mut [u8]> {
+        const OP: &str = "Region::slot_mut_unchecked";
+        self.writable(OP)?;
+        self.check_range(OP, &range)?;
+        // SAFETY: inside the mapping, which is read-write (checked above) for the
+        // lifetime of `self`; the pointer comes from mmap, not from a shared reference;
+        // the caller guarantees that no other reference to the range lives meanwhile.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.as_ptr().add(range.start), range.end - range.start)
+        })
+    }
+
+    /// [`Region::release`] of one range through `&self`: gives its pages back
+    /// (`MADV_DONTNEED`; `MADV_REMOVE` for a memfd) while other ranges are read. The
+    /// address range and its policy stay.
+    ///
+    /// # Safety
+    ///
+    /// The range reads back as zeroes afterwards: no reference to any byte of it (see
+    /// [`Region::slot_mut_unchecked`]) may live during the call, and the caller must not
+    /// rely on its old contents after it. `range.end` is rounded up to the page, so the
+    /// page-rounded range is what must be free of references.
+    ///
+    /// # Errors
+    /// As [`Region::release`].
+    pub unsafe fn release_unchecked(&self, range: Range<usize>) -> Result<()> {
+        const OP: &str = "Region::release_unchecked";
+        self.writable(OP)?;
+        self.check_range(OP, &range)?;
+        let page = page_size();
+        if !range.start.is_multiple_of(page) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "start {} is not a multiple of the page size {page}",
+                    range.start
+                ),
+            ));
+        }
+        let end = range.end.next_multiple_of(page).min(self.map_len());
+        if end == range.start {
+            return Ok(());
+        }
+        let advice = match self.backing {
+            Backing::Memfd(_) => sys::MADV_REMOVE,
+            _ => sys::MADV_DONTNEED,
+        };
+        // SAFETY: inside our own mapping; the caller guarantees no reference to the
+        // (page-rounded) range lives during the call.
+        unsafe {
+            sys::madvise(
+                self.as_ptr().add(range.start).cast(),
+                end - range.start,
+                advice,
+            )
+        }
+        .map_err(|e| self.madvise_error(e, advice))
     }
 }
 

@@ -151,6 +151,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 .args([SANDBOX, env.name])
                 .arg(&test.path)
                 .env("NUMAPIN_EXPECT", env.expect)
+                // The randomized cache test: a tenth of the host's operations.
+                .env("NUMAPIN_CACHE_OPS", "100000")
                 .env_remove("NUMAPIN_TEST_NODES")
                 .stdin(Stdio::null())
                 .stdout(file)

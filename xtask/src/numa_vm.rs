@@ -36,6 +36,8 @@ const PIN_MODEL_ARGS: &str = "--json --layers 6 --experts 24";
 const VM_FIXTURES: &str = "/fixtures";
 /// Mutated headers per format in the VM: TCG runs the parsers ~10× slower than the host.
 const VM_FUZZ_CASES: usize = 10_000;
+/// Operations of the randomized cache test under TCG (1,000,000 on the host).
+const VM_CACHE_OPS: usize = 100_000;
 
 struct Tools {
     qemu: PathBuf,
@@ -332,6 +334,7 @@ fn init_script(cases: &[Case], fixtures: bool) -> String {
     s += &format!("export NUMAPIN_HUGEPAGES={VM_HUGE_PAGES}\n");
     s += "export NUMAPIN_EXPECT=full NUMAPIN_TEST_NODES=4 RUST_BACKTRACE=1 TMPDIR=/tmp\n";
     s += &format!("export NUMAPIN_FUZZ_CASES={VM_FUZZ_CASES}\n");
+    s += &format!("export NUMAPIN_CACHE_OPS={VM_CACHE_OPS}\n");
     if fixtures {
         s += &format!("export NUMAPIN_FIXTURES={VM_FIXTURES}\n");
     }

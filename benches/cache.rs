@@ -1,0 +1,297 @@
+//! `cargo bench --bench cache`: ExpertCache against what engines do today, one slab per
+//! entry (`posix_memalign` for weights and scales, `mbind` each, copy in, `free` both on
+//! eviction), on the same Zipf(1.0) stream of (layer, expert) keys: 64 layers × 256
+//! experts, 4 KiB weights + 4 KiB scales, 128 entries, one thread.
+//!
+//! Prints the hit latency (ns per lookup of a cached key), the miss cost (ns per
+//! get-or-load of a key never cached: evict, load), and the process's mappings after
+//! 10k, 100k and 1M operations of the stream for both (`NUMAPIN_BENCH_CACHE_OPS` sets the
+//! last figure). Figures are printed, never asserted: the machine is shared and noisy.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hint::black_box;
+use std::time::Instant;
+
+use numapin::cache::{CacheOptions, ExpertCache};
+use numapin::store::ExpertSource;
+use numapin::{MbindFlags, MemPolicy, Node, NodeSet, diag};
+
+const LAYERS: usize = 64;
+const EXPERTS: usize = 256;
+const BYTES: usize = 4096;
+const ENTRIES: usize = 128;
+type Key = (usize, usize);
+
+/// xorshift64*.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// Zipf(1.0) keys by inverse CDF, ranks shuffled over the keys.
+fn zipf_stream(n: usize, seed: u64) -> Vec<Key> {
+    let count = LAYERS * EXPERTS;
+    let mut cdf: Vec<f64> = (1..=count)
+        .scan(0.0, |sum, rank| {
+            *sum += 1.0 / rank as f64;
+            Some(*sum)
+        })
+        .collect();
+    let total = cdf[count - 1];
+    cdf.iter_mut().for_each(|c| *c /= total);
+    let mut keys: Vec<Key> = (0..LAYERS)
+        .flat_map(|l| (0..EXPERTS).map(move |e| (l, e)))
+        .collect();
+    let mut rng = XorShift(seed);
+    for i in (1..count).rev() {
+        keys.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    (0..n)
+        .map(|_| {
+            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            keys[cdf.partition_point(|&c| c <= u).min(count - 1)]
+        })
+        .collect()
+}
+
+/// Bytes of every expert: windows of one pattern.
+struct Experts(Vec<u8>);
+
+impl Experts {
+    fn source(&self, (layer, expert): Key) -> ExpertSource<'_> {
+        let start = (layer * EXPERTS + expert) * 8;
+        ExpertSource::Memory {
+            weights: &self.0[start..start + BYTES],
+            scales: &self.0[start + 1..start + 1 + BYTES],
+        }
+    }
+}
+
+/// One `posix_memalign` block, bound on its own, freed on drop.
+struct Slab(*mut u8);
+
+impl Slab {
+    fn new(policy: &MemPolicy, from: &[u8]) -> Slab {
+        let mut raw: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the page size is a power-of-two multiple of the
+        // pointer size.
+        let rc = unsafe { libc::posix_memalign(&mut raw, numapin::page_size(), BYTES) };
+        assert_eq!(rc, 0, "posix_memalign");
+        // SAFETY: our fresh page-aligned block of BYTES (a whole page).
+        let _ = unsafe { numapin::bind_range(raw.cast(), BYTES, policy, MbindFlags::empty()) }
+            .expect("mbind");
+        // SAFETY: the block holds BYTES bytes and nothing else refers to it.
+        unsafe { std::slice::from_raw_parts_mut(raw.cast::<u8>(), BYTES) }.copy_from_slice(from);
+        Slab(raw.cast())
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: BYTES bytes written at creation, alive until drop.
+        unsafe { std::slice::from_raw_parts(self.0, BYTES) }
+    }
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        // SAFETY: from posix_memalign, freed once.
+        unsafe { libc::free(self.0.cast()) };
+    }
+}
+
+/// The engines' LRU: an entry is two bound slabs; eviction frees them.
+struct SlabLru {
+    policy: MemPolicy,
+    entries: HashMap<Key, (Slab, Slab, u64)>,
+    order: BTreeMap<u64, Key>,
+    clock: u64,
+}
+
+impl SlabLru {
+    fn get(&mut self, key: Key) -> Option<(&[u8], &[u8])> {
+        let (_, _, stamp) = self.entries.get_mut(&key)?;
+        self.order.remove(stamp);
+        self.clock += 1;
+        *stamp = self.clock;
+        self.order.insert(self.clock, key);
+        let (w, s, _) = &self.entries[&key];
+        Some((w.bytes(), s.bytes()))
+    }
+
+    fn get_or_load(&mut self, key: Key, source: &ExpertSource<'_>) -> usize {
+        if let Some((w, _)) = self.get(key) {
+            return w[0] as usize;
+        }
+        if self.entries.len() == ENTRIES
+            && let Some((_, old)) = self.order.pop_first()
+        {
+            self.entries.remove(&old);
+        }
+        let ExpertSource::Memory { weights, scales } = source else {
+            unreachable!()
+        };
+        let w = Slab::new(&self.policy, weights);
+        let s = Slab::new(&self.policy, scales);
+        let first = w.bytes()[0] as usize;
+        self.clock += 1;
+        self.entries.insert(key, (w, s, self.clock));
+        self.order.insert(self.clock, key);
+        first
+    }
+}
+
+fn ns_per(start: Instant, n: usize) -> f64 {
+    start.elapsed().as_nanos() as f64 / n as f64
+}
+
+fn main() {
+    let ops: usize = std::env::var("NUMAPIN_BENCH_CACHE_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let node = NodeSet::allowed()
+        .expect("allowed nodes")
+        .iter()
+        .next()
+        .unwrap_or(Node(0));
+    let mut set = NodeSet::new();
+    set.insert(node);
+    let policy = MemPolicy::Bind(set);
+    let mut rng = XorShift(1);
+    let experts = Experts(
+        (0..(LAYERS * EXPERTS * 8 + BYTES + 8).div_ceil(8))
+            .flat_map(|_| rng.next().to_le_bytes())
+            .collect(),
+    );
+    let stream = zipf_stream(ops, 7);
+    let checkpoints: Vec<usize> = [10_000, 100_000, ops]
+        .into_iter()
+        .filter(|&c| c <= ops)
+        .collect();
+    // Keys never cached by a miss run: every op a miss once the cache is full.
+    let cold: Vec<Key> = (0..LAYERS * EXPERTS)
+        .map(|i| (i / EXPERTS, i % EXPERTS))
+        .cycle()
+        .take(100_000)
+        .collect();
+    println!(
+        "ExpertCache vs one bound slab per entry: {LAYERS}×{EXPERTS} experts, {BYTES} B weights + \
+         {BYTES} B scales, {ENTRIES} entries on node {node}, Zipf(1.0), {ops} ops"
+    );
+
+    // ExpertCache.
+    let base = diag::map_count().expect("maps");
+    let cache = ExpertCache::new(set, ENTRIES, BYTES, BYTES, CacheOptions::default())
+        .expect("ExpertCache::new");
+    let mut cache_maps = Vec::new();
+    let start = Instant::now();
+    let mut sink = 0usize;
+    for (i, &key) in stream.iter().enumerate() {
+        let entry = cache
+            .get_or_load(key.0, key.1, &experts.source(key), Some(node))
+            .expect("get_or_load");
+        sink += entry.weights()[0] as usize;
+        drop(entry);
+        if checkpoints.contains(&(i + 1)) {
+            cache_maps.push(diag::map_count().expect("maps") as isize - base as isize);
+        }
+    }
+    let cache_stream_ns = ns_per(start, ops);
+    let stats = cache.stats().expect("stats");
+    let hot: Vec<Key> = (0..LAYERS)
+        .flat_map(|l| (0..EXPERTS).map(move |e| (l, e)))
+        .filter(|k| cache.get(k.0, k.1).is_some())
+        .collect();
+    let start = Instant::now();
+    for i in 0..ops {
+        let k = hot[i % hot.len()];
+        sink += cache.get(k.0, k.1).map_or(0, |e| e.weights()[0] as usize);
+    }
+    let cache_hit_ns = ns_per(start, ops);
+    let start = Instant::now();
+    for &key in &cold {
+        sink += cache
+            .get_or_load(key.0 + LAYERS, key.1, &experts.source(key), Some(node))
+            .expect("get_or_load")
+            .weights()[0] as usize;
+    }
+    let cache_miss_ns = ns_per(start, cold.len());
+    let cache_after = diag::map_count().expect("maps") as isize - base as isize;
+    drop(cache);
+
+    // One slab per entry.
+    let base = diag::map_count().expect("maps");
+    let mut lru = SlabLru {
+        policy,
+        entries: HashMap::new(),
+        order: BTreeMap::new(),
+        clock: 0,
+    };
+    let mut slab_maps = Vec::new();
+    let start = Instant::now();
+    for (i, &key) in stream.iter().enumerate() {
+        sink += lru.get_or_load(key, &experts.source(key));
+        if checkpoints.contains(&(i + 1)) {
+            slab_maps.push(diag::map_count().expect("maps") as isize - base as isize);
+        }
+    }
+    let slab_stream_ns = ns_per(start, ops);
+    let hot: Vec<Key> = lru.entries.keys().copied().collect();
+    let start = Instant::now();
+    for i in 0..ops {
+        sink += lru
+            .get(hot[i % hot.len()])
+            .map_or(0, |(w, _)| w[0] as usize);
+    }
+    let slab_hit_ns = ns_per(start, ops);
+    let start = Instant::now();
+    for &key in &cold {
+        sink += lru.get_or_load((key.0 + LAYERS, key.1), &experts.source(key));
+    }
+    let slab_miss_ns = ns_per(start, cold.len());
+    let slab_after = diag::map_count().expect("maps") as isize - base as isize;
+    drop(lru);
+    black_box(sink);
+
+    println!(
+        "cache stream: hits {} misses {} evictions {} ({:.1}% hits)",
+        stats.hits,
+        stats.misses,
+        stats.evictions,
+        100.0 * stats.hits as f64 / (stats.hits + stats.misses) as f64
+    );
+    println!("{:<28} {:>14} {:>14}", "", "ExpertCache", "slab per entry");
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "hit (ns/lookup)", cache_hit_ns, slab_hit_ns
+    );
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "miss (ns/load, evicting)", cache_miss_ns, slab_miss_ns
+    );
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "Zipf stream (ns/op)", cache_stream_ns, slab_stream_ns
+    );
+    for (i, c) in checkpoints.iter().enumerate() {
+        println!(
+            "{:<28} {:>14} {:>14}",
+            format!("+mappings after {c} ops"),
+            cache_maps[i],
+            slab_maps[i]
+        );
+    }
+    println!(
+        "{:<28} {:>14} {:>14}",
+        format!("+mappings after {} misses", cold.len()),
+        cache_after,
+        slab_after
+    );
+}
