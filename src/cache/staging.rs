@@ -13,7 +13,9 @@ use crate::page_size;
 use crate::policy::{MbindFlags, MemPolicy, Placement};
 use crate::region::Region;
 
-/// Reusable page-aligned buffers. See the [module docs](self).
+/// Reusable page-aligned buffers for data read once and handed elsewhere: never bound
+/// unless asked ([`StagingPool::bound`]), allocated once, recycled; the mappings stay the
+/// same however many buffers pass through.
 ///
 /// # Example
 /// ```
