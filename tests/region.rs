@@ -308,3 +308,14 @@ fn bind_range_refuses_a_shared_file_mapping_like_region_bind() {
     unsafe { rustix::mm::munmap(ptr, 2 * page()) }.unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_region_is_as_ref_bytes() {
+    let mut r = Region::anonymous(page()).unwrap();
+    r.as_mut_slice().unwrap()[7] = 9;
+    fn sum(bytes: impl AsRef<[u8]>) -> u64 {
+        bytes.as_ref().iter().map(|&b| u64::from(b)).sum()
+    }
+    assert_eq!(sum(&r), 9);
+    assert_eq!(AsRef::<[u8]>::as_ref(&r).len(), page());
+}

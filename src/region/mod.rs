@@ -756,6 +756,13 @@ impl Region {
     }
 }
 
+impl AsRef<[u8]> for Region {
+    /// [`Region::as_slice`].
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
 impl Drop for Region {
     fn drop(&mut self) {
         if let Backing::Lost = self.backing {
