@@ -348,13 +348,41 @@ fn display(path: &Path) -> String {
     path.display().to_string()
 }
 
+/// Opens a regular file for reading. `O_NONBLOCK`, so that a FIFO (or a device) named
+/// like a shard is refused after `fstat` instead of blocking the open forever; it has no
+/// effect on reads of a regular file.
 fn open_file(path: &Path) -> Result<(File, u64)> {
-    let file = File::open(path).map_err(|e| Error::io("open", display(path), e))?;
-    let len = file
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io("open", display(path), e))?;
+    let meta = file
         .metadata()
-        .map_err(|e| Error::io("fstat", display(path), e))?
-        .len();
-    Ok((file, len))
+        .map_err(|e| Error::io("fstat", display(path), e))?;
+    if !meta.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        let kind = if t.is_dir() {
+            "a directory"
+        } else if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_socket() {
+            "a socket"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::checkpoint(
+            display(path),
+            None,
+            CheckpointFault::Header,
+            format!("{kind}, not a regular file"),
+        ));
+    }
+    Ok((file, meta.len()))
 }
 
 /// A name twice across files (within one file the parser already refused it).
