@@ -510,7 +510,11 @@ fn store_piece_align_huge_with_file_pieces() {
     });
     for align in [1usize << 40, 1 << 62, usize::MAX / 2 + 1] {
         let sources = [ExpertSource::File {
-            weights: vec![Piece::new(&file, 0, 100), Piece::new(&file, 4096, 100)],
+            weights: vec![
+                Piece::new(&file, 0, 100),
+                Piece::new(&file, 4096, 100),
+                Piece::new(&file, 200, 100),
+            ],
             scales: vec![],
         }];
         let result = (|| {
@@ -685,9 +689,13 @@ fn manifest_garbage_long_lines_and_crlf() {
             char::from(b' ' + (state % 95) as u8)
         })
         .collect();
-    let header = "numapin-store v1";
+    let header = "numapin-store 2";
     let long = format!("{header}\nregion {}\n", "x".repeat(10 << 20));
     let many = format!("{header}\n{}", "\n".repeat(1 << 20));
+    let valid = format!(
+        "{header}\nregion layer=0 kind=weights len=8192 stride=4096 slot_bytes=100 slots=1 loaded=100\n"
+    );
+    Manifest::parse(&valid).unwrap();
     let big_slots = format!(
         "{header}\nregion layer=0 kind=weights len=0 stride=0 slot_bytes=0 slots={} loaded=\n",
         usize::MAX
@@ -708,8 +716,15 @@ fn manifest_garbage_long_lines_and_crlf() {
         ("crlf", crlf),
         ("commas", commas),
     ] {
+        // Past the header: every case but the first two reaches a region line.
+        assert!(text.starts_with(header) || what.starts_with("garbage"), "{what}");
         let err = Manifest::parse(&text).unwrap_err();
         let msg = err.to_string();
+        if what.starts_with("garbage") || what == "crlf" {
+            assert!(msg.contains("line 0") || msg.contains("line 1"), "{what}: {msg}");
+        } else {
+            assert!(msg.contains("line 2"), "{what}: {msg}");
+        }
         assert!(msg.len() < 2000, "{what}: a {} byte message", msg.len());
         println!("{what}: {msg}");
     }

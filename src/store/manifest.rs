@@ -142,10 +142,15 @@ impl Manifest {
 }
 
 fn bad(line_number: usize, line: &str, why: &str) -> Error {
-    let mut quoted: String = line.chars().take(200).collect();
-    if quoted.len() < line.len() {
-        quoted.push('…');
-    }
+    // Both clipped: `why` may quote a word of the line, and a line may be megabytes.
+    let clip = |text: &str, max: usize| {
+        let mut out: String = text.chars().take(max).collect();
+        if out.len() < text.len() {
+            out.push('…');
+        }
+        out
+    };
+    let (why, quoted) = (clip(why, 400), clip(line, 200));
     Error::invalid(OP, format!("line {line_number}: {why}: {quoted:?}"))
 }
 
