@@ -141,7 +141,10 @@ fn checkpoint_truncated_after_open_pack_is_an_error() {
             matches!(err, Error::Io { .. }) || matches!(err, Error::InvalidArgument { .. }),
             "{mode:?}: {err:?}"
         );
-        assert!(text.contains(&path.display().to_string()) || text.contains("offset"), "{mode:?}: {text}");
+        assert!(
+            text.contains(&path.display().to_string()) || text.contains("offset"),
+            "{mode:?}: {text}"
+        );
         println!("{mode:?}: {text}");
     }
 }
@@ -264,12 +267,19 @@ fn checkpoint_symlink_loop_dangling_link_and_fifo() {
 
     let dir = scratch("checkpoint_fifo");
     let fifo = dir.join("a.safetensors");
-    rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, rustix::fs::Mode::from_raw_mode(0o600))
-        .unwrap();
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .unwrap();
     // A watchdog: if open blocks on the FIFO, the child exits with a distinct status.
     std::thread::spawn(|| {
         std::thread::sleep(std::time::Duration::from_secs(20));
-        let _ = writeln!(std::io::stderr(), "HANG: Checkpoint::open blocked on a FIFO");
+        let _ = writeln!(
+            std::io::stderr(),
+            "HANG: Checkpoint::open blocked on a FIFO"
+        );
         std::process::exit(3);
     });
     for err in [
@@ -301,7 +311,14 @@ fn checkpoint_index_escaping_paths_and_repeated_shard() {
     }
     let dir = scratch(NAME);
     let index = dir.join("model.safetensors.index.json");
-    for shard in ["../../etc/passwd", "/etc/passwd", "..", ".", "", "a/../m.safetensors"] {
+    for shard in [
+        "../../etc/passwd",
+        "/etc/passwd",
+        "..",
+        ".",
+        "",
+        "a/../m.safetensors",
+    ] {
         std::fs::write(
             &index,
             format!(r#"{{"metadata":{{}},"weight_map":{{"t":{shard:?}}}}}"#),
@@ -321,13 +338,11 @@ fn checkpoint_index_escaping_paths_and_repeated_shard() {
     }
     write_moe(&dir.join("m.safetensors"));
     let map: Vec<String> = (0..2)
-        .flat_map(|e| ["gate", "up", "down"].map(|p| format!("{:?}:\"m.safetensors\"", expert(0, e, p))))
+        .flat_map(|e| {
+            ["gate", "up", "down"].map(|p| format!("{:?}:\"m.safetensors\"", expert(0, e, p)))
+        })
         .collect();
-    std::fs::write(
-        &index,
-        format!(r#"{{"weight_map":{{{}}}}}"#, map.join(",")),
-    )
-    .unwrap();
+    std::fs::write(&index, format!(r#"{{"weight_map":{{{}}}}}"#, map.join(","))).unwrap();
     let checkpoint = Checkpoint::open(&dir).unwrap();
     assert_eq!(checkpoint.files().len(), 1);
     assert_eq!(checkpoint.tensors().len(), 6);
@@ -406,7 +421,11 @@ fn gguf_split_huge_part_counts() {
     println!("0 of 0: {err}");
     // Every part present, each claiming to be part 1 (no 0).
     for i in 1..=3 {
-        std::fs::write(dir.join(format!("d-{i:05}-of-00003.gguf")), gguf(Some((0, 3)))).unwrap();
+        std::fs::write(
+            dir.join(format!("d-{i:05}-of-00003.gguf")),
+            gguf(Some((0, 3))),
+        )
+        .unwrap();
     }
     let err = checkpoint_err(Checkpoint::open(dir.join("d-00001-of-00003.gguf")));
     assert!(
@@ -474,7 +493,16 @@ fn store_piece_align_edges() {
     if !child(NAME) {
         return;
     }
-    for align in [0, 1, 2, 3, usize::MAX / 2, usize::MAX / 2 + 1, 1 << 40, usize::MAX] {
+    for align in [
+        0,
+        1,
+        2,
+        3,
+        usize::MAX / 2,
+        usize::MAX / 2 + 1,
+        1 << 40,
+        usize::MAX,
+    ] {
         let result = pack_with(StoreOptions {
             piece_align: align,
             ..StoreOptions::default()
@@ -505,7 +533,10 @@ fn store_piece_align_huge_with_file_pieces() {
     let file = File::open(&path).unwrap();
     std::thread::spawn(|| {
         std::thread::sleep(std::time::Duration::from_secs(60));
-        let _ = writeln!(std::io::stderr(), "HANG: pack_layer with a huge piece_align");
+        let _ = writeln!(
+            std::io::stderr(),
+            "HANG: pack_layer with a huge piece_align"
+        );
         std::process::exit(3);
     });
     for align in [1usize << 40, 1 << 62, usize::MAX / 2 + 1] {
@@ -635,7 +666,10 @@ fn cache_get_or_load_from_a_truncated_file() {
         weights: vec![Piece::new(&file, 0, 8192)],
         scales: vec![],
     };
-    let err = cache.get_or_load(0, 0, &source, Some(node)).err().expect("short read");
+    let err = cache
+        .get_or_load(0, 0, &source, Some(node))
+        .err()
+        .expect("short read");
     println!("{err}");
     assert!(cache.get(0, 0).is_none());
     let stats = cache.stats().unwrap();
@@ -666,7 +700,10 @@ fn staging_pool_sizes_at_the_edge() {
         (1 << 40, 1),
     ] {
         let result = StagingPool::new(buffers, bytes);
-        println!("{buffers} x {bytes}: {:?}", result.as_ref().map(|p| p.span()));
+        println!(
+            "{buffers} x {bytes}: {:?}",
+            result.as_ref().map(|p| p.span())
+        );
         assert!(result.is_err(), "{buffers} x {bytes}");
     }
 }
@@ -717,15 +754,73 @@ fn manifest_garbage_long_lines_and_crlf() {
         ("commas", commas),
     ] {
         // Past the header: every case but the first two reaches a region line.
-        assert!(text.starts_with(header) || what.starts_with("garbage"), "{what}");
+        assert!(
+            text.starts_with(header) || what.starts_with("garbage"),
+            "{what}"
+        );
         let err = Manifest::parse(&text).unwrap_err();
         let msg = err.to_string();
         if what.starts_with("garbage") || what == "crlf" {
-            assert!(msg.contains("line 0") || msg.contains("line 1"), "{what}: {msg}");
+            assert!(
+                msg.contains("line 0") || msg.contains("line 1"),
+                "{what}: {msg}"
+            );
         } else {
             assert!(msg.contains("line 2"), "{what}: {msg}");
         }
         assert!(msg.len() < 2000, "{what}: a {} byte message", msg.len());
         println!("{what}: {msg}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// PinStore::attach with the files out of the manifest's order
+
+/// Two layers of the same shape exported, attached with the files swapped: the regions
+/// have equal lengths, so only the memfds' names tell them apart. The attach must refuse,
+/// not serve layer 1's bytes as layer 0's.
+#[test]
+fn attach_with_files_out_of_order() {
+    const NAME: &str = "attach_with_files_out_of_order";
+    if !child(NAME) {
+        return;
+    }
+    let mut store = PinStore::new(
+        Layout::Unplaced,
+        StoreOptions {
+            shared: true,
+            ..StoreOptions::default()
+        },
+    )
+    .unwrap();
+    let (w0, w1) = (vec![10u8; 5000], vec![11u8; 5000]);
+    for (layer, w) in [(0, &w0), (1, &w1)] {
+        let sources = [ExpertSource::Memory {
+            weights: w,
+            scales: &[],
+        }];
+        let spec = LayerSpec::fitting(&sources).unwrap();
+        store.pack_layer(layer, &spec, &sources).unwrap();
+    }
+    let export = store.export().unwrap();
+    assert_eq!(export.files.len(), 2);
+    // In order: each layer its own bytes.
+    let clone = |f: &File| f.try_clone().unwrap();
+    let attached =
+        PinStore::attach(&export.manifest, export.files.iter().map(clone).collect()).unwrap();
+    assert_eq!(attached.weights(0, 0).unwrap(), &w0[..]);
+    assert_eq!(attached.weights(1, 0).unwrap(), &w1[..]);
+    // Swapped.
+    let swapped: Vec<File> = export.files.iter().rev().map(clone).collect();
+    let result = PinStore::attach(&export.manifest, swapped);
+    match &result {
+        Ok(s) => panic!(
+            "attached with the files swapped: layer 0 expert 0 reads {:?}…",
+            &s.weights(0, 0).unwrap()[..4]
+        ),
+        Err(e) => {
+            println!("{e}");
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+        }
     }
 }

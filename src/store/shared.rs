@@ -150,6 +150,23 @@ impl PinStore {
                     ),
                 ));
             }
+            // Regions of one shape are told apart only by the memfd names export gave
+            // them: a file out of the manifest's order would serve another layer's bytes.
+            let expected = format!("numapin-layer{}-{}", r.layer, r.kind.name());
+            if let Some(name) = memfd_name(&file)
+                && name.starts_with("numapin-layer")
+                && name != expected
+            {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the file for layer {} {} is the memfd {name:?}: the files are not in \
+                         the manifest's order",
+                        r.layer,
+                        r.kind.name()
+                    ),
+                ));
+            }
             let arena = Arena::attach(r, file)?;
             let place = &mut pending.entry(r.layer).or_default()[r.kind.index()];
             if place.replace(arena).is_some() {
@@ -184,6 +201,15 @@ impl PinStore {
         }
         Ok(store)
     }
+}
+
+/// The name a memfd was created with (`/proc/self/fd/N` reads `/memfd:NAME (deleted)`);
+/// `None` for other files or where `/proc` cannot tell.
+fn memfd_name(file: &File) -> Option<String> {
+    use std::os::fd::AsRawFd;
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
+    let name = link.to_str()?.strip_prefix("/memfd:")?;
+    Some(name.strip_suffix(" (deleted)").unwrap_or(name).to_owned())
 }
 
 #[cfg(test)]
