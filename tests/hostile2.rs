@@ -611,7 +611,7 @@ fn cache_sizes_at_the_edge() {
         (node0(), 1, 1 << 50, 0),
     ];
     for (nodes, slots, w, s) in cases {
-        let result = ExpertCache::new(nodes.clone(), slots, w, s, opts);
+        let result = ExpertCache::new(nodes, slots, w, s, opts);
         println!(
             "{nodes} slots={slots} w={w} s={s}: {:?}",
             result.as_ref().map(|c| c.slots_per_node())
@@ -634,7 +634,9 @@ fn cache_on_a_node_not_allowed() {
     let mut set = NodeSet::new();
     set.insert(other);
     let result = ExpertCache::new(set, 2, 4096, 0, CacheOptions::default());
-    let err = result.err().expect("a cache on a node not allowed");
+    let Err(err) = result else {
+        panic!("a cache on node {other}, which is not allowed");
+    };
     println!("{other}: {err}");
     // A node that is not possible here is an invalid argument naming it; one that exists
     // but is outside the cpuset is NodeNotAllowed.
@@ -666,10 +668,9 @@ fn cache_get_or_load_from_a_truncated_file() {
         weights: vec![Piece::new(&file, 0, 8192)],
         scales: vec![],
     };
-    let err = cache
-        .get_or_load(0, 0, &source, Some(node))
-        .err()
-        .expect("short read");
+    let Err(err) = cache.get_or_load(0, 0, &source, Some(node)) else {
+        panic!("a load from a truncated file succeeded");
+    };
     println!("{err}");
     assert!(cache.get(0, 0).is_none());
     let stats = cache.stats().unwrap();
