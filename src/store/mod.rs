@@ -76,6 +76,11 @@ pub struct StoreOptions {
     pub piece_align: usize,
 }
 
+/// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
+/// Anything larger only pads slots (a 100-byte piece aligned to 1 TiB asks for a TiB),
+/// and with overcommit on, populating would fault all of it in.
+pub const MAX_ALIGN: usize = 1 << 30;
+
 /// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
 ///
 /// Whatever the alignment, an arena's region is 2 MiB-aligned with `MADV_HUGEPAGE` when
@@ -107,10 +112,14 @@ impl SlotAlign {
         match self {
             SlotAlign::Page => Ok(page),
             SlotAlign::HugePage => Ok(arena::HUGE_PAGE),
-            SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page => Ok(n),
+            SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page && n <= MAX_ALIGN => Ok(n),
             SlotAlign::Bytes(n) => Err(Error::invalid(
                 "SlotAlign",
-                format!("{n} is not a power of two at least the page size {page}"),
+                format!(
+                    "{n} is not a power of two from the page size {page} to {MAX_ALIGN} \
+                     (1 GiB: a larger alignment pads every slot by more than a huge page of \
+                     the largest size)"
+                ),
             )),
         }
     }

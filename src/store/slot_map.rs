@@ -70,12 +70,15 @@ const OP: &str = "PinStore::pack_layer";
 
 /// Checks [`StoreOptions::piece_align`](super::StoreOptions::piece_align).
 pub(super) fn check_piece_align(align: usize) -> Result<()> {
-    if align.is_power_of_two() {
+    if align.is_power_of_two() && align <= super::MAX_ALIGN {
         Ok(())
     } else {
         Err(Error::invalid(
             "PinStore::new",
-            format!("piece_align {align} is not a power of two (1: pieces back to back)"),
+            format!(
+                "piece_align {align} is not a power of two up to {} (1: pieces back to back)",
+                super::MAX_ALIGN
+            ),
         ))
     }
 }
