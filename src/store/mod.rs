@@ -415,7 +415,7 @@ impl PinStore {
         let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
         let copies = self.copies();
-        if copies > 1 {
+        if !self.replica_set().is_empty() {
             let align = self.options.slot_align.bytes()?;
             let needed = replica::copy_bytes(spec, align)?;
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
@@ -434,7 +434,10 @@ impl PinStore {
                 let (p, calls) = self.bind_blocks(&set, &arenas, spec.experts)?;
                 (Some(p), calls)
             }
-            (Some(policy), _) => (Some(self.bind(&arenas, policy)?), arenas.iter().flatten().count()),
+            (Some(policy), _) => (
+                Some(self.bind(&arenas, policy)?),
+                arenas.iter().flatten().count(),
+            ),
             (None, _) => (None, 0),
         };
         if self.options.populate {
@@ -476,8 +479,7 @@ impl PinStore {
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
-        if let (Layout::Replicate(set), Some(true)) =
-            (self.layout, placement.map(|p| p.is_bound()))
+        if let (Layout::Replicate(set), Some(true)) = (self.layout, placement.map(|p| p.is_bound()))
             && let Some(first) = set.nth(0)
         {
             packed = packed.with_replicas(first, replicas);

@@ -23,6 +23,10 @@ use crate::node::{Node, NodeSet};
 use crate::source::load::{OnNode, running_on};
 use crate::topology::{self, Topology};
 
+/// What [`PinStore::build_replicas`] made: the replicas after the first, the `mbind`
+/// calls, and the bytes written on their nodes.
+pub(super) type Built = (Vec<(Node, Arenas)>, usize, u64);
+
 /// The figure [`Error::NodeMemory`] compares against.
 pub(crate) const FIGURE: &str = "MemFree + Inactive(file) from the node's meminfo (free pages \
      plus the clean page cache the kernel reclaims first, such as the model file just read; \
@@ -54,7 +58,9 @@ pub(crate) fn available_bytes(node: Node) -> Result<Option<u64>> {
                 found: text.chars().take(64).collect(),
             })
     };
-    Ok(Some(field("MemFree:")?.saturating_add(field("Inactive(file):")?)))
+    Ok(Some(
+        field("MemFree:")?.saturating_add(field("Inactive(file):")?),
+    ))
 }
 
 /// The experts of node `i` of `n` when `experts` are split in contiguous blocks (expert
@@ -131,8 +137,7 @@ impl PinStore {
     pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
         let set = self.replica_set();
         if set.is_empty()
-            || crate::probe::NumaCall::Mbind.support()?
-                != crate::probe::MempolicySupport::Available
+            || crate::probe::NumaCall::Mbind.support()? != crate::probe::MempolicySupport::Available
         {
             return Ok(());
         }
@@ -163,7 +168,7 @@ impl PinStore {
         layer: usize,
         spec: &LayerSpec,
         first: &Arenas,
-    ) -> Result<(Vec<(Node, Arenas)>, usize, u64)> {
+    ) -> Result<Built> {
         let set = self.replica_set();
         let mut replicas = Vec::new();
         let (mut mbind_calls, mut local_bytes) = (0, 0);
@@ -246,10 +251,14 @@ impl PinStore {
         if expert >= experts {
             return Err(super::out_of_range(layer, expert, experts));
         }
+        if let Layout::Replicate(_) = self.layout {
+            return Ok(None);
+        }
         Ok(self.target_node(layer, experts, expert))
     }
 
-    /// The node the layout binds `expert` of `layer` (of `experts`) to, if one.
+    /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the
+    /// first copy's for [`Layout::Replicate`]).
     pub(super) fn target_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
         match self.layout {
             Layout::SplitExperts(set) => set.nth(block_of(expert, set.len(), experts)),
