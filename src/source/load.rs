@@ -122,19 +122,32 @@ pub(crate) struct Filled {
 pub(crate) struct OnNode {
     /// The affinity to restore; `None`: nothing was changed.
     previous: Option<CpuSet>,
+    /// The thread runs on the node's CPUs only (moved there, or every CPU is on it).
+    on_node: bool,
 }
 
 impl OnNode {
     /// Moves the calling thread onto `node`'s CPUs.
     #[doc(alias = "sched_setaffinity")]
     pub(crate) fn enter(node: Node) -> OnNode {
-        let stay = OnNode { previous: None };
+        let stay = OnNode {
+            previous: None,
+            on_node: false,
+        };
         let (Ok(topology), Ok(allowed)) = (Topology::get(), sched_getaffinity(None)) else {
             return stay;
         };
+        let cpus = topology.cpus_of(node);
+        if cpus.is_empty() && running_on(node) {
+            // No CPU list at all (a kernel without NUMA: every CPU is on node 0).
+            return OnNode {
+                previous: None,
+                on_node: true,
+            };
+        }
         let mut set = CpuSet::new();
         let mut any = false;
-        for cpu in topology.cpus_of(node) {
+        for cpu in cpus {
             if cpu < CpuSet::MAX_CPU && allowed.is_set(cpu) {
                 set.set(cpu);
                 any = true;
@@ -145,12 +158,13 @@ impl OnNode {
         }
         OnNode {
             previous: Some(allowed),
+            on_node: true,
         }
     }
 
     /// Whether the thread now runs only on the node's CPUs.
     pub(crate) fn moved(&self) -> bool {
-        self.previous.is_some()
+        self.on_node
     }
 }
 
