@@ -254,7 +254,7 @@ pub struct LayerReport {
     pub local_bytes: u64,
     /// Loader threads that could not run on their target node (none of its CPUs in the
     /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
-    /// were.
+    /// were, summed over the fill and each replica's copy.
     pub off_node_loaders: usize,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,
@@ -451,13 +451,13 @@ impl PinStore {
             self.fill(layer, &mut arenas, sources, &lengths, &map, &target)?;
         // Replicas only where the first copy was bound: a degraded store keeps one
         // unplaced copy.
-        let (replicas, replica_calls, replica_local) =
-            if copies > 1 && placement.is_some_and(|p| p.is_bound()) {
-                self.build_replicas(layer, spec, &arenas)?
-            } else {
-                (Vec::new(), 0, 0)
-            };
-        mbind_calls += replica_calls;
+        let built = if copies > 1 && placement.is_some_and(|p| p.is_bound()) {
+            self.build_replicas(layer, spec, &arenas)?
+        } else {
+            replica::Built::default()
+        };
+        mbind_calls += built.mbind_calls;
+        let replicas = built.replicas;
 
         let regions = arenas.iter().flatten().count() * (1 + replicas.len());
         let stride = |kind: Kind| arenas[kind.index()].as_ref().map_or(0, Arena::stride);
@@ -474,8 +474,8 @@ impl PinStore {
             read_fallback,
             policy,
             replicas: 1 + replicas.len(),
-            local_bytes: filled.local_bytes + replica_local,
-            off_node_loaders: filled.off_node_loaders,
+            local_bytes: filled.local_bytes + built.local_bytes,
+            off_node_loaders: filled.off_node_loaders + built.off_node_loaders,
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map);

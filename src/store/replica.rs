@@ -20,12 +20,22 @@ use super::layer::{Arenas, Layer};
 use super::{Kind, LayerSpec, Layout, PinStore};
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
-use crate::source::load::{OnNode, running_on};
+use crate::source::Tensor;
+use crate::source::load::{self, OnNode};
 use crate::topology::{self, Topology};
 
-/// What [`PinStore::build_replicas`] made: the replicas after the first, the `mbind`
-/// calls, and the bytes written on their nodes.
-pub(super) type Built = (Vec<(Node, Arenas)>, usize, u64);
+/// What [`PinStore::build_replicas`] made.
+#[derive(Default)]
+pub(super) struct Built {
+    /// The replicas after the first, with their nodes.
+    pub(super) replicas: Vec<(Node, Arenas)>,
+    /// `mbind` calls made.
+    pub(super) mbind_calls: usize,
+    /// Bytes written by a loader on the replica's node.
+    pub(super) local_bytes: u64,
+    /// Loader threads that could not run on the replica's node.
+    pub(super) off_node_loaders: usize,
+}
 
 /// The figure [`Error::NodeMemory`] compares against.
 pub(crate) const FIGURE: &str = "MemFree + Inactive(file) from the node's meminfo (free pages \
@@ -160,9 +170,9 @@ impl PinStore {
 
     /// Builds the replicas after the first copy (`first`, loaded): for each further node
     /// of the set, reserves the layer's regions, binds them to the node, populates them,
-    /// and copies every slot from the first copy on a thread running on that node.
-    /// Returns the replicas, the `mbind` calls made and the bytes written on the target
-    /// nodes.
+    /// and copies every slot from the first copy with the loader threads, running on that
+    /// node's CPUs (helpers under the map budget, as for a fill). Returns the replicas,
+    /// the `mbind` calls made and what the loaders did.
     pub(super) fn build_replicas(
         &self,
         layer: usize,
@@ -170,8 +180,7 @@ impl PinStore {
         first: &Arenas,
     ) -> Result<Built> {
         let set = self.replica_set();
-        let mut replicas = Vec::new();
-        let (mut mbind_calls, mut local_bytes) = (0, 0);
+        let mut built = Built::default();
         for node in set.iter().skip(1) {
             let mut copy = self.reserve(layer, spec)?;
             let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
@@ -179,7 +188,7 @@ impl PinStore {
                 let placement = arena.bind(&policy)?;
                 self.mbind_calls
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                mbind_calls += 1;
+                built.mbind_calls += 1;
                 // Kept in the store's placement (the first degradation sticks).
                 let _ = self.note_placement(placement);
             }
@@ -188,25 +197,62 @@ impl PinStore {
                     arena.populate()?;
                 }
             }
-            let on_node = OnNode::enter(node);
-            let mut written = 0u64;
-            for (to, from) in copy.iter_mut().zip(first) {
-                let (Some(to), Some(from)) = (to, from) else {
-                    continue;
-                };
-                for slot in 0..from.slots() {
-                    if from.loaded(slot).is_some() {
-                        written += to.copy_slot_from(from, slot)? as u64;
-                    }
+            let filled = self.copy_replica(layer, node, &mut copy, first)?;
+            built.local_bytes += filled.local_bytes;
+            built.off_node_loaders += filled.off_node_loaders;
+            built.replicas.push((node, copy));
+        }
+        Ok(built)
+    }
+
+    /// Copies every loaded slot of `first` into `copy` with the loader threads on `node`;
+    /// marks the slots loaded.
+    fn copy_replica(
+        &self,
+        layer: usize,
+        node: Node,
+        copy: &mut Arenas,
+        first: &Arenas,
+    ) -> Result<load::Filled> {
+        let mut jobs = Vec::new();
+        for ((kind, to), from) in Kind::ALL.into_iter().zip(copy.iter_mut()).zip(first) {
+            let (Some(to), Some(from)) = (to, from) else {
+                continue;
+            };
+            for (slot, dest) in to.slots_mut()?.enumerate() {
+                if let Some(bytes) = from.slot(slot) {
+                    jobs.push(load::Job {
+                        dest,
+                        tensor: Tensor::Memory(bytes),
+                        what: (layer, slot, kind),
+                    });
                 }
             }
-            if on_node.moved() || running_on(node) {
-                local_bytes += written;
-            }
-            drop(on_node);
-            replicas.push((node, copy));
         }
-        Ok((replicas, mbind_calls, local_bytes))
+        jobs.sort_by_key(|job| (job.what.1, job.what.2));
+        let reader = load::Reader::buffered();
+        let threads = self.options.loader_threads;
+        let loading = load::Loading {
+            reader: &reader,
+            scratch: reader.scratch(),
+            meter: None,
+            target: &|_| Some(node),
+        };
+        let filled = load::fill(jobs, threads, loading, |spawned| {
+            let what = || format!("replica loader thread {} of {threads}", spawned + 2);
+            self.maps.reserve(what, load::MAPS_PER_THREAD).ok()
+        })?;
+        for (to, from) in copy.iter_mut().zip(first) {
+            let (Some(to), Some(from)) = (to, from) else {
+                continue;
+            };
+            for slot in 0..from.slots() {
+                if let Some(len) = from.loaded(slot) {
+                    to.mark_loaded(slot, len);
+                }
+            }
+        }
+        Ok(filled)
     }
 
     /// Binds each region of a split layer block by block: the experts of the `i`-th node
