@@ -49,6 +49,11 @@ impl Layer {
         self
     }
 
+    /// The first copy's arenas (the only copy of a layer that is not replicated).
+    pub(crate) fn first_copy(&self) -> &Arenas {
+        &self.arenas
+    }
+
     /// The nodes holding a replica (empty: the layer is not replicated).
     pub(crate) fn replica_nodes(&self) -> &NodeSet {
         &self.replica_nodes

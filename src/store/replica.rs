@@ -179,30 +179,58 @@ impl PinStore {
         spec: &LayerSpec,
         first: &Arenas,
     ) -> Result<Built> {
-        let set = self.replica_set();
         let mut built = Built::default();
-        for node in set.iter().skip(1) {
-            let mut copy = self.reserve(layer, spec)?;
-            let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
-            for arena in copy.iter().flatten() {
-                let placement = arena.bind(&policy)?;
-                self.mbind_calls
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                built.mbind_calls += 1;
-                // Kept in the store's placement (the first degradation sticks).
-                let _ = self.note_placement(placement);
-            }
-            if self.options.populate {
-                for arena in copy.iter_mut().flatten() {
-                    arena.populate()?;
-                }
-            }
-            let filled = self.copy_replica(layer, node, &mut copy, first)?;
+        for node in self.replica_set().iter().skip(1) {
+            let (copy, calls, filled) = self.build_copy(layer, spec, node, first)?;
+            built.mbind_calls += calls;
             built.local_bytes += filled.local_bytes;
             built.off_node_loaders += filled.off_node_loaders;
             built.replicas.push((node, copy));
         }
         Ok(built)
+    }
+
+    /// One replica of a layer of `spec` on `node`, copied from `first`; with the `mbind`
+    /// calls made and what the loaders did.
+    fn build_copy(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        node: Node,
+        first: &Arenas,
+    ) -> Result<(Arenas, usize, load::Filled)> {
+        let mut copy = self.reserve(layer, spec)?;
+        let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+        let mut calls = 0;
+        for arena in copy.iter().flatten() {
+            let placement = arena.bind(&policy)?;
+            self.mbind_calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            calls += 1;
+            // Kept in the store's placement (the first degradation sticks).
+            let _ = self.note_placement(placement);
+        }
+        if self.options.populate {
+            for arena in copy.iter_mut().flatten() {
+                arena.populate()?;
+            }
+        }
+        let filled = self.copy_replica(layer, node, &mut copy, first)?;
+        Ok((copy, calls, filled))
+    }
+
+    /// Benchmark only: builds one more copy of `layer` bound to `node` exactly as a
+    /// replica is built (reserve, bind, populate, copy with the loader threads on the
+    /// node), then drops it; returns the bytes copied. It lets a one-node machine
+    /// measure what building k replicas costs, k copies on one node.
+    ///
+    /// # Errors
+    /// The layer is not packed, or as [`PinStore::pack_layer`].
+    #[doc(hidden)]
+    pub fn bench_replica_copy(&self, layer: usize, node: Node) -> Result<u64> {
+        let l = self.layer(layer)?;
+        let (copy, _, _) = self.build_copy(layer, l.spec(), node, l.first_copy())?;
+        Ok(copy.iter().flatten().map(Arena::loaded_bytes).sum())
     }
 
     /// Copies every loaded slot of `first` into `copy` with the loader threads on `node`;
