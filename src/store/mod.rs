@@ -401,7 +401,9 @@ impl PinStore {
     /// The layer is packed (or being packed) already, its index is too large, the expert
     /// count does not match `sources`, a source is larger than its slot, a file piece
     /// runs past the end of its file (the error names the offset), sizes overflow, the
-    /// map budget would be crossed ([`Error::MapBudget`]), or a call fails. The store
+    /// map budget would be crossed ([`Error::MapBudget`]; replicas and split blocks
+    /// count), a [`Layout::Replicate`] node lacks the memory for this layer's copy
+    /// ([`Error::NodeMemory`], checked before anything is mapped), or a call fails. The store
     /// stays usable after any of these.
     pub fn pack_layer(
         &self,
@@ -814,6 +816,12 @@ impl PinStore {
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
         self.check_open("PinStore::ensure")?;
         let spec = *self.layer(layer)?.spec();
+        // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
+        // node for a replicated layer; the replicas are copied on theirs).
+        let on_node = (expert < spec.experts)
+            .then(|| self.target_node(layer, spec.experts, expert))
+            .flatten()
+            .map(load::OnNode::enter);
         check_fits(layer, expert, &spec, source)?;
         for kind in Kind::ALL {
             let what = || describe(layer, expert, kind);
@@ -850,6 +858,9 @@ impl PinStore {
                 map.set(expert, kind, places);
             }
         }
+        // Back to the caller's own affinity before moving to each replica's node (from
+        // the first node's CPUs alone, no other node's CPU would be allowed).
+        drop(on_node);
         self.sync_replicas(layer, expert)
     }
 }

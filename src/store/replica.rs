@@ -351,6 +351,24 @@ impl PinStore {
     ///
     /// # Errors
     /// As [`PinStore::weights`], or the topology cannot be read.
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+    /// use numapin::NodeSet;
+    ///
+    /// let store = PinStore::new(Layout::Replicate(NodeSet::allowed()?), StoreOptions::default())?;
+    /// let weights = vec![vec![3u8; 5000], vec![4u8; 5000]];
+    /// let sources: Vec<ExpertSource> = weights
+    ///     .iter()
+    ///     .map(|w| ExpertSource::Memory { weights: w, scales: &[] })
+    ///     .collect();
+    /// let spec = LayerSpec { experts: 2, weight_bytes: 5000, scale_bytes: 0 };
+    /// store.pack_layer(0, &spec, &sources)?;
+    /// // Per expert per token, from any thread: this node's copy (or the nearest).
+    /// assert_eq!(store.weights_local(0, 1)?, &weights[1][..]);
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
     pub fn weights_local(&self, layer: usize, expert: usize) -> Result<&[u8]> {
         self.slot_near(topology::current_node()?, layer, expert, Kind::Weights)
     }
