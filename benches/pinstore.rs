@@ -3,7 +3,8 @@
 //! huge-page setting), all in one run; medians of `NUMAPIN_BENCH_RUNS` runs (default 5)
 //! after one warm-up of each. Then the peers side by side, warm and cold, with the page
 //! cache each leaves (`NUMAPIN_BENCH_PEER_RUNS`, default 3; `NUMAPIN_BENCH_ONLY=peers`
-//! prints that table alone), and the mappings each strategy needs as experts grow.
+//! prints that table alone), replica builds and local lookups (`NUMAPIN_BENCH_ONLY=replicas`
+//! alone), and the mappings each strategy needs as experts grow.
 //!
 //! Figures are printed, never asserted: the machine is shared and noisy, so compare the
 //! ratios within one run.
@@ -16,6 +17,9 @@ mod memory;
 
 #[path = "pinstore/peers.rs"]
 mod peers;
+
+#[path = "pinstore/replicas.rs"]
+mod replicas;
 
 #[cfg(feature = "jemalloc")]
 #[global_allocator]
@@ -172,6 +176,11 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     model.write(&path).expect("write model");
+    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("replicas") {
+        replicas::rows(&model, &path, runs);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
         peers::rows(&path, peer_runs);
         let _ = std::fs::remove_dir_all(&dir);
@@ -262,6 +271,7 @@ fn main() {
     memory::allocator_rows(&path, runs);
     memory::sharing_rows(&model, &path, runs);
     peers::rows(&path, peer_runs);
+    replicas::rows(&model, &path, runs);
     let _ = std::fs::remove_dir_all(&dir);
 
     println!();

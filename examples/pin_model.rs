@@ -364,6 +364,18 @@ fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeS
     }
 }
 
+/// Bytes per node as the layout put them (a replica or a block per node).
+fn node_bytes(run: &Run) -> String {
+    if run.node_bytes.is_empty() {
+        return "- (no single node per tensor in this layout)".into();
+    }
+    run.node_bytes
+        .iter()
+        .map(|(n, b)| format!("N{n}={:.1} MiB", *b as f64 / (1u64 << 20) as f64))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn rows(r: &Run) -> Vec<(&'static str, String)> {
     vec![
         ("layers", r.layers.to_string()),
@@ -378,6 +390,7 @@ fn rows(r: &Run) -> Vec<(&'static str, String)> {
         ("THP bytes", gib(r.anon_huge_bytes)),
         ("process RSS", gib(r.rss_bytes)),
         ("pages per node", pages(r)),
+        ("bytes per node", node_bytes(r)),
         ("pages source", r.pages_source_name().to_string()),
         ("read mode", read_mode(r)),
         ("placement", r.placement.clone()),

@@ -107,6 +107,26 @@ pub enum Error {
         /// Mappings the process has now.
         current: usize,
     },
+    /// Memory bound to nodes (the replicas of [`Layout::Replicate`]) would not fit in
+    /// what those nodes have available: refused before anything is mapped, instead of an
+    /// OOM kill halfway.
+    ///
+    /// [`Layout::Replicate`]: crate::store::Layout::Replicate
+    #[error(
+        "{what} needs {needed} bytes on each of the nodes {}, but {}: the figure is {figure}",
+        nodes_of(.available),
+        short_of(.available, *.needed)
+    )]
+    NodeMemory {
+        /// What was being placed.
+        what: String,
+        /// Bytes it needs on each node.
+        needed: u64,
+        /// Bytes available on each node it needs, by the figure below.
+        available: Vec<(crate::Node, u64)>,
+        /// Which per-node figure `available` is (and why that one).
+        figure: &'static str,
+    },
     /// A layer that is not packed (or not attached) was asked for.
     #[error("{op}: layer {layer} is not packed")]
     NotPacked {
@@ -234,6 +254,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn nodes_of(available: &[(crate::Node, u64)]) -> String {
+    let nodes: Vec<String> = available.iter().map(|(n, _)| n.to_string()).collect();
+    nodes.join(",")
+}
+
+fn short_of(available: &[(crate::Node, u64)], needed: u64) -> String {
+    let short: Vec<String> = available
+        .iter()
+        .filter(|(_, free)| *free < needed)
+        .map(|(n, free)| format!("node {n} has {free}"))
+        .collect();
+    short.join(", ")
 }
 
 impl Error {

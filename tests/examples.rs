@@ -105,6 +105,8 @@ fn every_pin_model_flag_keeps_its_meaning() {
         LayoutArg::Interleave,
         LayoutArg::LayerPerNode,
         LayoutArg::Unplaced,
+        LayoutArg::Replicate,
+        LayoutArg::Split,
     ] {
         assert_eq!(parse(&["--layout", layout.name()]).unwrap().layout, layout);
     }
@@ -172,7 +174,13 @@ fn help_shows_every_flag_with_its_default() {
             "{flag}:\n{text}"
         );
     }
-    for word in ["interleave", "layer-per-node", "unplaced"] {
+    for word in [
+        "interleave",
+        "layer-per-node",
+        "unplaced",
+        "replicate",
+        "split",
+    ] {
         assert!(flag_help(&help, "--layout").contains(word), "{word}");
     }
     for flag in [

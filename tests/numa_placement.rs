@@ -306,3 +306,251 @@ fn interleaved_memfd_pages_spread_by_the_shared_policy() {
     assert_eq!(h.present(), PAGES);
     assert_even(&h, &set, "memfd interleave");
 }
+
+/// Runs `f` on a new thread allowed only on `cpu`.
+fn on_cpu<T: Send>(cpu: usize, f: impl FnOnce() -> T + Send) -> T {
+    use rustix::thread::{CpuSet, sched_setaffinity};
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut one = CpuSet::new();
+            one.set(cpu);
+            sched_setaffinity(None, &one).unwrap();
+            assert_eq!(numapin::topology::current_cpu(), cpu);
+            f()
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+/// The node of the page at `ptr` (move_pages).
+fn node_of(ptr: *const u8) -> Node {
+    let h = pages_of(ptr, page());
+    assert_eq!(h.present(), 1, "{h:?}");
+    *h.pages.keys().next().unwrap()
+}
+
+fn replica_options(threads: usize) -> StoreOptions {
+    StoreOptions {
+        huge_pages: false,
+        loader_threads: threads,
+        ..StoreOptions::default()
+    }
+}
+
+#[test]
+fn replicate_puts_each_replica_on_its_node_and_local_reads_are_local() {
+    let Some(nodes) = need_nodes(
+        "replicate_puts_each_replica_on_its_node_and_local_reads_are_local",
+        3,
+    ) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let topology = numapin::topology::Topology::get().unwrap();
+    // The VM's distances: node 3 (memoryless, CPU 3) is nearest to node 2.
+    assert_eq!(
+        topology.distance(Node(3), Node(2)),
+        Some(15),
+        "{topology:?}"
+    );
+    assert_eq!(
+        topology.distance(Node(3), Node(0)),
+        Some(30),
+        "{topology:?}"
+    );
+    let mut store = PinStore::new(Layout::Replicate(set), replica_options(3)).unwrap();
+    let (experts, w) = (8, 64 * 1024);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8 + 7; w]).collect();
+    let bytes = (experts * (w + 512)) as u64;
+    for layer in 0..2 {
+        let report = store.pack_layer(layer, &spec, &sources(&data)).unwrap();
+        assert_eq!(report.replicas, 3);
+        assert_eq!(report.bytes, bytes);
+        assert_eq!(
+            report.local_bytes,
+            3 * bytes,
+            "every copy written on its node"
+        );
+        assert_eq!(report.mbind_calls, 6);
+    }
+    let check_replicas = |store: &PinStore, when: &str| {
+        for layer in 0..2 {
+            for node in set.iter() {
+                let h = pages_of(
+                    store.weights_on(node, layer, 0).unwrap().as_ptr(),
+                    experts * w,
+                );
+                assert_eq!(
+                    h.on(node),
+                    experts * w / page(),
+                    "{when} layer {layer}: {h:?}"
+                );
+                let s = pages_of(
+                    store.scales_on(node, layer, 0).unwrap().as_ptr(),
+                    experts * page(),
+                );
+                assert_eq!(s.on(node), experts, "{when} layer {layer} scales: {s:?}");
+                for (e, d) in data.iter().enumerate() {
+                    assert_eq!(store.weights_on(node, layer, e).unwrap(), &d[..]);
+                    assert_eq!(store.scales_on(node, layer, e).unwrap(), &d[..512]);
+                }
+            }
+        }
+    };
+    check_replicas(&store, "packed");
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.bytes, 2 * 3 * bytes);
+    for node in set.iter() {
+        assert_eq!(stats.node_bytes.get(&node), Some(&(2 * bytes)), "{stats:?}");
+    }
+    // A thread on CPU k (node k) reads node k's replica; CPU 3 (node 3, memoryless)
+    // the nearest by distance, node 2, not the first.
+    let store_ref = &store;
+    for (cpu, want) in [(0, Node(0)), (1, Node(1)), (2, Node(2)), (3, Node(2))] {
+        let ptr = on_cpu(cpu, || {
+            store_ref.weights_local(1, 5).unwrap().as_ptr() as usize
+        });
+        assert_eq!(node_of(ptr as *const u8), want, "cpu {cpu}");
+        assert_eq!(
+            ptr,
+            store.weights_on(want, 1, 5).unwrap().as_ptr() as usize,
+            "cpu {cpu}"
+        );
+    }
+    for layer in 0..2 {
+        store.release(layer, 3).unwrap();
+        store.ensure(layer, 3, &sources(&data)[3]).unwrap();
+    }
+    check_replicas(&store, "after release + ensure");
+}
+
+#[test]
+fn split_experts_blocks_land_on_their_home_nodes() {
+    let Some(nodes) = need_nodes("split_experts_blocks_land_on_their_home_nodes", 3) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let store = PinStore::new(Layout::SplitExperts(set), replica_options(3)).unwrap();
+    let (experts, w) = (16, 64 * 1024);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8 + 1; w]).collect();
+    let report = store.pack_layer(0, &spec, &sources(&data)).unwrap();
+    assert_eq!(report.mbind_calls, 6);
+    assert_eq!(report.local_bytes, report.bytes);
+    let mut per_node = std::collections::BTreeMap::new();
+    for (e, d) in data.iter().enumerate() {
+        let home = store.home_node(0, e).unwrap().unwrap();
+        assert_eq!(home, set.nth(e * 3 / experts).unwrap());
+        let weights = store.weights(0, e).unwrap();
+        assert_eq!(weights, &d[..]);
+        let h = pages_of(weights.as_ptr(), w);
+        assert_eq!(h.on(home), w / page(), "expert {e}: {h:?}");
+        assert_eq!(node_of(store.scales(0, e).unwrap().as_ptr()), home);
+        *per_node.entry(home).or_insert(0) += 1;
+    }
+    // 16 experts over 3 nodes: blocks of 6, 5, 5.
+    assert_eq!(per_node.into_values().collect::<Vec<_>>(), vec![6, 5, 5]);
+}
+
+#[test]
+fn loaders_move_to_the_target_node_or_say_they_could_not() {
+    let Some(nodes) = need_nodes("loaders_move_to_the_target_node_or_say_they_could_not", 3) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let (experts, w) = (8, 64 * 1024);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8; w]).collect();
+    let bytes = (experts * (w + 512)) as u64;
+    // Three loaders filling layer 1 (bound to node 1) all run on node 1's CPU; the
+    // calling thread gets its whole affinity back.
+    let store = PinStore::new(Layout::LayerPerNode(set), replica_options(3)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let before = rustix::thread::sched_getaffinity(None).unwrap();
+            store.pack_layer(0, &spec, &sources(&data)).unwrap();
+            let report = store.pack_layer(1, &spec, &sources(&data)).unwrap();
+            assert_eq!(report.local_bytes, bytes);
+            assert_eq!(report.off_node_loaders, 0);
+            assert_eq!(rustix::thread::sched_getaffinity(None).unwrap(), before);
+        });
+    });
+    // One loader, allowed on CPU 0 only, filling node 1: no CPU of node 1 is allowed, so
+    // it loads from node 0 and says so.
+    let store = PinStore::new(Layout::LayerPerNode(set), replica_options(1)).unwrap();
+    on_cpu(0, || {
+        store.pack_layer(0, &spec, &sources(&data)).unwrap();
+        let report = store.pack_layer(1, &spec, &sources(&data)).unwrap();
+        assert_eq!(report.local_bytes, 0);
+        assert_eq!(report.off_node_loaders, 1);
+        let h = pages_of(store.weights(1, 0).unwrap().as_ptr(), experts * w);
+        assert_eq!(h.on(Node(1)), experts * w / page(), "still bound: {h:?}");
+    });
+}
+
+#[test]
+fn replicas_and_blocks_are_refused_by_memory_and_map_budget_with_their_figures() {
+    let Some(nodes) = need_nodes(
+        "replicas_and_blocks_are_refused_by_memory_and_map_budget_with_their_figures",
+        3,
+    ) else {
+        return;
+    };
+    let set = first_three(&nodes);
+    let store = PinStore::new(Layout::Replicate(set), replica_options(1)).unwrap();
+    // 600 MiB per copy: more than a 512 MiB node.
+    let big = LayerSpec {
+        experts: 600,
+        weight_bytes: 1 << 20,
+        scale_bytes: 0,
+    };
+    match store.check_model_memory(1, &big) {
+        Err(Error::NodeMemory {
+            needed, available, ..
+        }) => {
+            assert_eq!(needed, 600 << 20);
+            assert_eq!(
+                available.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+                vec![Node(0), Node(1), Node(2)]
+            );
+            assert!(
+                available.iter().all(|(_, b)| *b < 512 << 20),
+                "{available:?}"
+            );
+        }
+        other => panic!("expected NodeMemory: {other:?}"),
+    }
+    let small = LayerSpec {
+        experts: 16,
+        weight_bytes: 1 << 20,
+        scale_bytes: 4096,
+    };
+    store.check_model_memory(1, &small).unwrap();
+    // Map budget: 2 regions × 3 copies (Replicate) or × 3 blocks (SplitExperts) per layer.
+    for layout in [Layout::Replicate(set), Layout::SplitExperts(set)] {
+        let options = StoreOptions {
+            vma_budget: Some(diag::map_count().unwrap() + 50),
+            ..replica_options(1)
+        };
+        let store = PinStore::new(layout, options).unwrap();
+        match store.check_model_budget(20, &small) {
+            Err(Error::MapBudget { needed, .. }) => assert_eq!(needed, 20 * 2 * 3 + 2),
+            other => panic!("{layout:?}: expected MapBudget: {other:?}"),
+        }
+        store.check_model_budget(3, &small).unwrap();
+    }
+}

@@ -108,6 +108,7 @@ fn stats_and_report_have_fixed_field_names() {
         layers: 2,
         experts_loaded: 3,
         bytes: 4,
+        node_bytes: BTreeMap::from([(Node(1), 13)]),
         vmas: 5,
         mbind_calls: 6,
         pages_per_node: BTreeMap::from([(Node(0), 7), (Node(2), 8)]),
@@ -122,7 +123,7 @@ fn stats_and_report_have_fixed_field_names() {
     };
     assert_eq!(
         json(&stats),
-        r#"{"layers":2,"experts_loaded":3,"bytes":4,"vmas":5,"mbind_calls":6,"pages_per_node":{"0":7,"2":8},"pages_source":"numa_maps","pages_merged":0,"sample_step":1,"resident_bytes":9,"anon_huge_bytes":10,"shared_bytes":11,"private_bytes":12,"placement":"bound"}"#
+        r#"{"layers":2,"experts_loaded":3,"bytes":4,"node_bytes":{"1":13},"vmas":5,"mbind_calls":6,"pages_per_node":{"0":7,"2":8},"pages_source":"numa_maps","pages_merged":0,"sample_step":1,"resident_bytes":9,"anon_huge_bytes":10,"shared_bytes":11,"private_bytes":12,"placement":"bound"}"#
     );
     assert_eq!(back::<StoreStats>(&json(&stats)), stats);
     let report = LayerReport {
@@ -137,11 +138,14 @@ fn stats_and_report_have_fixed_field_names() {
         read_mode: ReadMode::Buffered,
         read_fallback: Some(ReadFallback::NoDirectIoAlignment),
         policy: Some(MemPolicy::Interleave(set(&[0, 1]))),
+        replicas: 1,
+        local_bytes: 0,
+        off_node_loaders: 0,
         placement: Some(Placement::Degraded(DegradeReason::Unsupported)),
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

@@ -17,6 +17,10 @@ pub enum LayoutArg {
     LayerPerNode,
     /// No binding: pages land where the kernel puts first touches.
     Unplaced,
+    /// A copy of every layer on each node, each bound to its node (nodes × the memory).
+    Replicate,
+    /// Each layer's experts in contiguous blocks, one block bound to each node.
+    Split,
 }
 
 impl LayoutArg {
@@ -26,15 +30,20 @@ impl LayoutArg {
             LayoutArg::Interleave => Layout::Interleave(nodes),
             LayoutArg::LayerPerNode => Layout::LayerPerNode(nodes),
             LayoutArg::Unplaced => Layout::Unplaced,
+            LayoutArg::Replicate => Layout::Replicate(nodes),
+            LayoutArg::Split => Layout::SplitExperts(nodes),
         }
     }
 
-    /// The word on the command line: `interleave`, `layer-per-node` or `unplaced`.
+    /// The word on the command line: `interleave`, `layer-per-node`, `unplaced`,
+    /// `replicate` or `split`.
     pub fn name(self) -> &'static str {
         match self {
             LayoutArg::Interleave => "interleave",
             LayoutArg::LayerPerNode => "layer-per-node",
             LayoutArg::Unplaced => "unplaced",
+            LayoutArg::Replicate => "replicate",
+            LayoutArg::Split => "split",
         }
     }
 }

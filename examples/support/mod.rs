@@ -27,6 +27,9 @@ pub struct Run {
     pub mbind_calls: usize,
     pub load_seconds: f64,
     pub pages_per_node: BTreeMap<Node, u64>,
+    /// Loaded bytes per node by the layout: each replica's, each block's, each layer's
+    /// (`StoreStats::node_bytes`; empty for interleave, unplaced and the baseline).
+    pub node_bytes: BTreeMap<Node, u64>,
     /// Where `pages_per_node` comes from; `None`: unavailable here.
     pub pages_source: Option<PagesSource>,
     /// Pages whose node numa_maps could not tell (a mapping merged across the edge).
@@ -126,6 +129,7 @@ pub fn measure(
         mbind_calls: stats.mbind_calls,
         load_seconds,
         pages_per_node: stats.pages_per_node,
+        node_bytes: stats.node_bytes,
         pages_source: stats.pages_source,
         pages_merged: stats.pages_merged,
         rss_bytes: diag::rss_bytes().unwrap_or(0),
@@ -185,6 +189,7 @@ pub fn run_baseline(
         mbind_calls: slabs.mbind_calls(),
         load_seconds,
         pages_per_node,
+        node_bytes: BTreeMap::new(),
         pages_source,
         pages_merged: 0,
         rss_bytes: diag::rss_bytes().unwrap_or(0),

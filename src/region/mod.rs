@@ -343,6 +343,49 @@ impl Region {
         unsafe { mbind_checked(self.as_ptr().cast(), self.len, policy, mode_flags, flags) }
     }
 
+    /// Sets the memory policy of part of the region (`mbind(2)` over `range`, whose ends
+    /// must be page-aligned offsets): a region bound block by block, each block to its
+    /// own node, costs one mapping per block.
+    ///
+    /// # Errors
+    /// The range is not page-aligned or not inside the region, or as [`Region::bind`].
+    #[doc(alias = "mbind")]
+    pub fn bind_part(
+        &self,
+        range: Range<usize>,
+        policy: &MemPolicy,
+        flags: MbindFlags,
+    ) -> Result<Placement> {
+        let page = crate::page_size();
+        if range.start > range.end
+            || range.end > self.len
+            || !range.start.is_multiple_of(page)
+            || !range.end.is_multiple_of(page)
+        {
+            return Err(Error::invalid(
+                "mbind",
+                format!(
+                    "range {range:?} is not a page-aligned part of the region of {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        if let Backing::File = self.backing {
+            return self.bind(policy, flags);
+        }
+        // SAFETY: the range was checked to lie inside this region's own mapping; MOVE
+        // flags only migrate pages, keeping their contents.
+        unsafe {
+            mbind_checked(
+                self.as_ptr().add(range.start).cast(),
+                range.end - range.start,
+                policy,
+                ModeFlags::empty(),
+                flags,
+            )
+        }
+    }
+
     /// Gives the kernel harmless advice about the whole region.
     ///
     /// # Errors

@@ -9,6 +9,9 @@ pub(crate) use super::progress::Meter;
 pub(crate) use super::read::{DIRECT_BATCH, Reader, Scratch, Segment};
 use super::{Kind, Piece, Tensor};
 use crate::error::{Error, Result};
+use crate::node::Node;
+use crate::topology::{self, Topology};
+use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
 
 /// The longest single `pread` the loader issues.
 pub const MAX_READ: usize = 1 << 30;
@@ -93,11 +96,99 @@ pub(crate) struct Loading<'r, 'a> {
     /// The calling thread's bounce buffer ([`Reader::scratch`]; helpers make their own).
     pub(crate) scratch: Scratch,
     pub(crate) meter: Option<&'r Meter<'r>>,
+    /// The node an expert's slots are bound to (by expert index), when one: a loader
+    /// runs on that node's CPUs while it fills them (see [`OnNode`]).
+    pub(crate) target: &'r (dyn Fn(usize) -> Option<Node> + Sync),
 }
 
-/// Fills every job's slot with the calling thread and up to `threads - 1` helpers;
-/// returns the `pread` count (planned reads, after coalescing). Stops at the first
-/// error. Ends with the reader's end-of-fill advice and, on success, the final progress
+/// What a fill did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Filled {
+    /// `pread` calls (planned reads, after coalescing).
+    pub(crate) reads: usize,
+    /// Bytes written by a loader that was on the slot's target node when it finished it.
+    pub(crate) local_bytes: u64,
+    /// Loader threads that could not be moved onto the node's CPUs (none of them in the
+    /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
+    /// were.
+    pub(crate) off_node_loaders: usize,
+}
+
+/// The calling thread moved onto the CPUs of one node that it may use (its
+/// `sched_getaffinity` set, which cpusets shrink, intersected with the node's CPUs); the
+/// affinity it had comes back on drop. A thread that cannot move (an empty intersection,
+/// a refused call, an unknown topology) stays where it is: [`OnNode::moved`] says so.
+#[derive(Debug)]
+pub(crate) struct OnNode {
+    /// The affinity to restore; `None`: nothing was changed.
+    previous: Option<CpuSet>,
+    /// The thread runs on the node's CPUs only (moved there, or every CPU is on it).
+    on_node: bool,
+}
+
+impl OnNode {
+    /// Moves the calling thread onto `node`'s CPUs.
+    #[doc(alias = "sched_setaffinity")]
+    pub(crate) fn enter(node: Node) -> OnNode {
+        let stay = OnNode {
+            previous: None,
+            on_node: false,
+        };
+        let (Ok(topology), Ok(allowed)) = (Topology::get(), sched_getaffinity(None)) else {
+            return stay;
+        };
+        let cpus = topology.cpus_of(node);
+        if cpus.is_empty() && running_on(node) {
+            // No CPU list at all (a kernel without NUMA: every CPU is on node 0).
+            return OnNode {
+                previous: None,
+                on_node: true,
+            };
+        }
+        let mut set = CpuSet::new();
+        let mut any = false;
+        for cpu in cpus {
+            if cpu < CpuSet::MAX_CPU && allowed.is_set(cpu) {
+                set.set(cpu);
+                any = true;
+            }
+        }
+        if !any || sched_setaffinity(None, &set).is_err() {
+            return stay;
+        }
+        OnNode {
+            previous: Some(allowed),
+            on_node: true,
+        }
+    }
+
+    /// Whether the thread now runs only on the node's CPUs.
+    pub(crate) fn moved(&self) -> bool {
+        self.on_node
+    }
+}
+
+impl Drop for OnNode {
+    fn drop(&mut self) {
+        if let Some(previous) = &self.previous {
+            // The set was this thread's own a moment ago; should the kernel refuse it now
+            // (a cpuset shrank meanwhile), the thread keeps the node's CPUs, which it was
+            // allowed to run on: nothing to report from a destructor.
+            let _ = sched_setaffinity(None, previous);
+        }
+    }
+}
+
+/// Whether the calling thread runs on `node` now (`sched_getcpu` through the CPU → node
+/// table).
+pub(crate) fn running_on(node: Node) -> bool {
+    topology::current_node().is_ok_and(|n| n == node)
+}
+
+/// Fills every job's slot with the calling thread and up to `threads - 1` helpers,
+/// each on the CPUs of the node its slots are bound to ([`Loading::target`]) (see [`OnNode`]); returns the `pread`
+/// count (planned reads, after coalescing) and the bytes written on the node. Stops at
+/// the first error. Ends with the reader's end-of-fill advice and, on success, the final progress
 /// report.
 ///
 /// Each helper is spawned under a `permit(helper_number)`, held until the helper runs and
@@ -111,13 +202,16 @@ pub(crate) fn fill<P>(
     threads: usize,
     loading: Loading<'_, '_>,
     permit: impl Fn(usize) -> Option<P>,
-) -> Result<usize> {
+) -> Result<Filled> {
     let Loading {
         reader,
         scratch,
         meter,
+        target,
     } = loading;
     let reads = AtomicUsize::new(0);
+    let local_bytes = std::sync::atomic::AtomicU64::new(0);
+    let off_node = AtomicUsize::new(0);
     let helpers = helpers(threads, jobs.len());
     // Jobs are taken from the end: reversed, they are taken in the order given (file
     // order, usually, which the kernel's readahead rewards on a cold file).
@@ -128,6 +222,10 @@ pub(crate) fn fill<P>(
     let started = (Mutex::new(0usize), Condvar::new());
     let batches = reader.batches();
     let work = |mut scratch: Scratch| {
+        // The node this thread was moved to (or tried to be), and the guard that moves it
+        // back.
+        let mut on_node: Option<(Node, OnNode)> = None;
+        let mut counted_off_node = false;
         loop {
             if first_error.lock().is_ok_and(|e| e.is_some()) {
                 return;
@@ -140,6 +238,21 @@ pub(crate) fn fill<P>(
                 return;
             }
             let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
+            let batch_bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
+            // A batch is consecutive slots of one file; it may cross a block boundary of
+            // a split layer, and is then loaded from its first slot's node.
+            let node = target(batch[0].what.1);
+            if let Some(node) = node
+                && on_node.as_ref().is_none_or(|(n, _)| *n != node)
+            {
+                drop(on_node.take()); // back to the thread's own affinity first
+                let entered = OnNode::enter(node);
+                if !entered.moved() && !counted_off_node {
+                    counted_off_node = true;
+                    off_node.fetch_add(1, Ordering::Relaxed);
+                }
+                on_node = Some((node, entered));
+            }
             let result = if batch.len() == 1 {
                 batch
                     .into_iter()
@@ -149,6 +262,9 @@ pub(crate) fn fill<P>(
             };
             match result {
                 Ok(()) => {
+                    if node.is_some_and(running_on) {
+                        local_bytes.fetch_add(batch_bytes, Ordering::Relaxed);
+                    }
                     if let Some(meter) = meter {
                         for bytes in sizes {
                             meter.slot_done(bytes as u64);
@@ -202,7 +318,11 @@ pub(crate) fn fill<P>(
             if let Some(meter) = meter {
                 meter.finish();
             }
-            Ok(reads.into_inner())
+            Ok(Filled {
+                reads: reads.into_inner(),
+                local_bytes: local_bytes.into_inner(),
+                off_node_loaders: off_node.into_inner(),
+            })
         }
     }
 }

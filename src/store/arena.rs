@@ -123,6 +123,35 @@ impl Arena {
         self.region.bind(policy, MbindFlags::empty())
     }
 
+    /// Binds slots `slots` only (one `mbind` over their strides).
+    pub(crate) fn bind_slots(&self, slots: Range<usize>, policy: &MemPolicy) -> Result<Placement> {
+        let range = slots.start * self.stride..slots.end * self.stride;
+        self.region.bind_part(range, policy, MbindFlags::empty())
+    }
+
+    /// Copies slot `i` of `from` (an arena of the same shape) into slot `i`, and marks
+    /// it loaded with the same length; a released slot of `from` is an error. Returns
+    /// the bytes copied.
+    pub(crate) fn copy_slot_from(&mut self, from: &Arena, i: usize) -> Result<usize> {
+        let src = from.slot(i).ok_or_else(|| {
+            Error::invalid(
+                "PinStore replica",
+                format!("slot {i} of the first replica is not loaded"),
+            )
+        })?;
+        let len = src.len();
+        let dest = self.slot_mut(i)?;
+        let dest = dest.get_mut(..len).ok_or_else(|| {
+            Error::invalid(
+                "PinStore replica",
+                format!("slot {i}: {len} bytes do not fit a replica's slot"),
+            )
+        })?;
+        dest.copy_from_slice(src);
+        self.mark_loaded(i, len);
+        Ok(len)
+    }
+
     pub(crate) fn populate(&mut self) -> Result<()> {
         self.region.populate_write()
     }

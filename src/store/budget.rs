@@ -114,7 +114,11 @@ impl PinStore {
     ///
     /// [`StoreOptions::vma_budget`]: super::StoreOptions::vma_budget
     pub fn check_model_budget(&self, layers: usize, spec: &LayerSpec) -> Result<()> {
-        let per_layer = 1 + usize::from(spec.scale_bytes > 0);
+        // Replicas and split blocks are mappings too: a region per kind per copy, a
+        // mapping per block of a split region.
+        let per_layer = (1 + usize::from(spec.scale_bytes > 0))
+            * self.copies()
+            * self.maps_per_region(spec.experts);
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
             Error::invalid(
                 "PinStore::check_model_budget",

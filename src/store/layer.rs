@@ -1,9 +1,14 @@
-//! One packed layer: its spec and one arena per tensor kind that it has.
+//! One packed layer: its spec and one arena per tensor kind that it has, plus, for
+//! [`Layout::Replicate`](super::Layout::Replicate), a copy of those arenas per further node.
 
 use super::LayerSpec;
 use super::arena::Arena;
 use super::slot_map::SlotMap;
+use crate::node::{Node, NodeSet};
 use crate::source::Kind;
+
+/// The arenas of one copy of a layer, indexed by [`Kind::index`].
+pub(crate) type Arenas = [Option<Arena>; Kind::ALL.len()];
 
 /// A packed (or attached) layer.
 #[derive(Debug)]
@@ -13,6 +18,12 @@ pub(crate) struct Layer {
     arenas: [Option<Arena>; Kind::ALL.len()],
     /// Where each piece of each slot lies (`None` for an attached layer).
     slot_map: Option<SlotMap>,
+    /// The node the first copy (`arenas`) is bound to, for a replicated layer.
+    first_node: Option<Node>,
+    /// The other replicas, in node order, each with the node it is bound to.
+    replicas: Vec<(Node, Arenas)>,
+    /// The nodes holding a replica (the first's included; empty: not replicated).
+    replica_nodes: NodeSet,
 }
 
 impl Layer {
@@ -22,7 +33,71 @@ impl Layer {
             spec,
             arenas,
             slot_map: None,
+            first_node: None,
+            replicas: Vec::new(),
+            replica_nodes: NodeSet::new(),
         }
+    }
+
+    /// The layer with its first copy bound to `first` and the other replicas.
+    pub(crate) fn with_replicas(mut self, first: Node, replicas: Vec<(Node, Arenas)>) -> Layer {
+        self.replica_nodes = std::iter::once(first)
+            .chain(replicas.iter().map(|(n, _)| *n))
+            .collect();
+        self.first_node = Some(first);
+        self.replicas = replicas;
+        self
+    }
+
+    /// The first copy's arenas (the only copy of a layer that is not replicated).
+    pub(crate) fn first_copy(&self) -> &Arenas {
+        &self.arenas
+    }
+
+    /// The nodes holding a replica (empty: the layer is not replicated).
+    pub(crate) fn replica_nodes(&self) -> &NodeSet {
+        &self.replica_nodes
+    }
+
+    /// The arena of `kind` of the replica on `node` (`None`: no replica there, or no
+    /// such kind).
+    pub(crate) fn replica_arena(&self, node: Node, kind: Kind) -> Option<&Arena> {
+        if self.first_node == Some(node) {
+            return self.arena(kind);
+        }
+        let (_, arenas) = self.replicas.iter().find(|(n, _)| *n == node)?;
+        arenas[kind.index()].as_ref()
+    }
+
+    /// Every replica's arenas with their node (the first copy first; a layer that is not
+    /// replicated yields nothing).
+    pub(crate) fn replicas(&self) -> impl Iterator<Item = (Node, &Arenas)> {
+        self.first_node
+            .map(|n| (n, &self.arenas))
+            .into_iter()
+            .chain(self.replicas.iter().map(|(n, a)| (*n, a)))
+    }
+
+    /// The first copy and the other replicas' arenas of `kind`, writable: the first
+    /// (source of copies) apart from the others.
+    pub(crate) fn split_replicas_mut(
+        &mut self,
+        kind: Kind,
+    ) -> (Option<&mut Arena>, Vec<(Node, &mut Arena)>) {
+        let others = self
+            .replicas
+            .iter_mut()
+            .filter_map(|(n, a)| Some((*n, a[kind.index()].as_mut()?)))
+            .collect();
+        (self.arenas[kind.index()].as_mut(), others)
+    }
+
+    /// Every arena of every copy (the first copy's, then the other replicas').
+    pub(crate) fn all_arenas(&self) -> impl Iterator<Item = &Arena> {
+        self.arenas
+            .iter()
+            .chain(self.replicas.iter().flat_map(|(_, a)| a.iter()))
+            .flatten()
     }
 
     /// The layer with its pieces' layout.
@@ -54,11 +129,6 @@ impl Layer {
 
     pub(crate) fn arena_mut(&mut self, kind: Kind) -> Option<&mut Arena> {
         self.arenas[kind.index()].as_mut()
-    }
-
-    /// The arenas the layer has.
-    pub(crate) fn arenas(&self) -> impl Iterator<Item = &Arena> {
-        self.arenas.iter().flatten()
     }
 
     /// The arenas the layer has, with their kind.

@@ -6,6 +6,7 @@ mod arena;
 mod budget;
 mod layer;
 mod manifest;
+mod replica;
 mod shared;
 mod slot_map;
 mod stats;
@@ -39,6 +40,16 @@ pub enum Layout {
     Interleave(NodeSet),
     /// Layer `i` bound to the `i mod n`-th node of the set.
     LayerPerNode(NodeSet),
+    /// A copy of every layer on each node of the set, each bound (`MPOL_BIND`) to its
+    /// node: a thread reads its own node's copy ([`PinStore::weights_local`]). Costs
+    /// nodes × the memory and nodes × the mappings; the file is read once, into the first
+    /// node's copy, and the others are copied from it. Where placement is denied or
+    /// unsupported, one unplaced copy is built.
+    Replicate(NodeSet),
+    /// The experts of each layer in contiguous blocks, one per node of the set (expert
+    /// `e` of `E` on the `e × n / E`-th node), each block bound to its node:
+    /// [`PinStore::home_node`] says where an expert lives. Up to n mappings per region.
+    SplitExperts(NodeSet),
     /// No binding at all: the baseline, and what a denied container gets anyway.
     Unplaced,
 }
@@ -239,8 +250,21 @@ pub struct LayerReport {
     /// Why [`ReadMode::Direct`] fell back to buffered reads (the first file that did),
     /// if it did.
     pub read_fallback: Option<ReadFallback>,
-    /// The layer's policy (`None` for [`Layout::Unplaced`]).
+    /// The layer's policy (`None` for [`Layout::Unplaced`] and [`Layout::SplitExperts`],
+    /// whose blocks each have their own; the first copy's for [`Layout::Replicate`]).
     pub policy: Option<MemPolicy>,
+    /// Copies of the layer: the nodes of [`Layout::Replicate`] (1 where placement
+    /// degraded), 1 for the other layouts.
+    pub replicas: usize,
+    /// Bytes written by a loader running on the node they were bound to, over every copy
+    /// (0 for [`Layout::Interleave`] and [`Layout::Unplaced`], which bind to no single
+    /// node). With [`LayerReport::bytes`] × [`LayerReport::replicas`] it says how much
+    /// of the load was node-local.
+    pub local_bytes: u64,
+    /// Loader threads that could not run on their target node (none of its CPUs in the
+    /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
+    /// were, summed over the fill and each replica's copy.
+    pub off_node_loaders: usize,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,
 }
@@ -321,7 +345,10 @@ impl PinStore {
     /// A layout with an empty node set, zero loader threads, a bad slot alignment, or a
     /// piece alignment that is not a power of two.
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
-        if let Layout::Interleave(set) | Layout::LayerPerNode(set) = layout
+        if let Layout::Interleave(set)
+        | Layout::LayerPerNode(set)
+        | Layout::Replicate(set)
+        | Layout::SplitExperts(set) = layout
             && set.is_empty()
         {
             return Err(Error::invalid(
@@ -331,6 +358,12 @@ impl PinStore {
         }
         if options.loader_threads == 0 {
             return Err(Error::invalid("PinStore::new", "loader_threads is 0"));
+        }
+        if options.shared && matches!(layout, Layout::Replicate(_)) {
+            return Err(Error::invalid(
+                "PinStore::new",
+                format!("{layout:?} with shared arenas: exporting replicas is not supported"),
+            ));
         }
         options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
@@ -351,14 +384,18 @@ impl PinStore {
         self.layout
     }
 
-    /// The policy layer `layer` gets (`None`: unplaced).
+    /// The policy layer `layer` gets (`None`: unplaced, or [`Layout::SplitExperts`],
+    /// whose blocks each get their node; the first copy's for [`Layout::Replicate`]).
     pub fn policy_for(&self, layer: usize) -> Option<MemPolicy> {
         match self.layout {
             Layout::Interleave(set) => Some(MemPolicy::Interleave(set)),
             Layout::LayerPerNode(set) => set
                 .nth(layer % set.len())
                 .map(|n| MemPolicy::Bind(std::iter::once(n).collect())),
-            Layout::Unplaced => None,
+            Layout::Replicate(set) => set
+                .nth(0)
+                .map(|n| MemPolicy::Bind(std::iter::once(n).collect())),
+            Layout::SplitExperts(_) | Layout::Unplaced => None,
         }
     }
 
@@ -373,7 +410,9 @@ impl PinStore {
     /// The layer is packed (or being packed) already, its index is too large, the expert
     /// count does not match `sources`, a source is larger than its slot, a file piece
     /// runs past the end of its file (the error names the offset), sizes overflow, the
-    /// map budget would be crossed ([`Error::MapBudget`]), or a call fails. The store
+    /// map budget would be crossed ([`Error::MapBudget`]; replicas and split blocks
+    /// count), a [`Layout::Replicate`] node lacks the memory for this layer's copy
+    /// ([`Error::NodeMemory`], checked before anything is mapped), or a call fails. The store
     /// stays usable after any of these.
     pub fn pack_layer(
         &self,
@@ -386,21 +425,52 @@ impl PinStore {
         let map = SlotMap::build(layer, sources, self.options.piece_align)?;
         let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
+        let copies = self.copies();
+        if !self.replica_set().is_empty() {
+            let align = self.options.slot_align.bytes()?;
+            let needed = replica::copy_bytes(spec, align)?;
+            self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
+        }
+        let per_copy = spec.kinds().count() * self.maps_per_region(spec.experts);
+        let maps = per_copy.checked_mul(copies).ok_or_else(|| {
+            Error::invalid(PACK, format!("layer {layer}: {copies} copies overflow"))
+        })?;
+        if maps > spec.kinds().count() {
+            self.check_budget(format!("layer {layer} ({copies} copies)"), maps)?;
+        }
         let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
-        let placement = match &policy {
-            Some(policy) => Some(self.bind(&arenas, policy)?),
-            None => None,
+        let (placement, mut mbind_calls) = match (&policy, self.layout) {
+            (_, Layout::SplitExperts(set)) => {
+                let (p, calls) = self.bind_blocks(&set, &arenas, spec.experts)?;
+                (Some(p), calls)
+            }
+            (Some(policy), _) => (
+                Some(self.bind(&arenas, policy)?),
+                arenas.iter().flatten().count(),
+            ),
+            (None, _) => (None, 0),
         };
         if self.options.populate {
             for arena in arenas.iter_mut().flatten() {
                 arena.populate()?;
             }
         }
-        let (reads, (read_mode, read_fallback)) =
-            self.fill(layer, &mut arenas, sources, &lengths, &map)?;
+        let experts = spec.experts;
+        let target = |expert: usize| self.target_node(layer, experts, expert);
+        let (filled, (read_mode, read_fallback)) =
+            self.fill(layer, &mut arenas, sources, &lengths, &map, &target)?;
+        // Replicas only where the first copy was bound: a degraded store keeps one
+        // unplaced copy.
+        let built = if copies > 1 && placement.is_some_and(|p| p.is_bound()) {
+            self.build_replicas(layer, spec, &arenas)?
+        } else {
+            replica::Built::default()
+        };
+        mbind_calls += built.mbind_calls;
+        let replicas = built.replicas;
 
-        let regions = arenas.iter().flatten().count();
+        let regions = arenas.iter().flatten().count() * (1 + replicas.len());
         let stride = |kind: Kind| arenas[kind.index()].as_ref().map_or(0, Arena::stride);
         let report = LayerReport {
             layer,
@@ -409,18 +479,24 @@ impl PinStore {
             scale_stride: stride(Kind::Scales),
             bytes: lengths.iter().flatten().map(|&n| n as u64).sum(),
             regions,
-            mbind_calls: if policy.is_some() { regions } else { 0 },
-            reads,
+            mbind_calls,
+            reads: filled.reads,
             read_mode,
             read_fallback,
             policy,
+            replicas: 1 + replicas.len(),
+            local_bytes: filled.local_bytes + built.local_bytes,
+            off_node_loaders: filled.off_node_loaders + built.off_node_loaders,
             placement,
         };
+        let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
+        if let (Layout::Replicate(set), Some(true)) = (self.layout, placement.map(|p| p.is_bound()))
+            && let Some(first) = set.nth(0)
+        {
+            packed = packed.with_replicas(first, replicas);
+        }
         self.layers
-            .set(
-                layer,
-                Box::new(Layer::new(*spec, arenas).with_slot_map(map)),
-            )
+            .set(layer, Box::new(packed))
             .map_err(|_| Error::AlreadyPacked {
                 op: PACK,
                 layer,
@@ -474,7 +550,8 @@ impl PinStore {
         sources: &[ExpertSource<'_>],
         lengths: &[[usize; 2]],
         map: &SlotMap,
-    ) -> Result<(usize, (ReadMode, Option<ReadFallback>))> {
+        target: &(dyn Fn(usize) -> Option<crate::node::Node> + Sync),
+    ) -> Result<(load::Filled, (ReadMode, Option<ReadFallback>))> {
         let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
             Error::invalid(
                 PACK,
@@ -522,8 +599,9 @@ impl PinStore {
             reader: &reader,
             scratch,
             meter: meter.as_ref(),
+            target,
         };
-        let reads = load::fill(jobs, threads, loading, |spawned| {
+        let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("loader thread {} of {threads}", spawned + 2);
             self.maps
                 .reserve(what, load::MAPS_PER_THREAD + bounce_maps)
@@ -536,7 +614,7 @@ impl PinStore {
                 arena.mark_loaded(expert, slot_map::extent(places));
             }
         }
-        Ok((reads, reader.outcome()))
+        Ok((filled, reader.outcome()))
     }
 
     /// Checks the request; returns each expert's `[weights, scales]` byte counts.
@@ -703,8 +781,8 @@ impl PinStore {
         self.release_kind(layer, expert, Kind::Scales)
     }
 
-    /// Gives one tensor's pages back (`MADV_DONTNEED` over its slot). The slot's
-    /// addresses and the region's policy stay; reading it is an error until
+    /// Gives one tensor's pages back (`MADV_DONTNEED` over its slot, in every replica).
+    /// The slot's addresses and the region's policy stay; reading it is an error until
     /// [`PinStore::ensure`] loads it again, which faults under the same policy.
     ///
     /// # Errors
@@ -712,9 +790,15 @@ impl PinStore {
     /// attached ([`Error::Frozen`]).
     pub fn release_kind(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<()> {
         self.check_open("PinStore::release")?;
-        let arena = self.arena_mut(layer, expert, kind)?;
-        let Some(arena) = arena else { return Ok(()) };
-        arena.release_slot(expert)
+        self.arena_mut(layer, expert, kind)?;
+        let Some(l) = self.layers.get_mut(layer) else {
+            return Ok(());
+        };
+        let (first, others) = l.split_replicas_mut(kind);
+        for arena in first.into_iter().chain(others.into_iter().map(|(_, a)| a)) {
+            arena.release_slot(expert)?;
+        }
+        Ok(())
     }
 
     fn arena_mut(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<Option<&mut Arena>> {
@@ -732,7 +816,8 @@ impl PinStore {
     /// Loads whatever of `expert` is released (weights, scales, or both) from `source`
     /// into its own slot, under the policy the region kept, its pieces laid out as in
     /// [`PinStore::pack_layer`] (the slot map follows). Loaded tensors are left as they
-    /// are.
+    /// are. A replicated layer reloads the first copy from `source` and copies it to the
+    /// other replicas, each copy made on the replica's node.
     ///
     /// # Errors
     /// As [`PinStore::release_kind`] (including [`Error::Frozen`]), a source larger than
@@ -740,6 +825,12 @@ impl PinStore {
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
         self.check_open("PinStore::ensure")?;
         let spec = *self.layer(layer)?.spec();
+        // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
+        // node for a replicated layer; the replicas are copied on theirs).
+        let on_node = (expert < spec.experts)
+            .then(|| self.target_node(layer, spec.experts, expert))
+            .flatten()
+            .map(load::OnNode::enter);
         check_fits(layer, expert, &spec, source)?;
         for kind in Kind::ALL {
             let what = || describe(layer, expert, kind);
@@ -776,7 +867,10 @@ impl PinStore {
                 map.set(expert, kind, places);
             }
         }
-        Ok(())
+        // Back to the caller's own affinity before moving to each replica's node (from
+        // the first node's CPUs alone, no other node's CPU would be allowed).
+        drop(on_node);
+        self.sync_replicas(layer, expert)
     }
 }
 

@@ -20,8 +20,20 @@ pub struct StoreStats {
     pub layers: usize,
     /// Expert slots whose weights are loaded.
     pub experts_loaded: usize,
-    /// Loaded bytes (weights and scales).
+    /// Loaded bytes (weights and scales), every replica's.
     pub bytes: u64,
+    /// Loaded bytes per node the layout put them on: each replica's
+    /// ([`Layout::Replicate`]), each block's ([`Layout::SplitExperts`]), each layer's
+    /// ([`Layout::LayerPerNode`]); empty for [`Layout::Interleave`] and
+    /// [`Layout::Unplaced`]. What the layout meant; `pages_per_node` says where the pages
+    /// are.
+    ///
+    /// [`Layout::Replicate`]: super::Layout::Replicate
+    /// [`Layout::SplitExperts`]: super::Layout::SplitExperts
+    /// [`Layout::LayerPerNode`]: super::Layout::LayerPerNode
+    /// [`Layout::Interleave`]: super::Layout::Interleave
+    /// [`Layout::Unplaced`]: super::Layout::Unplaced
+    pub node_bytes: BTreeMap<Node, u64>,
     /// Mappings the store's regions occupy, counted in `/proc/self/smaps`.
     pub vmas: usize,
     /// `mbind` calls made.
@@ -72,10 +84,14 @@ impl PinStore {
         if self.state == super::State::Broken {
             return Err(super::broken("PinStore::stats"));
         }
+        let mut node_bytes = BTreeMap::new();
+        for (index, layer) in self.layers.iter() {
+            super::replica::node_bytes(self, index, layer, &mut node_bytes);
+        }
         let layers: Vec<&Layer> = self.layers.iter().map(|(_, l)| &**l).collect();
         let spans: Vec<(usize, usize)> = layers
             .iter()
-            .flat_map(|l| l.arenas().map(Arena::span))
+            .flat_map(|l| l.all_arenas().map(Arena::span))
             .collect();
         let total_pages: usize = spans
             .iter()
@@ -86,7 +102,7 @@ impl PinStore {
         let (mut pages_source, mut pages_merged) = (None, 0);
         let regions: Vec<&Region> = layers
             .iter()
-            .flat_map(|l| l.arenas().map(Arena::region))
+            .flat_map(|l| l.all_arenas().map(Arena::region))
             .collect();
         if let Observed::Known(h) = Region::placement_of_all(&regions, sample_step)? {
             if h.source == PagesSource::NumaMaps {
@@ -105,9 +121,10 @@ impl PinStore {
             experts_loaded: layers.iter().map(|l| l.experts_loaded()).sum(),
             bytes: layers
                 .iter()
-                .flat_map(|l| l.arenas())
+                .flat_map(|l| l.all_arenas())
                 .map(Arena::loaded_bytes)
                 .sum(),
+            node_bytes,
             vmas: smaps.len(),
             resident_bytes: smaps.iter().map(|e| e.rss).sum(),
             anon_huge_bytes: smaps.iter().map(|e| e.anon_huge).sum(),

@@ -448,8 +448,21 @@ fn boot(
             &format!("node,nodeid={node},cpus={node},memdev=m{node}"),
         ]);
     }
-    cmd.args(["-numa", "node,nodeid=3,cpus=3"])
-        .arg("-kernel")
+    cmd.args(["-numa", "node,nodeid=3,cpus=3"]);
+    // Non-uniform distances, so that "nearest" and "first" differ: the memoryless node 3
+    // is near node 2 and far from 0 and 1. qemu wants every pair (a partial table makes
+    // it exit); it mirrors each to the other direction.
+    for (a, b, distance) in [
+        (0, 1, 20),
+        (0, 2, 20),
+        (1, 2, 20),
+        (0, 3, 30),
+        (1, 3, 30),
+        (2, 3, 15),
+    ] {
+        cmd.args(["-numa", &format!("dist,src={a},dst={b},val={distance}")]);
+    }
+    cmd.arg("-kernel")
         .arg(&tools.kernel)
         .arg("-initrd")
         .arg(initramfs)

@@ -1,0 +1,126 @@
+//! `Layout::Replicate`: what building k copies costs, and what finding the local copy
+//! costs per call.
+//!
+//! A one-node host cannot hold replicas on k nodes, so the build is measured as k copies
+//! on one node: the file read once into the first copy (a `Replicate` store over this
+//! node), then k - 1 copies built exactly as replicas are (reserve, bind, populate, copy
+//! with the loader threads; `PinStore::bench_replica_copy`), against reading the file k
+//! times (k stores). Each extra copy is dropped once built, so at most two copies are
+//! resident. Lookup: `weights_local` (sched_getcpu from the vDSO, the CPU → node table,
+//! the replica) against `weights` and against indexing a `Vec<&[u8]>`.
+
+use std::fs::File;
+use std::hint::black_box;
+use std::path::Path;
+use std::time::Instant;
+
+use numapin::NodeSet;
+use numapin::store::{Layout, PinStore, StoreOptions};
+use numapin_testkit::synthetic::SyntheticModel;
+
+fn options() -> StoreOptions {
+    StoreOptions {
+        loader_threads: 2,
+        ..StoreOptions::default()
+    }
+}
+
+/// Seconds to pack every layer of `model` from `file` into a new store.
+fn pack(model: &SyntheticModel, file: &File, layout: Layout) -> (f64, PinStore) {
+    let store = PinStore::new(layout, options()).expect("store");
+    let start = Instant::now();
+    for layer in 0..model.layers {
+        store
+            .pack_layer(layer, &model.spec(), &model.sources(file, layer))
+            .expect("pack");
+    }
+    (start.elapsed().as_secs_f64(), store)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
+    let file = File::open(path).expect("open model");
+    let node = numapin::topology::current_node().expect("current node");
+    let layout = Layout::Replicate(std::iter::once(node).collect::<NodeSet>());
+    let bytes = model.total_bytes().unwrap_or(0) as f64;
+    println!();
+    println!(
+        "replica build: k copies on node {node} ({:.2} GiB each, 2 loader threads; the llama.cpp NUMA mirror PR reports 16.1 GiB in 17.5 s = 0.99 GB/s)",
+        bytes / (1u64 << 30) as f64
+    );
+    println!(
+        "{:>3} {:>26} {:>26} {:>10}",
+        "k", "read once + copy (GB/s)", "read k times (GB/s)", "speed-up"
+    );
+    let _ = pack(model, &file, layout); // warm-up
+    for k in [2usize, 3] {
+        let mut copied = Vec::new();
+        let mut reread = Vec::new();
+        for _ in 0..runs {
+            let (read, store) = pack(model, &file, layout);
+            let start = Instant::now();
+            for _ in 1..k {
+                for layer in 0..model.layers {
+                    store.bench_replica_copy(layer, node).expect("copy");
+                }
+            }
+            copied.push(read + start.elapsed().as_secs_f64());
+            drop(store);
+            let mut total = 0.0;
+            for _ in 0..k {
+                total += pack(model, &file, layout).0;
+            }
+            reread.push(total);
+        }
+        let (copied, reread) = (median(copied), median(reread));
+        let gbps = |seconds: f64| k as f64 * bytes / seconds / 1e9;
+        println!(
+            "{k:>3} {:>26.2} {:>26.2} {:>9.2}x",
+            gbps(copied),
+            gbps(reread),
+            reread / copied
+        );
+    }
+
+    let (_, store) = pack(model, &file, layout);
+    let slices: Vec<Vec<&[u8]>> = (0..model.layers)
+        .map(|l| {
+            (0..model.experts)
+                .map(|e| store.weights(l, e).expect("weights"))
+                .collect()
+        })
+        .collect();
+    let calls = 4_000_000usize;
+    let time = |f: &dyn Fn(usize, usize) -> u8| {
+        let start = Instant::now();
+        let mut sum = 0u64;
+        for i in 0..calls {
+            sum += u64::from(f(black_box(i % model.layers), black_box(i % model.experts)));
+        }
+        black_box(sum);
+        start.elapsed().as_secs_f64() * 1e9 / calls as f64
+    };
+    let local = median(
+        (0..runs)
+            .map(|_| time(&|l, e| store.weights_local(l, e).expect("local")[0]))
+            .collect(),
+    );
+    let plain = median(
+        (0..runs)
+            .map(|_| time(&|l, e| store.weights(l, e).expect("weights")[0]))
+            .collect(),
+    );
+    let index = median((0..runs).map(|_| time(&|l, e| slices[l][e][0])).collect());
+    println!();
+    println!("lookup, ns per call ({calls} calls, median of {runs})");
+    println!(
+        "{:<34} {:>8.1}",
+        "weights_local (sched_getcpu + table)", local
+    );
+    println!("{:<34} {:>8.1}", "weights", plain);
+    println!("{:<34} {:>8.1}", "Vec<&[u8]> index", index);
+}

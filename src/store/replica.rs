@@ -1,0 +1,511 @@
+//! [`Layout::Replicate`] and [`Layout::SplitExperts`]: which node holds what, the memory
+//! check before replicas are built, the replica copies, and the lookups
+//! ([`PinStore::weights_local`], [`PinStore::weights_on`], [`PinStore::home_node`]).
+//!
+//! # Which per-node figure the memory check uses
+//!
+//! `MemFree + Inactive(file)` from `/sys/devices/system/node/nodeN/meminfo`. `MemFree`
+//! alone leaves out the page cache, and loading a model fills the page cache with the
+//! model file itself: a node whose memory is "used" by the file just read can still take
+//! a replica, because the kernel drops those clean, inactive pages first when a bound
+//! allocation needs room. `FilePages` (all page cache) would promise too much: active,
+//! dirty and mapped file pages (the binaries, a shared model mapping in use) are not
+//! given up quickly, and a bind that counts on them ends in reclaim storms or the OOM
+//! killer. Anonymous memory (other processes' heaps) and swap are not counted.
+
+use std::ops::Range;
+
+use super::arena::Arena;
+use super::layer::{Arenas, Layer};
+use super::{Kind, LayerSpec, Layout, PinStore};
+use crate::error::{Error, Result};
+use crate::node::{Node, NodeSet};
+use crate::source::Tensor;
+use crate::source::load::{self, OnNode};
+use crate::topology::{self, Topology};
+
+/// What [`PinStore::build_replicas`] made.
+#[derive(Default)]
+pub(super) struct Built {
+    /// The replicas after the first, with their nodes.
+    pub(super) replicas: Vec<(Node, Arenas)>,
+    /// `mbind` calls made.
+    pub(super) mbind_calls: usize,
+    /// Bytes written by a loader on the replica's node.
+    pub(super) local_bytes: u64,
+    /// Loader threads that could not run on the replica's node.
+    pub(super) off_node_loaders: usize,
+}
+
+/// The figure [`Error::NodeMemory`] compares against.
+pub(crate) const FIGURE: &str = "MemFree + Inactive(file) from the node's meminfo (free pages \
+     plus the clean page cache the kernel reclaims first, such as the model file just read; \
+     active, dirty or mapped cache is not counted)";
+
+/// Bytes node `node` can give a bound allocation (see the module docs); `None` where sysfs
+/// has no meminfo for it (a kernel without NUMA).
+///
+/// # Errors
+/// The file exists but cannot be read or parsed.
+pub(crate) fn available_bytes(node: Node) -> Result<Option<u64>> {
+    let path = format!("/sys/devices/system/node/node{node}/meminfo");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("read", path, e)),
+    };
+    let field = |name: &'static str| -> Result<u64> {
+        // "Node 0 MemFree:   123456 kB"
+        text.lines()
+            .find_map(|line| {
+                let (_, rest) = line.split_once(name)?;
+                rest.split_whitespace().next()?.parse::<u64>().ok()
+            })
+            .map(|kib| kib.saturating_mul(1024))
+            .ok_or_else(|| Error::Unparsable {
+                path: path.clone(),
+                what: name,
+                found: text.chars().take(64).collect(),
+            })
+    };
+    Ok(Some(
+        field("MemFree:")?.saturating_add(field("Inactive(file):")?),
+    ))
+}
+
+/// The experts of node `i` of `n` when `experts` are split in contiguous blocks (expert
+/// `e` on node `e × n / experts`).
+pub(crate) fn block(i: usize, n: usize, experts: usize) -> Range<usize> {
+    let start = |i: usize| (i as u128 * experts as u128).div_ceil(n.max(1) as u128) as usize;
+    start(i)..start(i + 1)
+}
+
+/// The index (among `n` nodes) of expert `e`'s block.
+pub(crate) fn block_of(e: usize, n: usize, experts: usize) -> usize {
+    (e as u128 * n as u128 / experts.max(1) as u128) as usize
+}
+
+/// The bytes one copy of a layer of `spec` maps (every region, padding included).
+pub(crate) fn copy_bytes(spec: &LayerSpec, align: usize) -> Result<u64> {
+    let mut total: u64 = 0;
+    for kind in spec.kinds() {
+        let stride = super::arena::stride_for(spec.bytes(kind), align);
+        let bytes = stride.and_then(|s| s.checked_mul(spec.experts));
+        let Some(bytes) = bytes else {
+            return Err(Error::invalid(
+                "PinStore",
+                format!("{spec:?}: a copy's size overflows"),
+            ));
+        };
+        total = total.saturating_add(bytes as u64);
+    }
+    Ok(total)
+}
+
+impl PinStore {
+    /// The nodes the layout replicates every layer on (empty: not [`Layout::Replicate`]).
+    pub(super) fn replica_set(&self) -> NodeSet {
+        match self.layout {
+            Layout::Replicate(set) => set,
+            _ => NodeSet::new(),
+        }
+    }
+
+    /// Copies of each layer the layout makes (1 but for [`Layout::Replicate`]).
+    pub(super) fn copies(&self) -> usize {
+        self.replica_set().len().max(1)
+    }
+
+    /// Mappings one region of a layer of `experts` becomes once bound: one per block for
+    /// [`Layout::SplitExperts`] (ranges with different policies do not merge), else 1.
+    pub(super) fn maps_per_region(&self, experts: usize) -> usize {
+        match self.layout {
+            Layout::SplitExperts(set) => set.len().min(experts).max(1),
+            _ => 1,
+        }
+    }
+
+    /// Checks, before anything is mapped, that `layers` layers of `spec` fit in the memory
+    /// of every node that gets a copy: for [`Layout::Replicate`], each node of the set
+    /// needs the whole model. Other layouts, and machines where placement is denied or
+    /// unsupported (one unplaced copy is built then), pass.
+    ///
+    /// The per-node figure is `MemFree + Inactive(file)` (free pages plus clean page cache
+    /// the kernel drops first; see the `replica` module docs for why not `MemFree` or
+    /// `FilePages`).
+    ///
+    /// # Errors
+    /// [`Error::NodeMemory`] naming each node's available bytes and the figure used; the
+    /// sizes overflow; or a node's meminfo cannot be read.
+    pub fn check_model_memory(&self, layers: usize, spec: &LayerSpec) -> Result<()> {
+        let align = self.options.slot_align.bytes()?;
+        let needed = copy_bytes(spec, align)?.saturating_mul(layers as u64);
+        self.check_replica_memory(format!("a model of {layers} layers"), needed)
+    }
+
+    /// [`PinStore::check_model_memory`] for `needed` bytes per replica node.
+    pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
+        let set = self.replica_set();
+        if set.is_empty()
+            || crate::probe::NumaCall::Mbind.support()? != crate::probe::MempolicySupport::Available
+        {
+            return Ok(());
+        }
+        let mut available = Vec::new();
+        for node in set.iter() {
+            if let Some(bytes) = available_bytes(node)? {
+                available.push((node, bytes));
+            }
+        }
+        if available.iter().any(|&(_, bytes)| bytes < needed) {
+            return Err(Error::NodeMemory {
+                what,
+                needed,
+                available,
+                figure: FIGURE,
+            });
+        }
+        Ok(())
+    }
+
+    /// Builds the replicas after the first copy (`first`, loaded): for each further node
+    /// of the set, reserves the layer's regions, binds them to the node, populates them,
+    /// and copies every slot from the first copy with the loader threads, running on that
+    /// node's CPUs (helpers under the map budget, as for a fill). Returns the replicas,
+    /// the `mbind` calls made and what the loaders did.
+    pub(super) fn build_replicas(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        first: &Arenas,
+    ) -> Result<Built> {
+        let mut built = Built::default();
+        for node in self.replica_set().iter().skip(1) {
+            let (copy, calls, filled) = self.build_copy(layer, spec, node, first)?;
+            built.mbind_calls += calls;
+            built.local_bytes += filled.local_bytes;
+            built.off_node_loaders += filled.off_node_loaders;
+            built.replicas.push((node, copy));
+        }
+        Ok(built)
+    }
+
+    /// One replica of a layer of `spec` on `node`, copied from `first`; with the `mbind`
+    /// calls made and what the loaders did.
+    fn build_copy(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        node: Node,
+        first: &Arenas,
+    ) -> Result<(Arenas, usize, load::Filled)> {
+        let mut copy = self.reserve(layer, spec)?;
+        let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+        let mut calls = 0;
+        for arena in copy.iter().flatten() {
+            let placement = arena.bind(&policy)?;
+            self.mbind_calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            calls += 1;
+            // Kept in the store's placement (the first degradation sticks).
+            let _ = self.note_placement(placement);
+        }
+        if self.options.populate {
+            for arena in copy.iter_mut().flatten() {
+                arena.populate()?;
+            }
+        }
+        let filled = self.copy_replica(layer, node, &mut copy, first)?;
+        Ok((copy, calls, filled))
+    }
+
+    /// Benchmark only: builds one more copy of `layer` bound to `node` exactly as a
+    /// replica is built (reserve, bind, populate, copy with the loader threads on the
+    /// node), then drops it; returns the bytes copied. It lets a one-node machine
+    /// measure what building k replicas costs, k copies on one node.
+    ///
+    /// # Errors
+    /// The layer is not packed, or as [`PinStore::pack_layer`].
+    #[doc(hidden)]
+    pub fn bench_replica_copy(&self, layer: usize, node: Node) -> Result<u64> {
+        let l = self.layer(layer)?;
+        let (copy, _, _) = self.build_copy(layer, l.spec(), node, l.first_copy())?;
+        Ok(copy.iter().flatten().map(Arena::loaded_bytes).sum())
+    }
+
+    /// Copies every loaded slot of `first` into `copy` with the loader threads on `node`;
+    /// marks the slots loaded.
+    fn copy_replica(
+        &self,
+        layer: usize,
+        node: Node,
+        copy: &mut Arenas,
+        first: &Arenas,
+    ) -> Result<load::Filled> {
+        let mut jobs = Vec::new();
+        for ((kind, to), from) in Kind::ALL.into_iter().zip(copy.iter_mut()).zip(first) {
+            let (Some(to), Some(from)) = (to, from) else {
+                continue;
+            };
+            for (slot, dest) in to.slots_mut()?.enumerate() {
+                if let Some(bytes) = from.slot(slot) {
+                    jobs.push(load::Job {
+                        dest,
+                        tensor: Tensor::Memory(bytes),
+                        what: (layer, slot, kind),
+                    });
+                }
+            }
+        }
+        jobs.sort_by_key(|job| (job.what.1, job.what.2));
+        let reader = load::Reader::buffered();
+        let threads = self.options.loader_threads;
+        let loading = load::Loading {
+            reader: &reader,
+            scratch: reader.scratch(),
+            meter: None,
+            target: &|_| Some(node),
+        };
+        let filled = load::fill(jobs, threads, loading, |spawned| {
+            let what = || format!("replica loader thread {} of {threads}", spawned + 2);
+            self.maps.reserve(what, load::MAPS_PER_THREAD).ok()
+        })?;
+        for (to, from) in copy.iter_mut().zip(first) {
+            let (Some(to), Some(from)) = (to, from) else {
+                continue;
+            };
+            for slot in 0..from.slots() {
+                if let Some(len) = from.loaded(slot) {
+                    to.mark_loaded(slot, len);
+                }
+            }
+        }
+        Ok(filled)
+    }
+
+    /// Binds each region of a split layer block by block: the experts of the `i`-th node
+    /// of the set to that node (one `mbind` per non-empty block per region).
+    pub(super) fn bind_blocks(
+        &self,
+        set: &NodeSet,
+        arenas: &Arenas,
+        experts: usize,
+    ) -> Result<(crate::policy::Placement, usize)> {
+        let mut placement = crate::policy::Placement::Bound;
+        let mut calls = 0;
+        let n = set.len();
+        for (i, node) in set.iter().enumerate() {
+            let slots = block(i, n, experts);
+            if slots.is_empty() {
+                continue;
+            }
+            let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+            for arena in arenas.iter().flatten() {
+                let p = arena.bind_slots(slots.clone(), &policy)?;
+                self.mbind_calls
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                calls += 1;
+                placement = self.note_placement(p);
+            }
+        }
+        Ok((placement, calls))
+    }
+
+    /// The node expert `expert` of layer `layer` is bound to, by the layout:
+    /// [`Layout::SplitExperts`] its block's node, [`Layout::LayerPerNode`] the layer's
+    /// node; `None` where no single node holds it ([`Layout::Interleave`],
+    /// [`Layout::Replicate`]: every node of the set, see [`PinStore::weights_local`]) or
+    /// nothing is placed ([`Layout::Unplaced`]). Where placement degraded
+    /// ([`PinStore::degraded`]) this is where the layout meant it to be.
+    ///
+    /// # Errors
+    /// The layer is not packed or the expert is out of range.
+    pub fn home_node(&self, layer: usize, expert: usize) -> Result<Option<Node>> {
+        let experts = self.layer(layer)?.experts();
+        if expert >= experts {
+            return Err(super::out_of_range(layer, expert, experts));
+        }
+        if let Layout::Replicate(_) = self.layout {
+            return Ok(None);
+        }
+        Ok(self.target_node(layer, experts, expert))
+    }
+
+    /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the
+    /// first copy's for [`Layout::Replicate`]).
+    pub(super) fn target_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
+        match self.layout {
+            Layout::SplitExperts(set) => set.nth(block_of(expert, set.len(), experts)),
+            Layout::LayerPerNode(set) => set.nth(layer % set.len()),
+            Layout::Replicate(set) => set.nth(0),
+            Layout::Interleave(_) | Layout::Unplaced => None,
+        }
+    }
+
+    /// The weights of `expert` of `layer` in the replica on the calling thread's node
+    /// (`sched_getcpu` through the CPU → node table read once from sysfs); a thread on a
+    /// node without a replica (memoryless, or outside the set) gets the nearest replica
+    /// by sysfs distance, ties to the lower node id. For a layer that is not replicated
+    /// (another layout, or placement degraded: one unplaced copy, see
+    /// [`PinStore::degraded`]) this is [`PinStore::weights`].
+    ///
+    /// # Errors
+    /// As [`PinStore::weights`], or the topology cannot be read.
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+    /// use numapin::NodeSet;
+    ///
+    /// let store = PinStore::new(Layout::Replicate(NodeSet::allowed()?), StoreOptions::default())?;
+    /// let weights = vec![vec![3u8; 5000], vec![4u8; 5000]];
+    /// let sources: Vec<ExpertSource> = weights
+    ///     .iter()
+    ///     .map(|w| ExpertSource::Memory { weights: w, scales: &[] })
+    ///     .collect();
+    /// let spec = LayerSpec { experts: 2, weight_bytes: 5000, scale_bytes: 0 };
+    /// store.pack_layer(0, &spec, &sources)?;
+    /// // Per expert per token, from any thread: this node's copy (or the nearest).
+    /// assert_eq!(store.weights_local(0, 1)?, &weights[1][..]);
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    pub fn weights_local(&self, layer: usize, expert: usize) -> Result<&[u8]> {
+        self.slot_near(topology::current_node()?, layer, expert, Kind::Weights)
+    }
+
+    /// The scales of the replica on the calling thread's node; see
+    /// [`PinStore::weights_local`].
+    ///
+    /// # Errors
+    /// As [`PinStore::weights_local`].
+    pub fn scales_local(&self, layer: usize, expert: usize) -> Result<&[u8]> {
+        self.slot_near(topology::current_node()?, layer, expert, Kind::Scales)
+    }
+
+    /// The weights of the replica on `node` (or the nearest replica to it, as
+    /// [`PinStore::weights_local`]), for engines that schedule by node themselves.
+    ///
+    /// # Errors
+    /// As [`PinStore::weights_local`].
+    pub fn weights_on(&self, node: Node, layer: usize, expert: usize) -> Result<&[u8]> {
+        self.slot_near(node, layer, expert, Kind::Weights)
+    }
+
+    /// The scales of the replica on `node`; see [`PinStore::weights_on`].
+    ///
+    /// # Errors
+    /// As [`PinStore::weights_local`].
+    pub fn scales_on(&self, node: Node, layer: usize, expert: usize) -> Result<&[u8]> {
+        self.slot_near(node, layer, expert, Kind::Scales)
+    }
+
+    /// The nodes holding a replica of `layer` (empty: the layer is not replicated).
+    ///
+    /// # Errors
+    /// The layer is not packed.
+    pub fn replica_nodes(&self, layer: usize) -> Result<NodeSet> {
+        Ok(*self.layer(layer)?.replica_nodes())
+    }
+
+    fn slot_near(&self, node: Node, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
+        let l = self.layer(layer)?;
+        let nodes = l.replica_nodes();
+        if nodes.is_empty() {
+            return self.slot(layer, expert, kind);
+        }
+        let experts = l.experts();
+        if expert >= experts {
+            return Err(super::out_of_range(layer, expert, experts));
+        }
+        let at = Topology::get()?.nearest(node, nodes);
+        let Some(arena) = at.and_then(|at| l.replica_arena(at, kind)) else {
+            return Ok(&[]);
+        };
+        arena.slot(expert).ok_or(Error::Released {
+            op: "PinStore",
+            layer,
+            expert,
+            kind,
+        })
+    }
+
+    /// Copies `expert`'s loaded tensors from the first copy into every replica where they
+    /// are released, each on a thread running on the replica's node.
+    pub(super) fn sync_replicas(&mut self, layer: usize, expert: usize) -> Result<()> {
+        let Some(l) = self.layers.get_mut(layer) else {
+            return Ok(());
+        };
+        for kind in Kind::ALL {
+            let (first, others) = l.split_replicas_mut(kind);
+            let Some(first) = first else { continue };
+            let first: &Arena = first;
+            if first.loaded(expert).is_none() {
+                continue;
+            }
+            for (node, arena) in others {
+                if arena.loaded(expert).is_none() {
+                    let _on_node = OnNode::enter(node);
+                    arena.copy_slot_from(first, expert)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Loaded bytes per node by the layout: each replica's, or each block's of a split layer,
+/// or the layer's node for [`Layout::LayerPerNode`].
+pub(super) fn node_bytes(
+    store: &PinStore,
+    index: usize,
+    layer: &Layer,
+    into: &mut std::collections::BTreeMap<Node, u64>,
+) {
+    let mut replicated = false;
+    for (node, arenas) in layer.replicas() {
+        replicated = true;
+        let bytes: u64 = arenas.iter().flatten().map(Arena::loaded_bytes).sum();
+        *into.entry(node).or_default() += bytes;
+    }
+    if replicated {
+        return;
+    }
+    let experts = layer.experts();
+    for (_, arena) in layer.arenas_by_kind() {
+        for expert in 0..experts {
+            let (Some(node), Some(len)) = (
+                store.target_node(index, experts, expert),
+                arena.loaded(expert),
+            ) else {
+                continue;
+            };
+            *into.entry(node).or_default() += len as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_contiguous_and_agree_with_the_formula() {
+        for (n, experts) in [(3, 16), (2, 5), (4, 3), (1, 7), (3, 3)] {
+            let mut next = 0;
+            for i in 0..n {
+                let b = block(i, n, experts);
+                assert_eq!(b.start, next, "n={n} experts={experts} i={i}");
+                for e in b.clone() {
+                    assert_eq!(block_of(e, n, experts), i, "expert {e}");
+                }
+                next = b.end;
+            }
+            assert_eq!(next, experts);
+        }
+        // 16 experts over 3 nodes: 6, 5, 5.
+        assert_eq!(
+            (0..3).map(|i| block(i, 3, 16).len()).collect::<Vec<_>>(),
+            vec![6, 5, 5]
+        );
+    }
+}

@@ -1,0 +1,306 @@
+//! `Layout::Replicate` and `Layout::SplitExperts` in every environment: over the nodes
+//! this process may use (one on the host, three in the VM), bound where placement works
+//! and degraded to one unplaced copy where it is denied or unsupported. What the replicas
+//! hold, which copy `weights_local` answers from, where `home_node` says an expert lives,
+//! the memory check before replicas are built, and that loaders give the calling thread
+//! its affinity back. Placement itself (pages on nodes) is checked in numa_placement.rs.
+
+mod common;
+
+use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+use numapin::{Error, Node, NodeSet};
+
+const EXPERTS: usize = 16;
+const WEIGHT_BYTES: usize = 3 * 4096 + 100;
+const SCALE_BYTES: usize = 200;
+
+/// Distinct bytes per layer, expert and tensor.
+fn model(layer: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    (0..EXPERTS)
+        .map(|e| {
+            let w: Vec<u8> = (0..WEIGHT_BYTES)
+                .map(|i| (i * 7 + e * 13 + layer * 29) as u8)
+                .collect();
+            let s: Vec<u8> = (0..SCALE_BYTES)
+                .map(|i| (i * 3 + e * 5 + layer) as u8 ^ 0x5a)
+                .collect();
+            (w, s)
+        })
+        .collect()
+}
+
+fn sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<ExpertSource<'_>> {
+    data.iter()
+        .map(|(w, s)| ExpertSource::Memory {
+            weights: w,
+            scales: s,
+        })
+        .collect()
+}
+
+fn spec() -> LayerSpec {
+    LayerSpec {
+        experts: EXPERTS,
+        weight_bytes: WEIGHT_BYTES,
+        scale_bytes: SCALE_BYTES,
+    }
+}
+
+fn options(threads: usize) -> StoreOptions {
+    StoreOptions {
+        huge_pages: false,
+        loader_threads: threads,
+        ..StoreOptions::default()
+    }
+}
+
+fn model_bytes() -> u64 {
+    (EXPERTS * (WEIGHT_BYTES + SCALE_BYTES)) as u64
+}
+
+/// Where placement works, every node of the set holds a copy.
+fn bound_here() -> bool {
+    common::degrade_here().is_none()
+}
+
+#[test]
+fn replicate_puts_a_full_copy_on_every_node_and_local_reads_find_one() {
+    let set = common::nodes();
+    let store = PinStore::new(Layout::Replicate(set), options(3)).unwrap();
+    let layers = [model(0), model(1)];
+    let copies = if bound_here() { set.len() } else { 1 };
+    for (layer, data) in layers.iter().enumerate() {
+        let report = store.pack_layer(layer, &spec(), &sources(data)).unwrap();
+        assert_eq!(report.replicas, copies);
+        assert_eq!(report.regions, 2 * copies);
+        assert_eq!(report.bytes, model_bytes());
+        // Every copy written by a loader on its node (the file's read and each copy).
+        assert_eq!(report.local_bytes, model_bytes() * copies as u64);
+        assert_eq!(report.off_node_loaders, 0);
+        assert_eq!(report.mbind_calls, 2 * copies);
+    }
+    assert_eq!(store.degraded(), common::degrade_here());
+    for (layer, data) in layers.iter().enumerate() {
+        let expected_nodes = if bound_here() { set } else { NodeSet::new() };
+        assert_eq!(store.replica_nodes(layer).unwrap(), expected_nodes);
+        for (e, (w, s)) in data.iter().enumerate() {
+            assert_eq!(store.weights_local(layer, e).unwrap(), &w[..]);
+            assert_eq!(store.scales_local(layer, e).unwrap(), &s[..]);
+            assert_eq!(store.weights(layer, e).unwrap(), &w[..]);
+            for node in set.iter() {
+                assert_eq!(store.weights_on(node, layer, e).unwrap(), &w[..]);
+                assert_eq!(store.scales_on(node, layer, e).unwrap(), &s[..]);
+            }
+            assert_eq!(store.home_node(layer, e).unwrap(), None);
+        }
+    }
+    // Replicas are distinct memory where there are several.
+    if copies > 1 {
+        let nodes: Vec<Node> = set.iter().collect();
+        let a = store.weights_on(nodes[0], 0, 0).unwrap().as_ptr();
+        let b = store.weights_on(nodes[1], 0, 0).unwrap().as_ptr();
+        assert_ne!(a, b);
+    }
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.bytes, 2 * model_bytes() * copies as u64);
+    assert_eq!(stats.experts_loaded, 2 * EXPERTS);
+    let per_node: Vec<(Node, u64)> = stats.node_bytes.into_iter().collect();
+    let expected: Vec<(Node, u64)> = set
+        .iter()
+        .take(copies)
+        .map(|n| (n, 2 * model_bytes()))
+        .collect();
+    assert_eq!(per_node, expected);
+}
+
+#[test]
+fn replicate_release_and_ensure_act_on_every_replica() {
+    let set = common::nodes();
+    let mut store = PinStore::new(Layout::Replicate(set), options(2)).unwrap();
+    let data = model(0);
+    store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    store.release(0, 5).unwrap();
+    for node in set.iter() {
+        assert!(matches!(
+            store.weights_on(node, 0, 5),
+            Err(Error::Released { expert: 5, .. })
+        ));
+        assert!(matches!(
+            store.scales_on(node, 0, 5),
+            Err(Error::Released { expert: 5, .. })
+        ));
+    }
+    assert!(matches!(
+        store.weights_local(0, 5),
+        Err(Error::Released { .. })
+    ));
+    assert_eq!(store.weights_local(0, 4).unwrap(), &data[4].0[..]);
+    let copies = if bound_here() { set.len() } else { 1 } as u64;
+    let one = (WEIGHT_BYTES + SCALE_BYTES) as u64;
+    assert_eq!(store.stats().unwrap().bytes, (model_bytes() - one) * copies);
+    let srcs = sources(&data);
+    store.ensure(0, 5, &srcs[5]).unwrap();
+    for node in set.iter() {
+        assert_eq!(store.weights_on(node, 0, 5).unwrap(), &data[5].0[..]);
+        assert_eq!(store.scales_on(node, 0, 5).unwrap(), &data[5].1[..]);
+    }
+    assert_eq!(store.stats().unwrap().bytes, model_bytes() * copies);
+}
+
+#[test]
+fn split_experts_puts_contiguous_blocks_on_the_nodes_in_order() {
+    let set = common::nodes();
+    let n = set.len();
+    let store = PinStore::new(Layout::SplitExperts(set), options(3)).unwrap();
+    let data = model(0);
+    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    let blocks = n.min(EXPERTS);
+    // One mbind per block per region, whether it took or degraded.
+    assert_eq!(report.mbind_calls, 2 * blocks);
+    assert_eq!(report.regions, 2);
+    assert_eq!(report.replicas, 1);
+    assert_eq!(report.policy, None);
+    assert_eq!(report.local_bytes, model_bytes());
+    assert_eq!(report.off_node_loaders, 0);
+    assert_eq!(store.degraded(), common::degrade_here());
+    let mut per_node = std::collections::BTreeMap::new();
+    for (e, (w, s)) in data.iter().enumerate() {
+        let home = set.nth(e * n / EXPERTS).unwrap();
+        assert_eq!(store.home_node(0, e).unwrap(), Some(home), "expert {e}");
+        assert_eq!(store.weights(0, e).unwrap(), &w[..]);
+        assert_eq!(store.weights_local(0, e).unwrap(), &w[..]);
+        *per_node.entry(home).or_insert(0u64) += (w.len() + s.len()) as u64;
+    }
+    assert!(matches!(
+        store.home_node(0, EXPERTS),
+        Err(Error::OutOfRange { index: EXPERTS, .. })
+    ));
+    assert_eq!(store.stats().unwrap().node_bytes, per_node);
+}
+
+#[test]
+fn layer_per_node_loaders_write_on_the_layers_node() {
+    let set = common::nodes();
+    let store = PinStore::new(Layout::LayerPerNode(set), options(3)).unwrap();
+    for layer in 0..set.len() {
+        let data = model(layer);
+        let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
+        assert_eq!(report.local_bytes, model_bytes(), "layer {layer}");
+        assert_eq!(
+            store.home_node(layer, 3).unwrap(),
+            set.nth(layer % set.len())
+        );
+    }
+    // Interleave binds to no single node: nothing counts as local.
+    let store = PinStore::new(Layout::Interleave(set), options(3)).unwrap();
+    let report = store.pack_layer(0, &spec(), &sources(&model(0))).unwrap();
+    assert_eq!(report.local_bytes, 0);
+    assert_eq!(store.home_node(0, 0).unwrap(), None);
+}
+
+/// A loader moves the calling thread onto the target node's CPUs and back: afterwards the
+/// thread's affinity is exactly what it was (here: one CPU of the layer's node).
+#[test]
+fn loaders_give_the_calling_thread_its_affinity_back() {
+    use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+    std::thread::spawn(|| {
+        let set = common::nodes();
+        let first = set.nth(0).unwrap();
+        let topology = numapin::topology::Topology::get().unwrap();
+        let allowed = sched_getaffinity(None).unwrap();
+        let Some(cpu) = topology
+            .cpus_of(first)
+            .into_iter()
+            .find(|&c| allowed.is_set(c))
+        else {
+            panic!("no allowed CPU on node {first}: {topology:?}");
+        };
+        let mut one = CpuSet::new();
+        one.set(cpu);
+        sched_setaffinity(None, &one).unwrap();
+        // One loader thread: the calling thread loads everything itself.
+        let store = PinStore::new(Layout::LayerPerNode(set), options(1)).unwrap();
+        let report = store.pack_layer(0, &spec(), &sources(&model(0))).unwrap();
+        assert_eq!(report.local_bytes, model_bytes());
+        assert_eq!(report.off_node_loaders, 0);
+        let after = sched_getaffinity(None).unwrap();
+        assert_eq!(after.count(), 1);
+        assert!(after.is_set(cpu));
+        assert_eq!(numapin::topology::current_cpu(), cpu);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn replicas_that_cannot_fit_are_refused_up_front_with_each_nodes_figure() {
+    let set = common::nodes();
+    let store = PinStore::new(Layout::Replicate(set), StoreOptions::default()).unwrap();
+    // 1 TiB per layer copy: more than any node here has.
+    let huge = LayerSpec {
+        experts: 1 << 10,
+        weight_bytes: 1 << 30,
+        scale_bytes: 0,
+    };
+    let per_layer = (1u64 << 10) * (1 << 30);
+    let result = store.check_model_memory(3, &huge);
+    let pack = {
+        let empty: Vec<ExpertSource<'_>> = (0..huge.experts)
+            .map(|_| ExpertSource::Memory {
+                weights: &[],
+                scales: &[],
+            })
+            .collect();
+        store.pack_layer(0, &huge, &empty).map(|_| ())
+    };
+    if !bound_here() {
+        // One unplaced copy is built where placement is unavailable: nothing to check.
+        assert!(result.is_ok(), "{result:?}");
+        return;
+    }
+    match result {
+        Err(Error::NodeMemory {
+            needed,
+            available,
+            figure,
+            ..
+        }) => {
+            assert_eq!(needed, 3 * per_layer);
+            let nodes: Vec<Node> = available.iter().map(|(n, _)| *n).collect();
+            assert_eq!(nodes, set.iter().collect::<Vec<_>>());
+            assert!(available.iter().all(|(_, free)| *free < needed));
+            assert!(figure.starts_with("MemFree + Inactive(file)"), "{figure}");
+        }
+        other => panic!("expected NodeMemory, got {other:?}"),
+    }
+    match pack {
+        Err(Error::NodeMemory { needed, .. }) => assert_eq!(needed, per_layer),
+        other => panic!("expected NodeMemory, got {other:?}"),
+    }
+    assert!(matches!(
+        store.weights(0, 0),
+        Err(Error::NotPacked { layer: 0, .. })
+    ));
+}
+
+#[test]
+fn replicated_stores_cannot_be_shared_and_empty_sets_are_refused() {
+    let set = common::nodes();
+    let shared = StoreOptions {
+        shared: true,
+        ..StoreOptions::default()
+    };
+    assert!(matches!(
+        PinStore::new(Layout::Replicate(set), shared),
+        Err(Error::InvalidArgument { .. })
+    ));
+    for layout in [
+        Layout::Replicate(NodeSet::new()),
+        Layout::SplitExperts(NodeSet::new()),
+    ] {
+        assert!(matches!(
+            PinStore::new(layout, StoreOptions::default()),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+}
