@@ -147,7 +147,7 @@ impl PinStore {
     pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
         let set = self.replica_set();
         if set.is_empty()
-            || crate::probe::NumaCall::Mbind.support()? != crate::probe::MempolicySupport::Available
+            || crate::calls::NumaCall::Mbind.support()? != crate::calls::MempolicySupport::Available
         {
             return Ok(());
         }
@@ -425,7 +425,7 @@ impl PinStore {
             op: "PinStore",
             layer,
             expert,
-            kind,
+            kind: kind.name(),
         })
     }
 
