@@ -304,3 +304,35 @@ fn replicated_stores_cannot_be_shared_and_empty_sets_are_refused() {
         ));
     }
 }
+
+/// Interleaved memory has no single node: the loaders are spread one per node instead
+/// (loader w on the w-th node of the set), and the calling thread gets its affinity back.
+#[test]
+fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
+    use rustix::thread::sched_getaffinity;
+    std::thread::spawn(|| {
+        let set = common::nodes();
+        let before = sched_getaffinity(None).unwrap();
+        let store = PinStore::new(Layout::Interleave(set), options(set.len())).unwrap();
+        let data = model(0);
+        let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+        if bound_here() {
+            assert_eq!(report.loader_nodes, set.iter().collect::<Vec<Node>>());
+        } else {
+            // Placement degraded: nothing to be near, the loaders stay put.
+            assert!(report.loader_nodes.is_empty(), "{report:?}");
+        }
+        assert_eq!(report.local_bytes, 0);
+        assert_eq!(sched_getaffinity(None).unwrap(), before);
+        for (e, (w, s)) in data.iter().enumerate() {
+            assert_eq!(store.weights(0, e).unwrap(), &w[..]);
+            assert_eq!(store.scales(0, e).unwrap(), &s[..]);
+        }
+        // The other layouts' loaders follow the node they fill instead.
+        let store = PinStore::new(Layout::LayerPerNode(set), options(set.len())).unwrap();
+        let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+        assert!(report.loader_nodes.is_empty());
+    })
+    .join()
+    .unwrap();
+}

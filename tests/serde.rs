@@ -141,11 +141,12 @@ fn stats_and_report_have_fixed_field_names() {
         replicas: 1,
         local_bytes: 0,
         off_node_loaders: 0,
+        loader_nodes: vec![Node(0), Node(1)],
         placement: Some(Placement::Degraded(DegradeReason::Unsupported)),
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

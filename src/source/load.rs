@@ -99,10 +99,14 @@ pub(crate) struct Loading<'r, 'a> {
     /// The node an expert's slots are bound to (by expert index), when one: a loader
     /// runs on that node's CPUs while it fills them (see [`OnNode`]).
     pub(crate) target: &'r (dyn Fn(usize) -> Option<Node> + Sync),
+    /// Nodes to spread the loader threads over when slots have no single node
+    /// (interleaved memory): loader `w` runs on the CPUs of `spread[w % len]` for the
+    /// whole fill. Empty: loaders stay where the scheduler puts them.
+    pub(crate) spread: &'r [Node],
 }
 
 /// What a fill did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Filled {
     /// `pread` calls (planned reads, after coalescing).
     pub(crate) reads: usize,
@@ -112,6 +116,9 @@ pub(crate) struct Filled {
     /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
     /// were.
     pub(crate) off_node_loaders: usize,
+    /// The nodes the loader threads ran on when spread ([`Loading::spread`]), distinct and
+    /// sorted; empty when not spread.
+    pub(crate) loader_nodes: Vec<Node>,
 }
 
 /// The calling thread moved onto the CPUs of one node that it may use (its
@@ -208,7 +215,9 @@ pub(crate) fn fill<P>(
         scratch,
         meter,
         target,
+        spread,
     } = loading;
+    let loader_nodes: Mutex<std::collections::BTreeSet<Node>> = Mutex::new(Default::default());
     let reads = AtomicUsize::new(0);
     let local_bytes = std::sync::atomic::AtomicU64::new(0);
     let off_node = AtomicUsize::new(0);
@@ -221,7 +230,18 @@ pub(crate) fn fill<P>(
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let started = (Mutex::new(0usize), Condvar::new());
     let batches = reader.batches();
-    let work = |mut scratch: Scratch| {
+    let work = |worker: usize, mut scratch: Scratch| {
+        // Spread over the nodes of interleaved memory: each loader stays on one node's
+        // CPUs for the whole fill (its affinity comes back when `_spread` drops).
+        let _spread = spread.get(worker % spread.len().max(1)).map(|&node| {
+            let entered = OnNode::enter(node);
+            if entered.moved()
+                && let Ok(mut nodes) = loader_nodes.lock()
+            {
+                nodes.insert(node);
+            }
+            entered
+        });
         // The node this thread was moved to (or tried to be), and the guard that moves it
         // back.
         let mut on_node: Option<(Node, OnNode)> = None;
@@ -279,7 +299,7 @@ pub(crate) fn fill<P>(
             }
         }
     };
-    let helper = || {
+    let helper = |worker: usize| {
         // The first allocation gives this thread its malloc arena now, under the
         // spawner's permit, not later outside it; so does the bounce buffer.
         drop(std::hint::black_box(Box::new(0u8)));
@@ -287,7 +307,7 @@ pub(crate) fn fill<P>(
         let (count, ready) = &started;
         *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         ready.notify_all();
-        work(scratch);
+        work(worker, scratch);
     };
     std::thread::scope(|scope| {
         for spawned in 0..helpers {
@@ -296,7 +316,7 @@ pub(crate) fn fill<P>(
             };
             if std::thread::Builder::new()
                 .name("numapin-loader".into())
-                .spawn_scoped(scope, helper)
+                .spawn_scoped(scope, move || helper(spawned + 1))
                 .is_err()
             {
                 break;
@@ -308,7 +328,7 @@ pub(crate) fn fill<P>(
             }
             drop(permit);
         }
-        work(scratch);
+        work(0, scratch);
     });
     let finished = reader.finish();
     match first_error.into_inner().ok().flatten() {
@@ -322,6 +342,10 @@ pub(crate) fn fill<P>(
                 reads: reads.into_inner(),
                 local_bytes: local_bytes.into_inner(),
                 off_node_loaders: off_node.into_inner(),
+                loader_nodes: loader_nodes
+                    .into_inner()
+                    .map(|n| n.into_iter().collect())
+                    .unwrap_or_default(),
             })
         }
     }

@@ -265,6 +265,10 @@ pub struct LayerReport {
     /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
     /// were, summed over the fill and each replica's copy.
     pub off_node_loaders: usize,
+    /// [`Layout::Interleave`]: the nodes the loader threads ran on, spread one per node
+    /// (loader `w` on the `w mod n`-th node of the set), distinct and sorted; empty for
+    /// the other layouts, whose loaders follow the node they fill.
+    pub loader_nodes: Vec<crate::node::Node>,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,
 }
@@ -487,6 +491,7 @@ impl PinStore {
             replicas: 1 + replicas.len(),
             local_bytes: filled.local_bytes + built.local_bytes,
             off_node_loaders: filled.off_node_loaders + built.off_node_loaders,
+            loader_nodes: filled.loader_nodes.clone(),
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
@@ -595,11 +600,18 @@ impl PinStore {
             .as_ref()
             .map(|hook| load::Meter::new(hook, layer, bytes, jobs.len()));
         let threads = self.options.loader_threads;
+        // Interleaved memory has no single node: spread the loaders over the set instead,
+        // so that each node's share of the writes is made from nearby CPUs.
+        let spread: Vec<crate::node::Node> = match self.layout {
+            Layout::Interleave(set) if self.placement_bound() => set.iter().collect(),
+            _ => Vec::new(),
+        };
         let loading = load::Loading {
             reader: &reader,
             scratch,
             meter: meter.as_ref(),
             target,
+            spread: &spread,
         };
         let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("loader thread {} of {threads}", spawned + 2);
@@ -691,6 +703,15 @@ impl PinStore {
             _ => *slot = Some(placement),
         }
         placement
+    }
+
+    /// Whether binding has worked so far (a degraded store places nothing, so moving its
+    /// loaders around would buy nothing).
+    fn placement_bound(&self) -> bool {
+        !matches!(
+            self.placement.lock().ok().and_then(|p| *p),
+            Some(Placement::Degraded(_))
+        )
     }
 
     /// Refuses changes to a frozen (exported or attached) or broken store.

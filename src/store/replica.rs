@@ -265,6 +265,7 @@ impl PinStore {
             scratch: reader.scratch(),
             meter: None,
             target: &|_| Some(node),
+            spread: &[],
         };
         let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("replica loader thread {} of {threads}", spawned + 2);
