@@ -116,8 +116,9 @@ fn populate_write_makes_every_page_present_on_the_bound_nodes() {
     let pages = 128;
     let mut r = Region::anonymous(pages * page()).unwrap();
     // Unbound (a denied container), the mapping would merge with a neighbouring test's
-    // anonymous mapping, and smaps counts a merged mapping whole: keep it apart.
-    r.advise(Advice::DontDump).unwrap();
+    // anonymous mapping: keep it apart with a flag no other test of this binary sets
+    // (DontDump is the untouched-region test's, which must not merge with this one).
+    r.advise(Advice::Random).unwrap();
     let nodes = NodeSet::allowed().unwrap();
     let _ = r
         .bind(&MemPolicy::Interleave(nodes), MbindFlags::empty())
