@@ -527,37 +527,8 @@ impl Region {
     /// The range is outside the region or unaligned, the region is a file mapping, or
     /// `madvise` fails.
     pub fn release(&mut self, range: Range<usize>) -> Result<()> {
-        const OP: &str = "Region::release";
-        self.writable(OP)?;
-        let page = page_size();
-        self.check_range(OP, &range)?;
-        if !range.start.is_multiple_of(page) {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "start {} is not a multiple of the page size {page}",
-                    range.start
-                ),
-            ));
-        }
-        let end = range.end.next_multiple_of(page).min(self.map_len());
-        if end == range.start {
-            return Ok(());
-        }
-        let advice = match self.backing {
-            Backing::Memfd(_) => sys::MADV_REMOVE,
-            _ => sys::MADV_DONTNEED,
-        };
-        // SAFETY: inside our own mapping; `&mut self` guarantees no slice observes the
-        // zeroing.
-        unsafe {
-            sys::madvise(
-                self.as_ptr().add(range.start).cast(),
-                end - range.start,
-                advice,
-            )
-        }
-        .map_err(|e| self.madvise_error(e, advice))
+        // SAFETY: `&mut self` guarantees no slice of the region lives during the call.
+        unsafe { self.release_pages("Region::release", range) }
     }
 
     /// Which node each page of the region is on, without faulting anything in: from
@@ -765,13 +736,22 @@ impl Region {
     /// # Errors
     /// As [`Region::release`].
     pub unsafe fn release_unchecked(&self, range: Range<usize>) -> Result<()> {
-        const OP: &str = "Region::release_unchecked";
-        self.writable(OP)?;
-        self.check_range(OP, &range)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.release_pages("Region::release_unchecked", range) }
+    }
+
+    /// The one implementation of [`Region::release`] and [`Region::release_unchecked`].
+    ///
+    /// # Safety
+    /// As [`Region::release_unchecked`]: no reference to the page-rounded range may live
+    /// during the call.
+    unsafe fn release_pages(&self, op: &'static str, range: Range<usize>) -> Result<()> {
+        self.writable(op)?;
+        self.check_range(op, &range)?;
         let page = page_size();
         if !range.start.is_multiple_of(page) {
             return Err(Error::invalid(
-                OP,
+                op,
                 format!(
                     "start {} is not a multiple of the page size {page}",
                     range.start
