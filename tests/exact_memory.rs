@@ -78,7 +78,9 @@ fn huge_pages_back_the_region_as_well_as_a_control_region() {
             .map(|e| e.anon_huge)
             .sum();
         // A control region of the same length, populated the same way, in the same run.
-        let mut control = Region::anonymous_aligned(len, 2 << 20).unwrap();
+        // Fenced: smaps must count the control alone (unbound, it would merge with the
+        // store's arena where mbind is denied).
+        let mut control = Region::anonymous_fenced_aligned(len, 2 << 20).unwrap();
         control.advise(numapin::Advice::HugePage).unwrap();
         control.populate_write().unwrap();
         let control_huge = control.memory().unwrap().anon_huge;

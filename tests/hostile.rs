@@ -114,7 +114,8 @@ fn without_hanging<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) ->
 #[test]
 fn placement_sampled_with_huge_steps_samples_the_first_page() {
     let pages = 4;
-    let mut region = Region::anonymous(pages * page_size()).unwrap();
+    // Fenced: numa_maps (where move_pages is denied) must see this mapping alone.
+    let mut region = Region::anonymous_fenced(pages * page_size()).unwrap();
     region.advise(Advice::NoHugePage).unwrap();
     region.as_mut_slice().unwrap()[0] = 1;
     // usize::MAX, its half, and a step whose stride wraps to exactly 0 (a division by

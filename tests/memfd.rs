@@ -94,7 +94,8 @@ fn hugetlb_memfd_without_reserved_pages_says_how_to_reserve_them() {
 
 #[test]
 fn memory_breakdown_tells_anonymous_from_shared() {
-    let mut anon = Region::anonymous(64 * page()).unwrap();
+    // Fenced: smaps must count this mapping alone.
+    let mut anon = Region::anonymous_fenced(64 * page()).unwrap();
     anon.advise(numapin::Advice::DontDump).unwrap();
     anon.as_mut_slice().unwrap().fill(1);
     let a = anon.memory().unwrap();
@@ -122,11 +123,10 @@ fn memory_breakdown_tells_anonymous_from_shared() {
 fn migrate_and_move_pages_report_what_moved() {
     let nodes = NodeSet::allowed().unwrap();
     let target = nodes.iter().last().unwrap();
-    let mut r = Region::anonymous(64 * page()).unwrap();
-    // Base pages in a mapping of its own: with THP `always` (the VM) a merged neighbour
-    // can hand these pages to a huge page, which move_pages refuses with EACCES.
+    // Base pages (with THP `always`, the VM, move_pages refuses a huge page with EACCES)
+    // in a mapping of its own, which numa_maps counts alone.
+    let mut r = Region::anonymous_fenced(64 * page()).unwrap();
     r.advise(numapin::Advice::NoHugePage).unwrap();
-    r.advise(numapin::Advice::DontDump).unwrap();
     r.as_mut_slice().unwrap()[..32 * page()].fill(5);
     // move_pages is a page call: Docker with SYS_NICE still denies it.
     match (expect_pages(), r.move_pages_to(target).unwrap()) {
@@ -151,7 +151,7 @@ fn migrate_and_move_pages_report_what_moved() {
     match (expect(), r.migrate(&to).unwrap()) {
         (Expect::Full, Observed::Known(report)) => {
             assert_eq!(Some(report.source), pages_source_here(), "{report:?}");
-            // NoHugePage + DontDump and now its own Bind policy: a mapping of its own.
+            // Fenced: a mapping of its own.
             assert_eq!(report.merged, 0, "{report:?}");
             assert_eq!(
                 (report.on_target, report.left_behind, report.not_present),

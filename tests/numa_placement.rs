@@ -43,8 +43,7 @@ fn agreeing_histogram(r: &Region) -> NodeHistogram {
 }
 
 fn touched(policy: &MemPolicy) -> Region {
-    let mut r = Region::anonymous(PAGES * page()).unwrap();
-    r.advise(Advice::DontDump).unwrap();
+    let mut r = Region::anonymous_fenced(PAGES * page()).unwrap();
     r.advise(Advice::NoHugePage).unwrap();
     assert!(r.bind(policy, MbindFlags::empty()).unwrap().is_bound());
     r.as_mut_slice().unwrap().fill(1);
@@ -141,8 +140,7 @@ fn scoped_thread_policy_places_first_touch_and_restores() {
     };
     std::thread::spawn(move || {
         let node = nodes.nth(1).unwrap();
-        let mut r = Region::anonymous(256 * page()).unwrap();
-        r.advise(Advice::DontDump).unwrap();
+        let mut r = Region::anonymous_fenced(256 * page()).unwrap();
         {
             let guard = policy::scoped(&MemPolicy::Bind(std::iter::once(node).collect())).unwrap();
             assert!(guard.placement().is_bound());

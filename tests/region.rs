@@ -4,7 +4,7 @@ mod common;
 
 use std::io::Write;
 
-use common::{Expect, degrade_here, exact, expect, placement_here};
+use common::{Expect, degrade_here, expect, placement_here, whole};
 use numapin::{Advice, Error, MbindFlags, MemPolicy, NodeSet, Observed, Placement, Region, diag};
 
 fn page() -> usize {
@@ -23,7 +23,8 @@ fn region_rss(r: &Region) -> u64 {
 #[test]
 fn release_drops_rss_and_keeps_the_policy() {
     let pages = 64;
-    let mut r = Region::anonymous(pages * page()).unwrap();
+    // Fenced: smaps and numa_maps count this mapping alone.
+    let mut r = Region::anonymous_fenced(pages * page()).unwrap();
     r.advise(Advice::NoHugePage).unwrap();
     let nodes = NodeSet::allowed().unwrap();
     let first = nodes.iter().next().unwrap();
@@ -43,9 +44,8 @@ fn release_drops_rss_and_keeps_the_policy() {
         Observed::Known((p, _)) => assert_eq!(p, policy),
         Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_here()),
     }
-    if let Some(h) = placement_here(r.placement().unwrap())
-        && exact("release_drops_rss_and_keeps_the_policy", &h, pages)
-    {
+    if let Some(h) = placement_here(r.placement().unwrap()) {
+        whole(&h, pages);
         // Unbound (a denied policy call), the pages land wherever the kernel likes.
         let on = if placement.is_bound() {
             h.on(first)
@@ -93,32 +93,25 @@ fn release_checks_its_range() {
 #[test]
 fn placement_of_an_untouched_region_reports_not_present_and_faults_nothing() {
     let pages = 256;
-    let r = Region::anonymous(pages * page()).unwrap();
-    // Keep this mapping from merging with a neighbour test's unbound region: over a
-    // merged mapping, mincore here (Linux 6.18) briefly counted a neighbour's pages
-    // being populated concurrently as ours.
-    r.advise(Advice::DontDump).unwrap();
+    // Fenced: over a mapping merged with a neighbour test's unbound region, mincore here
+    // (Linux 6.18) briefly counted the neighbour's pages being populated as ours.
+    let r = Region::anonymous_fenced(pages * page()).unwrap();
     let before = region_rss(&r);
     let observed = r.placement().unwrap();
     assert_eq!(region_rss(&r), before);
     assert_eq!(before, 0);
     if let Some(h) = placement_here(observed) {
-        // From numa_maps too: a merged mapping without pages is exactly "not present".
-        let test = "placement_of_an_untouched_region_reports_not_present_and_faults_nothing";
-        if exact(test, &h, pages) {
-            assert_eq!((h.present(), h.not_present, h.other), (0, pages, 0));
-        }
+        whole(&h, pages);
+        assert_eq!((h.present(), h.not_present, h.other), (0, pages, 0));
     }
 }
 
 #[test]
 fn populate_write_makes_every_page_present_on_the_bound_nodes() {
     let pages = 128;
-    let mut r = Region::anonymous(pages * page()).unwrap();
-    // Unbound (a denied container), the mapping would merge with a neighbouring test's
-    // anonymous mapping: keep it apart with a flag no other test of this binary sets
-    // (DontDump is the untouched-region test's, which must not merge with this one).
-    r.advise(Advice::Random).unwrap();
+    // Fenced: unbound (a denied container), it would merge with a neighbouring test's
+    // anonymous mapping.
+    let mut r = Region::anonymous_fenced(pages * page()).unwrap();
     let nodes = NodeSet::allowed().unwrap();
     let _ = r
         .bind(&MemPolicy::Interleave(nodes), MbindFlags::empty())
@@ -131,13 +124,8 @@ fn populate_write_makes_every_page_present_on_the_bound_nodes() {
     );
     if let Some(h) = placement_here(r.placement().unwrap()) {
         assert!(h.pages.keys().all(|n| nodes.contains(*n)), "{h:?}");
-        if exact(
-            "populate_write_makes_every_page_present_on_the_bound_nodes",
-            &h,
-            pages,
-        ) {
-            assert_eq!(h.present(), pages);
-        }
+        whole(&h, pages);
+        assert_eq!(h.present(), pages);
     }
 }
 
@@ -326,4 +314,116 @@ fn a_region_is_as_ref_bytes() {
     }
     assert_eq!(sum(&r), 9);
     assert_eq!(AsRef::<[u8]>::as_ref(&r).len(), page());
+}
+
+/// Maps `len` bytes private anonymous read-write exactly at `addr`, never over another
+/// mapping (`MAP_FIXED_NOREPLACE`: EEXIST when something is mapped there).
+fn map_at(addr: usize, len: usize) -> Result<*mut std::ffi::c_void, rustix::io::Errno> {
+    use rustix::mm::{MapFlags, ProtFlags};
+    // SAFETY: MAP_FIXED_NOREPLACE never replaces a mapping: it makes a fresh one at
+    // `addr` or fails.
+    unsafe {
+        rustix::mm::mmap_anonymous(
+            addr as *mut _,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE | MapFlags::FIXED_NOREPLACE,
+        )
+    }
+}
+
+#[test]
+fn a_fenced_region_keeps_its_pages_beside_a_same_flag_neighbour() {
+    let pages = 4;
+    let len = pages * page();
+    let mut r = Region::anonymous_fenced(len).unwrap();
+    let (start, end) = (r.as_ptr() as usize, r.as_ptr() as usize + len);
+    // The guards hold the addresses right at both ends.
+    assert_eq!(map_at(end, page()).unwrap_err(), rustix::io::Errno::EXIST);
+    assert_eq!(
+        map_at(start - page(), page()).unwrap_err(),
+        rustix::io::Errno::EXIST
+    );
+    // Same-flag neighbours (private anonymous read-write, default policy) as close as
+    // the guards allow, pages touched. (Where another thread's mapping already sits
+    // there, that mapping is the neighbour.)
+    let neighbours: Vec<_> = [end + page(), start - 3 * page()]
+        .into_iter()
+        .filter_map(|at| map_at(at, 2 * page()).ok())
+        .collect();
+    for &n in &neighbours {
+        // SAFETY: our own fresh two-page mapping, read-write, referenced by nothing else.
+        unsafe { std::ptr::write_bytes(n.cast::<u8>(), 1, 2 * page()) };
+    }
+    r.as_mut_slice().unwrap()[0] = 1;
+    r.as_mut_slice().unwrap()[2 * page()] = 1;
+    // /proc/self/maps: one mapping, exactly the region.
+    let maps = diag::maps_entries_in(start, end).unwrap();
+    let spans: Vec<_> = maps.iter().map(|m| (m.start, m.end)).collect();
+    assert_eq!(spans, [(start, end)]);
+    // /proc/self/numa_maps, read here directly: the line at the region's start is its
+    // own, with the two pages touched (numa_maps works wherever /proc is mounted).
+    let entry = diag::numa_maps_at(r.as_ptr())
+        .unwrap()
+        .expect("a numa_maps line starting at the region");
+    assert_eq!(entry.pages.values().sum::<u64>(), 2, "{entry:?}");
+    // The region's own placement, from move_pages or numa_maps, agrees.
+    if let Some(h) = placement_here(r.placement().unwrap()) {
+        whole(&h, pages);
+        assert_eq!((h.present(), h.not_present), (2, 2), "{h:?}");
+    }
+    for n in neighbours {
+        // SAFETY: the mapping made above; nothing references it any more.
+        unsafe { rustix::mm::munmap(n, 2 * page()) }.unwrap();
+    }
+}
+
+#[test]
+fn fenced_regions_check_their_arguments_and_align() {
+    for len in [0, usize::MAX, usize::MAX - page() + 2, usize::MAX - 2 * page()] {
+        assert!(
+            matches!(
+                Region::anonymous_fenced(len),
+                Err(Error::InvalidArgument { .. })
+            ),
+            "len {len}"
+        );
+    }
+    for (len, align) in [
+        (page(), 3 << 20),
+        (page(), 1024),
+        (0, 2 << 20),
+        (usize::MAX - 4095, 2 << 20),
+        (usize::MAX / 2, 1 << (usize::BITS - 1)),
+    ] {
+        assert!(
+            matches!(
+                Region::anonymous_fenced_aligned(len, align),
+                Err(Error::InvalidArgument { .. })
+            ),
+            "len {len} align {align}"
+        );
+    }
+    // Fits the arithmetic, not the address space: mmap's ENOMEM.
+    let err = Region::anonymous_fenced_aligned(page(), 1 << (usize::BITS - 1)).unwrap_err();
+    assert_eq!(err.errno(), Some(numapin::Errno::NOMEM), "{err}");
+    let r = Region::anonymous_fenced_aligned(3 << 20, 2 << 20).unwrap();
+    let start = r.as_ptr() as usize;
+    assert_eq!(start % (2 << 20), 0);
+    assert_eq!(r.len(), 3 << 20);
+    // The region is mapped whole (mincore fails with ENOMEM on a hole) and alone.
+    assert_eq!(numapin::resident_pages(start, r.len()).unwrap(), 0);
+    let spans: Vec<_> = diag::maps_entries_in(start - page(), start + r.len() + page())
+        .unwrap()
+        .iter()
+        .map(|m| (m.start, m.end, m.perms.clone()))
+        .collect();
+    assert_eq!(
+        spans,
+        [
+            (start - page(), start, "---p".to_string()),
+            (start, start + r.len(), "rw-p".to_string()),
+            (start + r.len(), start + r.len() + page(), "---p".to_string()),
+        ]
+    );
 }

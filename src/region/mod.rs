@@ -81,6 +81,9 @@ pub struct Region {
     backing: Backing,
     /// Whether [`Region::lock`] is in force (an in-place remap must lock again).
     locked: AtomicBool,
+    /// Bytes of `PROT_NONE` guard mapped right before and right after the region
+    /// ([`Region::anonymous_fenced`]; 0 otherwise), unmapped with it.
+    fence: usize,
 }
 
 // SAFETY: a Region exclusively owns its mapping; the raw pointer is not shared with any
@@ -177,6 +180,55 @@ impl Region {
         Ok(Region::owned(start as *mut c_void, len, Backing::Anonymous))
     }
 
+    /// A private anonymous mapping of `len` bytes (rounded up to whole pages) kept apart
+    /// from every other mapping: an inaccessible (`PROT_NONE`) guard page right before it
+    /// and one right after it, made in the same `mmap` and unmapped with it.
+    ///
+    /// A plain anonymous mapping merges with a neighbour that has the same flags and
+    /// policy — any thread's, at any time — and `/proc/self/numa_maps` and `smaps` then
+    /// report the two as one: the region's pages can no longer be told apart
+    /// ([`NodeHistogram::merged`]). That matters where `move_pages` is denied (Docker
+    /// with `CAP_SYS_NICE`) and placement is read from `numa_maps`, and wherever the
+    /// policy cannot tell the mappings apart (an unbound region, or `mbind` denied). The
+    /// guards cannot merge with the region (another protection), so its figures are its
+    /// own. The price is two more mappings and two pages of address space (no memory).
+    ///
+    /// # Errors
+    /// `len` is 0 or overflows with the guards, or `mmap`/`mprotect` fails.
+    ///
+    /// # Example
+    /// ```
+    /// let region = numapin::Region::anonymous_fenced(4 * numapin::page_size())?;
+    /// let (start, end) = (region.as_ptr() as usize, region.as_ptr() as usize + region.len());
+    /// let maps = numapin::diag::maps_entries_in(start, end)?;
+    /// // One mapping, exactly the region: nothing merged into it.
+    /// assert_eq!((maps.len(), maps[0].start, maps[0].end), (1, start, end));
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    #[doc(alias = "mmap")]
+    #[doc(alias = "PROT_NONE")]
+    pub fn anonymous_fenced(len: usize) -> Result<Region> {
+        map_fenced("Region::anonymous_fenced", len, page_size())
+    }
+
+    /// [`Region::anonymous_fenced`] whose start is a multiple of `align` (a power of two,
+    /// at least the page size), as [`Region::anonymous_aligned`].
+    ///
+    /// # Errors
+    /// `len` is 0, `align` is not a power of two ≥ the page size, sizes overflow, or
+    /// `mmap`/`mprotect` fails.
+    pub fn anonymous_fenced_aligned(len: usize, align: usize) -> Result<Region> {
+        const OP: &str = "Region::anonymous_fenced_aligned";
+        let page = page_size();
+        if !align.is_power_of_two() || align < page {
+            return Err(Error::invalid(
+                OP,
+                format!("align {align} is not a power of two at least the page size {page}"),
+            ));
+        }
+        map_fenced(OP, len, align)
+    }
+
     /// A read-only shared mapping of `len` bytes of `file` from `offset` (page-aligned).
     /// Such pages belong to the page cache: [`Region::bind`] refuses them (copy into an
     /// anonymous or memfd region to place data).
@@ -223,6 +275,7 @@ impl Region {
             len,
             backing,
             locked: AtomicBool::new(false),
+            fence: 0,
         }
     }
 
@@ -788,15 +841,20 @@ impl AsRef<[u8]> for Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        let start = self.as_ptr() as usize;
+        let fence = self.fence;
+        // munmap of a range we mapped can only fail on arguments we never pass (or
+        // ENOMEM splitting a VMA, impossible when unmapping whole mappings); a
+        // destructor has no one to report to.
         if let Backing::Lost = self.backing {
             // Nothing of ours is mapped there any more; the range may be someone else's.
+            // (Only a memfd region can be lost, and those have no guards.)
             return;
         }
-        // munmap of a range we mapped can only fail on arguments we never pass (or
-        // ENOMEM splitting a VMA, impossible when unmapping a whole mapping); a
-        // destructor has no one to report to.
-        // SAFETY: we own the mapping and no borrow of it outlives `self`.
-        let _ = unsafe { rustix::mm::munmap(self.as_ptr().cast(), self.map_len()) };
+        // SAFETY: we own the mapping and its guards, and no borrow of it outlives `self`.
+        let _ = unsafe {
+            rustix::mm::munmap((start - fence) as *mut c_void, self.map_len() + 2 * fence)
+        };
     }
 }
 
@@ -822,6 +880,73 @@ pub unsafe fn range_placement(ptr: *const u8, len: usize) -> Result<Observed<Nod
     }
     // SAFETY: forwarded from the caller; a query moves nothing.
     unsafe { page_histogram(ptr.cast_mut(), len) }
+}
+
+/// A private anonymous read-write region of `len` bytes starting at a multiple of `align`
+/// (a power of two ≥ the page size), with an inaccessible guard page right before and
+/// right after it: one `PROT_NONE` mapping, trimmed to the guards and opened in the middle.
+fn map_fenced(op: &'static str, len: usize, align: usize) -> Result<Region> {
+    let page = page_size();
+    let len = round_len(op, len, page)?;
+    let span = len
+        .checked_add(2 * page)
+        .and_then(|l| l.checked_add(align - page))
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!("len {len} + align {align} + two guard pages overflows"),
+            )
+        })?;
+    // SAFETY: a fresh inaccessible anonymous mapping at an address the kernel picks;
+    // nothing references it.
+    let base = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            span,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE,
+        )
+    }
+    .map_err(|e| {
+        Error::os(
+            "mmap",
+            e,
+            format_args!("{op}: len={span} PROT_NONE private"),
+        )
+    })? as usize;
+    let start = (base + page).next_multiple_of(align);
+    let (head, tail) = (start - page - base, base + span - (start + len + page));
+    // SAFETY: pieces of the mapping just made, outside the region and its guards;
+    // nothing references them.
+    unsafe {
+        if head > 0 {
+            let _ = rustix::mm::munmap(base as *mut c_void, head);
+        }
+        if tail > 0 {
+            let _ = rustix::mm::munmap((start + len + page) as *mut c_void, tail);
+        }
+    }
+    // SAFETY: the middle of the mapping just made, which nothing references; it becomes
+    // read-write, a mapping of its own between the two guards.
+    let opened = unsafe {
+        rustix::mm::mprotect(
+            start as *mut c_void,
+            len,
+            rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE,
+        )
+    };
+    if let Err(e) = opened {
+        // SAFETY: what is left of the mapping made above, referenced by nothing.
+        let _ = unsafe { rustix::mm::munmap((start - page) as *mut c_void, len + 2 * page) };
+        return Err(Error::os(
+            "mprotect",
+            e,
+            format_args!("{op}: addr={start:#x} len={len} PROT_READ|PROT_WRITE"),
+        ));
+    }
+    let mut region = Region::owned(start as *mut c_void, len, Backing::Anonymous);
+    region.fence = page;
+    Ok(region)
 }
 
 /// A fresh private anonymous read-write mapping of `len` (page-multiple) bytes.

@@ -89,30 +89,13 @@ pub fn placement_here(observed: numapin::Observed<NodeHistogram>) -> Option<Node
     }
 }
 
-/// Checks a histogram of `pages` pages from the expected source, and says whether its
-/// counts are exact. They are not when `numa_maps` met a mapping the kernel merged with a
-/// neighbour outside the region (a parallel test's region with the same flags and
-/// policy): then the unknown share must account for every page not counted, and the
-/// caller skips only its per-node figures (a line on stderr says so).
-pub fn exact(test: &str, h: &NodeHistogram, pages: usize) -> bool {
+/// Checks a histogram of `pages` pages of a fenced region (`Region::anonymous_fenced`)
+/// from the expected source: every page is accounted for, and none is lost to a merged
+/// neighbour (a region of its own never shares a mapping, so `numa_maps` counts it alone).
+pub fn whole(h: &NodeHistogram, pages: usize) {
     assert_eq!(Some(h.source), pages_source_here(), "{h:?}");
-    assert_eq!(
-        h.present() + h.not_present + h.other + h.merged,
-        pages,
-        "{h:?}"
-    );
-    if h.merged == 0 {
-        return true;
-    }
-    assert_eq!(h.source, PagesSource::NumaMaps, "{h:?}");
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "NOTE: {test}: {} of {pages} pages share a mapping with a neighbour in numa_maps; \
-         per-node counts not asserted",
-        h.merged
-    );
-    false
+    assert_eq!(h.merged, 0, "a fenced region shared a mapping: {h:?}");
+    assert_eq!(h.present() + h.not_present + h.other, pages, "{h:?}");
 }
 
 /// The errno a NUMA syscall gives here when the kernel itself would answer `full`.
