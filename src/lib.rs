@@ -32,8 +32,8 @@ pub use probe::{
     page_calls_support, probe,
 };
 pub use region::{
-    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
-    migrate_process, range_placement, resident_pages,
+    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals,
+    anon_vma_names_supported, bind_range, migrate_process, range_placement, resident_pages,
 };
 pub use store::{
     ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,

@@ -68,6 +68,11 @@ pub struct Support {
     pub cap_sys_nice: bool,
     /// Whether `MADV_POPULATE_WRITE` (Linux 5.14) works.
     pub populate_write: bool,
+    /// Whether anonymous mappings can be named (`PR_SET_VMA_ANON_NAME`, Linux 5.17 with
+    /// `CONFIG_ANON_VMA_NAME`): stores then name their regions, `[anon:numapin 3 L12
+    /// weights]` in `/proc/PID/maps` (see [`Region::set_name`](crate::Region::set_name)).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub anon_vma_names: bool,
 }
 
 impl Support {
@@ -144,6 +149,7 @@ pub fn probe() -> Result<Support> {
         )
         .unwrap_or(false),
         populate_write: populate_write_works(),
+        anon_vma_names: crate::region::anon_vma_names_supported(),
     })
 }
 
@@ -234,6 +240,7 @@ impl fmt::Display for Support {
         ));
         rows.push(("CAP_SYS_NICE".into(), yes(self.cap_sys_nice)));
         rows.push(("MADV_POPULATE_WRITE".into(), yes(self.populate_write)));
+        rows.push(("anonymous mapping names".into(), yes(self.anon_vma_names)));
         let label = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
         for (i, (name, value)) in rows.iter().enumerate() {
             if i > 0 {

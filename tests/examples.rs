@@ -340,6 +340,7 @@ fn support(
         map_count: 40,
         cap_sys_nice: false,
         populate_write: true,
+        anon_vma_names: false,
     }
 }
 

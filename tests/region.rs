@@ -380,7 +380,12 @@ fn a_fenced_region_keeps_its_pages_beside_a_same_flag_neighbour() {
 
 #[test]
 fn fenced_regions_check_their_arguments_and_align() {
-    for len in [0, usize::MAX, usize::MAX - page() + 2, usize::MAX - 2 * page()] {
+    for len in [
+        0,
+        usize::MAX,
+        usize::MAX - page() + 2,
+        usize::MAX - 2 * page(),
+    ] {
         assert!(
             matches!(
                 Region::anonymous_fenced(len),
@@ -423,7 +428,11 @@ fn fenced_regions_check_their_arguments_and_align() {
         [
             (start - page(), start, "---p".to_string()),
             (start, start + r.len(), "rw-p".to_string()),
-            (start + r.len(), start + r.len() + page(), "---p".to_string()),
+            (
+                start + r.len(),
+                start + r.len() + page(),
+                "---p".to_string()
+            ),
         ]
     );
 }

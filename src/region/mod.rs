@@ -17,11 +17,15 @@
 #![allow(unsafe_code)]
 
 mod bind;
+mod name;
 mod pages;
 mod shmem;
 
 pub use bind::bind_range;
 pub(crate) use bind::mbind_checked;
+pub use name::anon_vma_names_supported;
+#[cfg(test)]
+pub(crate) use name::invalid_name_reason;
 pub(crate) use pages::page_histogram;
 pub use pages::{MoveReport, NodeHistogram, PagesSource, migrate_process, resident_pages};
 pub use shmem::{HugePageSize, Seals};

@@ -31,6 +31,7 @@ pub use stats::{PAGE_SAMPLE, StoreStats};
 use crate::error::{Error, Result};
 use crate::node::NodeSet;
 use crate::policy::{MemPolicy, Observed, Placement};
+use crate::region::Region;
 
 /// How layers are placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,6 +304,10 @@ pub struct PinStore {
     placement: Mutex<Option<Placement>>,
     /// The store's map lock: every region and loader thread is made under it.
     maps: budget::MapGate,
+    /// This store's number in the process, for its regions' names.
+    number: u64,
+    /// Regions named so far: each name is unique, or same-named neighbours would merge.
+    regions_named: AtomicUsize,
 }
 
 impl std::fmt::Debug for PinStore {
@@ -380,6 +385,8 @@ impl PinStore {
             placement: Mutex::new(None),
             maps: budget::MapGate::new(options.vma_budget),
             options,
+            number: NEXT_STORE_NUMBER.fetch_add(1, Ordering::Relaxed),
+            regions_named: AtomicUsize::new(0),
         })
     }
 
@@ -523,15 +530,24 @@ impl PinStore {
             let _reservation = self
                 .maps
                 .reserve(|| format!("layer {layer} {}", kind.name()), 1)?;
-            arenas[kind.index()] = Some(Arena::reserve(
-                kind,
-                spec.experts,
-                spec.bytes(kind),
-                align,
-                &backing,
-            )?);
+            let arena = Arena::reserve(kind, spec.experts, spec.bytes(kind), align, &backing)?;
+            self.name_region(arena.region(), layer, kind)?;
+            arenas[kind.index()] = Some(arena);
         }
         Ok(arenas)
+    }
+
+    /// Names an anonymous arena's mapping `numapin <store> L<layer> <kind> <n>` where the
+    /// kernel names mappings ([`crate::anon_vma_names_supported`]), so `/proc/PID/maps`
+    /// tells which mapping is which layer; `n` numbers the store's regions, keeping names
+    /// (and so mappings) apart. A memfd arena already carries its file's name.
+    fn name_region(&self, region: &Region, layer: usize, kind: Kind) -> Result<()> {
+        if self.options.shared || !crate::region::anon_vma_names_supported() {
+            return Ok(());
+        }
+        let n = self.regions_named.fetch_add(1, Ordering::Relaxed);
+        region.set_name(&region_name(self.number, layer, kind, n))?;
+        Ok(())
     }
 
     /// Step 2: binds each region once, before anything touches it.
@@ -895,6 +911,15 @@ impl PinStore {
     }
 }
 
+/// Numbers the stores of this process, for their regions' names.
+static NEXT_STORE_NUMBER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// An arena's mapping name: `numapin 3 L12 weights 25` (at most 79 bytes, the kernel's
+/// limit, all of them characters it accepts).
+fn region_name(store: u64, layer: usize, kind: Kind, n: usize) -> String {
+    format!("numapin {store} L{layer} {} {n}", kind.name())
+}
+
 fn broken(op: &'static str) -> Error {
     Error::Unusable {
         op,
@@ -944,4 +969,26 @@ fn check_fits(
         lengths[kind.index()] = len;
     }
     Ok(lengths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_names_are_unique_and_valid_at_the_extremes() {
+        let names = [
+            region_name(1, 0, Kind::Weights, 0),
+            region_name(1, 0, Kind::Scales, 1),
+            region_name(1, 0, Kind::Weights, 2),
+            region_name(2, 0, Kind::Weights, 0),
+            region_name(u64::MAX, usize::MAX, Kind::Weights, usize::MAX),
+        ];
+        assert_eq!(names[0], "numapin 1 L0 weights 0");
+        let unique: BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        for name in &names {
+            assert_eq!(crate::region::invalid_name_reason(name), None, "{name}");
+        }
+    }
 }

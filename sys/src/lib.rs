@@ -427,3 +427,53 @@ pub unsafe fn madvise(addr: *mut c_void, len: usize, advice: c_int) -> Result<()
     let ret = unsafe { libc::syscall(g::__NR_madvise as c_long, addr, len, advice as c_long) };
     check(ret).map(drop)
 }
+
+/// `PR_SET_VMA` (since Linux 5.17): the `prctl` option that names anonymous mappings.
+pub const PR_SET_VMA: c_int = 0x5356_4d41;
+/// `PR_SET_VMA_ANON_NAME`: the `PR_SET_VMA` sub-option that sets the name.
+pub const PR_SET_VMA_ANON_NAME: c_ulong = 0;
+/// The kernel's `ANON_VMA_NAME_MAX_LEN`: a name and its NUL fit in 80 bytes.
+pub const ANON_VMA_NAME_MAX_LEN: usize = 80;
+
+/// `prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, addr, len, name)` — names the anonymous
+/// mappings in `[addr, addr + len)`; `/proc/PID/maps` then shows `[anon:name]`. A null
+/// `name` removes the name.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: a kernel built without `CONFIG_ANON_VMA_NAME` (or before 5.17), `addr`
+///   not page-aligned, a name of 80 bytes or more, or a byte that is not printable or is
+///   one of `[ ] \ $` and backtick;
+/// - `ENOMEM`: part of the range is not mapped;
+/// - `EBADF`: part of the range is a file mapping (only anonymous memory can be named);
+/// - `EFAULT`: `name` is not readable.
+///
+/// # Safety
+///
+/// `name` is null or points to a NUL-terminated string. The call changes no memory; the
+/// range is only split or merged by name.
+///
+/// # References
+/// - [`PR_SET_VMA(2const)`](https://man7.org/linux/man-pages/man2/PR_SET_VMA.2const.html)
+#[doc(alias = "PR_SET_VMA_ANON_NAME")]
+#[inline]
+pub unsafe fn prctl_set_vma_anon_name(
+    addr: *mut c_void,
+    len: usize,
+    name: *const core::ffi::c_char,
+) -> Result<(), Errno> {
+    // SAFETY: the kernel reads at most ANON_VMA_NAME_MAX_LEN bytes of `name`, which the
+    // caller guarantees is null or NUL-terminated, and changes no memory.
+    let ret = unsafe {
+        libc::syscall(
+            g::__NR_prctl as c_long,
+            PR_SET_VMA as c_long,
+            PR_SET_VMA_ANON_NAME,
+            addr,
+            len,
+            name,
+        )
+    };
+    check(ret).map(drop)
+}

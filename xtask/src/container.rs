@@ -93,25 +93,86 @@ const NUMA_SYSCALLS: [i64; 6] = [
 /// the capabilities.
 const PAGE_SYSCALLS: [i64; 2] = [libc::SYS_move_pages, libc::SYS_migrate_pages];
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    let only = match args {
-        [] => None,
-        [flag, name] if flag == "--env" => Some(name.as_str()),
-        _ => {
-            return Err("usage: cargo xtask test-container \
-                 [--env userns|docker-default|docker-sys-nice|no-numa]"
-                .into());
-        }
+/// What `cargo xtask test-container` was asked: one environment or all, how many rounds.
+struct Request {
+    only: Option<String>,
+    repeat: usize,
+}
+
+const CONTAINER_USAGE: &str = "usage: cargo xtask test-container \
+     [--env userns|docker-default|docker-sys-nice|no-numa] [--repeat N]";
+
+fn parse_request(args: &[String]) -> Result<Request, String> {
+    let mut request = Request {
+        only: None,
+        repeat: 1,
     };
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value\n{CONTAINER_USAGE}"))?;
+        match flag.as_str() {
+            "--env" => request.only = Some(value.clone()),
+            "--repeat" => {
+                request.repeat = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("--repeat {value:?}: a count of at least 1"))?
+            }
+            _ => return Err(format!("unknown flag {flag:?}\n{CONTAINER_USAGE}")),
+        }
+    }
+    Ok(request)
+}
+
+/// Runs the environments (`--env` one of them) `--repeat` times over (default once), each
+/// round in full whatever the last one gave, and fails if any round failed: a flaky test
+/// is a failing test. The rounds' verdicts end the output.
+pub fn run(args: &[String]) -> Result<(), String> {
+    let request = parse_request(args)?;
     let envs: Vec<&Env> = ENVS
         .iter()
-        .filter(|e| only.is_none_or(|o| o == e.name))
+        .filter(|e| request.only.as_deref().is_none_or(|o| o == e.name))
         .collect();
     if envs.is_empty() {
-        return Err(format!("unknown environment {only:?}"));
+        return Err(format!("unknown environment {:?}", request.only));
     }
     check_userns()?;
     let tests = binaries::build(false)?;
+    let mut verdicts = Vec::new();
+    for round in 1..=request.repeat {
+        if request.repeat > 1 {
+            eprintln!("xtask: test-container round {round} of {}", request.repeat);
+        }
+        let start = Instant::now();
+        let ok = run_round(&envs, &tests)?;
+        verdicts.push((ok, start.elapsed().as_secs_f64()));
+    }
+    if request.repeat > 1 {
+        for (round, (ok, seconds)) in verdicts.iter().enumerate() {
+            eprintln!(
+                "xtask: test-container round {}: {} in {seconds:.0} s",
+                round + 1,
+                if *ok { "passed" } else { "FAILED" }
+            );
+        }
+    }
+    let passed = verdicts.iter().filter(|(ok, _)| *ok).count();
+    eprintln!(
+        "xtask: test-container: {passed} of {} rounds passed",
+        verdicts.len()
+    );
+    if passed == verdicts.len() {
+        Ok(())
+    } else {
+        Err("test-container: failures above".into())
+    }
+}
+
+/// One round: every test binary in every environment; whether all passed.
+fn run_round(envs: &[&Env], tests: &[binaries::TestBinary]) -> Result<bool, String> {
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let logs = crate::target_dir()?.join("xtask/container");
     // The fixtures live under the target directory, which the sandbox sees as the host
@@ -133,7 +194,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 }
             );
         }
-        for test in &tests {
+        for test in tests {
             let log = logs.join(format!(
                 "{}-{}.log",
                 env.name,
@@ -184,11 +245,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
     report::print_table("test-container", &outcomes);
-    if report::all_ok(&outcomes) {
-        Ok(())
-    } else {
-        Err("test-container: failures above".into())
-    }
+    Ok(report::all_ok(&outcomes))
 }
 
 /// Unprivileged user namespaces must work, or nothing here can.

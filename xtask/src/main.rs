@@ -35,7 +35,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                     by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
   test-container    test binaries in namespaces: userns | docker-default | no-numa
-                    (--env NAME runs one environment)
+                    (--env NAME runs one environment; --repeat N runs
+                    every round N times, each in full: a flake fails it)
   test-numa         test binaries in a 4-node qemu VM (NUMAPIN_REQUIRE_VM=1: a VM that
                     cannot be provisioned is a failure, not a skip)";
 
