@@ -163,6 +163,7 @@ pub struct SupportJson<'a> {
     pub map_count: usize,
     pub cap_sys_nice: bool,
     pub populate_write: bool,
+    pub anon_vma_names: bool,
 }
 
 fn state_word(state: MempolicySupport) -> &'static str {
@@ -203,6 +204,7 @@ impl<'a> SupportJson<'a> {
             map_count: support.map_count,
             cap_sys_nice: support.cap_sys_nice,
             populate_write: support.populate_write,
+            anon_vma_names: support.anon_vma_names,
         }
     }
 }
