@@ -14,6 +14,7 @@ mod binaries;
 mod container;
 mod cpio;
 mod fixtures;
+mod layering;
 mod numa_vm;
 mod report;
 
@@ -34,6 +35,8 @@ const USAGE: &str = "usage: cargo xtask <task>
   fixtures          checkpoint fixtures (safetensors, GGUF) into target/fixtures, written
                     by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
+  check-layers      the import graph points down a declared list of layers, lib.rs
+                    holds only modules and re-exports, syscalls only in sys/
   test-container    test binaries in namespaces: userns | docker-default | no-numa
                     (--env NAME runs one environment; --repeat N runs
                     every round N times, each in full: a flake fails it)
@@ -51,6 +54,7 @@ fn try_main() -> Result<(), String> {
             numa_vm::run()
         }
         Some("test-host") => test_host(),
+        Some("check-layers") => layering::run(),
         Some("fixtures") => fixtures::run_fixtures().map(|_| ()),
         Some("test-container") => container::run(rest),
         Some("test-numa") => numa_vm::run(),
