@@ -106,13 +106,11 @@ fn shared_file_mappings(start: usize, end: usize) -> Result<Vec<(usize, usize, S
 /// `PROCMAP_QUERY` over `[start, end)`: `None` when the kernel does not know the ioctl (or
 /// `/proc` cannot be opened), so the caller falls back to reading the maps file.
 fn procmap_query(start: usize, end: usize) -> Option<Vec<(usize, usize, String)>> {
-    use linux_raw_sys::general::procmap_query;
     use linux_raw_sys::general::procmap_query_flags::{
         PROCMAP_QUERY_COVERING_OR_NEXT_VMA, PROCMAP_QUERY_VMA_SHARED,
     };
+    use numapin_sys::procmap_query;
     use std::os::fd::AsRawFd;
-    // `_IOWR('f', 17, struct procmap_query)`.
-    const PROCMAP_QUERY: libc::c_ulong = 0xC068_6611;
     // Opened per call, not cached: after a fork, a cached /proc/self/maps would still
     // describe the parent.
     let maps = std::fs::File::open("/proc/self/maps").ok()?;
@@ -132,11 +130,11 @@ fn procmap_query(start: usize, end: usize) -> Option<Vec<(usize, usize, String)>
         q.vma_name_size = name.len() as u32;
         // SAFETY: `q` is a valid procmap_query whose `size` says so; the kernel writes at
         // most `vma_name_size` bytes of the name into `name`, which outlives the call.
-        let rc = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) };
-        if rc != 0 {
-            return match std::io::Error::last_os_error().raw_os_error() {
-                // No file-backed shared mapping at or after `addr`.
-                Some(libc::ENOENT) => Some(found),
+        let asked = unsafe { numapin_sys::ioctl_procmap_query(maps.as_raw_fd(), &mut q) };
+        if let Err(errno) = asked {
+            return match errno {
+                // No mapping at or after `addr`.
+                numapin_sys::Errno::NOENT => Some(found),
                 // ENOTTY/EINVAL: a kernel before 6.11.
                 _ => None,
             };

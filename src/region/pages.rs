@@ -347,11 +347,8 @@ pub fn resident_pages(start: usize, len: usize) -> Result<usize> {
         // SAFETY: mincore only reads the page tables of the range (the kernel validates
         // it) and writes one byte per page of `window` into `vec`, which holds
         // RESIDENCY_WINDOW ≥ `pages` bytes.
-        let rc = unsafe { libc::mincore(addr as *mut c_void, window, vec.as_mut_ptr()) };
-        if rc != 0 {
-            let errno = Errno::from_raw_os_error(
-                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-            );
+        let asked = unsafe { sys::mincore(addr as *mut c_void, window, vec.as_mut_ptr()) };
+        if let Err(errno) = asked {
             return Err(Error::os(
                 "mincore",
                 errno,

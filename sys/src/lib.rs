@@ -477,3 +477,61 @@ pub unsafe fn prctl_set_vma_anon_name(
     };
     check(ret).map(drop)
 }
+
+/// `int mincore(void *addr, size_t len, unsigned char *vec)` — which pages of a range
+/// are resident: bit 0 of `vec[i]` for page `i`.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `addr` is not page-aligned;
+/// - `ENOMEM`: part of the range is not mapped, or `addr + len` overflows;
+/// - `EFAULT`: `vec` is not writable;
+/// - `EAGAIN`: the kernel was short of memory.
+///
+/// # Safety
+///
+/// `vec` points to at least `len.div_ceil(page size)` writable bytes. The call only reads
+/// page tables; it faults nothing in and changes no memory of the range.
+///
+/// # References
+/// - [`mincore(2)`](https://man7.org/linux/man-pages/man2/mincore.2.html)
+#[inline]
+pub unsafe fn mincore(addr: *mut c_void, len: usize, vec: *mut u8) -> Result<(), Errno> {
+    // SAFETY: the caller guarantees `vec` holds a byte per page of the range.
+    let ret = unsafe { libc::syscall(g::__NR_mincore as c_long, addr, len, vec) };
+    check(ret).map(drop)
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`: the `PROCMAP_QUERY` ioctl of `/proc/PID/maps`.
+pub const PROCMAP_QUERY: c_ulong = 0xC068_6611;
+
+/// `struct procmap_query` (Linux 6.11): one `PROCMAP_QUERY` request and its answer.
+pub use linux_raw_sys::general::procmap_query;
+
+/// `int ioctl(int fd, PROCMAP_QUERY, struct procmap_query *q)` — asks `/proc/PID/maps`
+/// (`fd`) about the mapping at or after `q.query_addr` (since Linux 6.11): its range,
+/// flags, inode and, into `q.vma_name_addr`, its name.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `ENOENT`: no mapping matches at or after the address;
+/// - `ENOTTY`, `EINVAL`: a kernel before 6.11, or a `size` it does not know;
+/// - `E2BIG`: `vma_name_size` is too small for the name;
+/// - `EFAULT`: `q` or the name buffer is not writable.
+///
+/// # Safety
+///
+/// `q` points to a valid `procmap_query` whose `size` is its size, and `vma_name_addr`
+/// is null (with size 0) or points to `vma_name_size` writable bytes.
+///
+/// # References
+/// - [`PROCMAP_QUERY` in `Documentation/filesystems/proc.rst`](https://docs.kernel.org/filesystems/proc.html)
+#[doc(alias = "PROCMAP_QUERY")]
+#[inline]
+pub unsafe fn ioctl_procmap_query(fd: c_int, q: *mut procmap_query) -> Result<(), Errno> {
+    // SAFETY: the caller guarantees `q` and its name buffer; the kernel writes only there.
+    let ret = unsafe { libc::syscall(g::__NR_ioctl as c_long, fd as c_long, PROCMAP_QUERY, q) };
+    check(ret).map(drop)
+}
