@@ -39,6 +39,17 @@ pub use store::{
     ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,
 };
 
+// The pages in docs/ that the README links to: their Rust snippets are doc tests too.
+#[cfg(doctest)]
+mod docs {
+    #[doc = include_str!("../docs/api.md")]
+    pub struct ApiDoctests;
+    #[doc = include_str!("../docs/cache.md")]
+    pub struct CacheDoctests;
+    #[doc = include_str!("../docs/checkpoints.md")]
+    pub struct CheckpointsDoctests;
+}
+
 /// The base page size, read once.
 pub fn page_size() -> usize {
     rustix::param::page_size()

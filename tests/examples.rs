@@ -1,7 +1,8 @@
 //! The examples' flags and JSON (`examples/support/`), without running the examples:
-//! the clap types parse as the README says, `pin_model`'s JSON from a real (small) load
-//! carries the schema and both expert counts where xtask's VM check reads them, and
-//! `probe`'s JSON is `Support` in the form the library's `serde` feature gives it.
+//! the clap types parse as the README and docs/pin_model.md say, `pin_model`'s JSON from
+//! a real (small) load carries the schema and both expert counts where xtask's VM check
+//! reads them, and `probe`'s JSON is `Support` in the form the library's `serde` feature
+//! gives it.
 
 mod common;
 
