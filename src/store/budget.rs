@@ -117,8 +117,8 @@ impl PinStore {
         // Replicas and split blocks are mappings too: a region per kind per copy, a
         // mapping per block of a split region.
         let per_layer = (1 + usize::from(spec.scale_bytes > 0))
-            * self.copies()
-            * self.maps_per_region(spec.experts);
+            * self.layout.copies()
+            * self.layout.maps_per_region(spec.experts);
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
             Error::invalid(
                 "PinStore::check_model_budget",

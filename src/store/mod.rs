@@ -5,6 +5,7 @@
 mod arena;
 mod budget;
 mod layer;
+mod layout;
 mod manifest;
 mod replica;
 mod shared;
@@ -23,37 +24,15 @@ pub use crate::source::{
 };
 use arena::Arena;
 use layer::Layer;
+pub use layout::Layout;
 pub use manifest::{Manifest, ManifestRegion};
 pub use shared::Export;
 pub use slot_map::{SlotMap, SlotPiece};
 pub use stats::{PAGE_SAMPLE, StoreStats};
 
 use crate::error::{Error, Result};
-use crate::node::NodeSet;
 use crate::policy::{MemPolicy, Observed, Placement};
 use crate::region::Region;
-
-/// How layers are placed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Layout {
-    /// Every region interleaved page by page over the set: every core reads every
-    /// layer, so spread the bandwidth.
-    Interleave(NodeSet),
-    /// Layer `i` bound to the `i mod n`-th node of the set.
-    LayerPerNode(NodeSet),
-    /// A copy of every layer on each node of the set, each bound (`MPOL_BIND`) to its
-    /// node: a thread reads its own node's copy ([`PinStore::weights_local`]). Costs
-    /// nodes × the memory and nodes × the mappings; the file is read once, into the first
-    /// node's copy, and the others are copied from it. Where placement is denied or
-    /// unsupported, one unplaced copy is built.
-    Replicate(NodeSet),
-    /// The experts of each layer in contiguous blocks, one per node of the set (expert
-    /// `e` of `E` on the `e × n / E`-th node), each block bound to its node:
-    /// [`PinStore::home_node`] says where an expert lives. Up to n mappings per region.
-    SplitExperts(NodeSet),
-    /// No binding at all: the baseline, and what a denied container gets anyway.
-    Unplaced,
-}
 
 /// Options of a [`PinStore`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -354,25 +333,9 @@ impl PinStore {
     /// A layout with an empty node set, zero loader threads, a bad slot alignment, or a
     /// piece alignment that is not a power of two.
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
-        if let Layout::Interleave(set)
-        | Layout::LayerPerNode(set)
-        | Layout::Replicate(set)
-        | Layout::SplitExperts(set) = layout
-            && set.is_empty()
-        {
-            return Err(Error::invalid(
-                "PinStore::new",
-                format!("{layout:?} has no nodes"),
-            ));
-        }
+        layout.check(options.shared)?;
         if options.loader_threads == 0 {
             return Err(Error::invalid("PinStore::new", "loader_threads is 0"));
-        }
-        if options.shared && matches!(layout, Layout::Replicate(_)) {
-            return Err(Error::invalid(
-                "PinStore::new",
-                format!("{layout:?} with shared arenas: exporting replicas is not supported"),
-            ));
         }
         options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
@@ -398,16 +361,7 @@ impl PinStore {
     /// The policy layer `layer` gets (`None`: unplaced, or [`Layout::SplitExperts`],
     /// whose blocks each get their node; the first copy's for [`Layout::Replicate`]).
     pub fn policy_for(&self, layer: usize) -> Option<MemPolicy> {
-        match self.layout {
-            Layout::Interleave(set) => Some(MemPolicy::Interleave(set)),
-            Layout::LayerPerNode(set) => set
-                .nth(layer % set.len())
-                .map(|n| MemPolicy::Bind(std::iter::once(n).collect())),
-            Layout::Replicate(set) => set
-                .nth(0)
-                .map(|n| MemPolicy::Bind(std::iter::once(n).collect())),
-            Layout::SplitExperts(_) | Layout::Unplaced => None,
-        }
+        self.layout.region_policy(layer)
     }
 
     /// Reserves layer `layer`'s regions (weights and, if `scale_bytes > 0`, scales) at a
@@ -436,13 +390,13 @@ impl PinStore {
         let map = SlotMap::build(layer, sources, self.options.piece_align)?;
         let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
-        let copies = self.copies();
-        if !self.replica_set().is_empty() {
+        let copies = self.layout.copies();
+        if !self.layout.replica_set().is_empty() {
             let align = self.options.slot_align.bytes()?;
             let needed = replica::copy_bytes(spec, align)?;
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
         }
-        let per_copy = spec.kinds().count() * self.maps_per_region(spec.experts);
+        let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
         let maps = per_copy.checked_mul(copies).ok_or_else(|| {
             Error::invalid(PACK, format!("layer {layer}: {copies} copies overflow"))
         })?;
@@ -451,8 +405,8 @@ impl PinStore {
         }
         let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
-        let (placement, mut mbind_calls) = match (&policy, self.layout) {
-            (_, Layout::SplitExperts(set)) => {
+        let (placement, mut mbind_calls) = match (&policy, self.layout.blocks()) {
+            (_, Some(set)) => {
                 let (p, calls) = self.bind_blocks(&set, &arenas, spec.experts)?;
                 (Some(p), calls)
             }
@@ -468,7 +422,7 @@ impl PinStore {
             }
         }
         let experts = spec.experts;
-        let target = |expert: usize| self.target_node(layer, experts, expert);
+        let target = |expert: usize| self.layout.target_node(layer, experts, expert);
         let (filled, (read_mode, read_fallback)) =
             self.fill(layer, &mut arenas, sources, &lengths, &map, &target)?;
         // Replicas only where the first copy was bound: a degraded store keeps one
@@ -502,8 +456,8 @@ impl PinStore {
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
-        if let (Layout::Replicate(set), Some(true)) = (self.layout, placement.map(|p| p.is_bound()))
-            && let Some(first) = set.nth(0)
+        if placement.is_some_and(|p| p.is_bound())
+            && let Some(first) = self.layout.replica_set().nth(0)
         {
             packed = packed.with_replicas(first, replicas);
         }
@@ -618,9 +572,10 @@ impl PinStore {
         let threads = self.options.loader_threads;
         // Interleaved memory has no single node: spread the loaders over the set instead,
         // so that each node's share of the writes is made from nearby CPUs.
-        let spread: Vec<crate::node::Node> = match self.layout {
-            Layout::Interleave(set) if self.placement_bound() => set.iter().collect(),
-            _ => Vec::new(),
+        let spread: Vec<crate::node::Node> = if self.placement_bound() {
+            self.layout.loader_spread().iter().collect()
+        } else {
+            Vec::new()
         };
         let loading = load::Loading {
             reader: &reader,
@@ -865,7 +820,7 @@ impl PinStore {
         // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
         // node for a replicated layer; the replicas are copied on theirs).
         let on_node = (expert < spec.experts)
-            .then(|| self.target_node(layer, spec.experts, expert))
+            .then(|| self.layout.target_node(layer, spec.experts, expert))
             .flatten()
             .map(load::OnNode::enter);
         check_fits(layer, expert, &spec, source)?;

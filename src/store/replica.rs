@@ -13,11 +13,12 @@
 //! given up quickly, and a bind that counts on them ends in reclaim storms or the OOM
 //! killer. Anonymous memory (other processes' heaps) and swap are not counted.
 
-use std::ops::Range;
-
+#[cfg(doc)]
+use super::Layout;
 use super::arena::Arena;
 use super::layer::{Arenas, Layer};
-use super::{Kind, LayerSpec, Layout, PinStore};
+use super::layout::block;
+use super::{Kind, LayerSpec, PinStore};
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
 use crate::source::Tensor;
@@ -73,18 +74,6 @@ pub(crate) fn available_bytes(node: Node) -> Result<Option<u64>> {
     ))
 }
 
-/// The experts of node `i` of `n` when `experts` are split in contiguous blocks (expert
-/// `e` on node `e × n / experts`).
-pub(crate) fn block(i: usize, n: usize, experts: usize) -> Range<usize> {
-    let start = |i: usize| (i as u128 * experts as u128).div_ceil(n.max(1) as u128) as usize;
-    start(i)..start(i + 1)
-}
-
-/// The index (among `n` nodes) of expert `e`'s block.
-pub(crate) fn block_of(e: usize, n: usize, experts: usize) -> usize {
-    (e as u128 * n as u128 / experts.max(1) as u128) as usize
-}
-
 /// The bytes one copy of a layer of `spec` maps (every region, padding included).
 pub(crate) fn copy_bytes(spec: &LayerSpec, align: usize) -> Result<u64> {
     let mut total: u64 = 0;
@@ -103,28 +92,6 @@ pub(crate) fn copy_bytes(spec: &LayerSpec, align: usize) -> Result<u64> {
 }
 
 impl PinStore {
-    /// The nodes the layout replicates every layer on (empty: not [`Layout::Replicate`]).
-    pub(super) fn replica_set(&self) -> NodeSet {
-        match self.layout {
-            Layout::Replicate(set) => set,
-            _ => NodeSet::new(),
-        }
-    }
-
-    /// Copies of each layer the layout makes (1 but for [`Layout::Replicate`]).
-    pub(super) fn copies(&self) -> usize {
-        self.replica_set().len().max(1)
-    }
-
-    /// Mappings one region of a layer of `experts` becomes once bound: one per block for
-    /// [`Layout::SplitExperts`] (ranges with different policies do not merge), else 1.
-    pub(super) fn maps_per_region(&self, experts: usize) -> usize {
-        match self.layout {
-            Layout::SplitExperts(set) => set.len().min(experts).max(1),
-            _ => 1,
-        }
-    }
-
     /// Checks, before anything is mapped, that `layers` layers of `spec` fit in the memory
     /// of every node that gets a copy: for [`Layout::Replicate`], each node of the set
     /// needs the whole model. Other layouts, and machines where placement is denied or
@@ -145,7 +112,7 @@ impl PinStore {
 
     /// [`PinStore::check_model_memory`] for `needed` bytes per replica node.
     pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
-        let set = self.replica_set();
+        let set = self.layout.replica_set();
         if set.is_empty()
             || crate::calls::NumaCall::Mbind.support()? != crate::calls::MempolicySupport::Available
         {
@@ -180,7 +147,7 @@ impl PinStore {
         first: &Arenas,
     ) -> Result<Built> {
         let mut built = Built::default();
-        for node in self.replica_set().iter().skip(1) {
+        for node in self.layout.replica_set().iter().skip(1) {
             let (copy, calls, filled) = self.build_copy(layer, spec, node, first)?;
             built.mbind_calls += calls;
             built.local_bytes += filled.local_bytes;
@@ -326,21 +293,10 @@ impl PinStore {
         if expert >= experts {
             return Err(super::out_of_range(layer, expert, experts));
         }
-        if let Layout::Replicate(_) = self.layout {
+        if !self.layout.has_home() {
             return Ok(None);
         }
-        Ok(self.target_node(layer, experts, expert))
-    }
-
-    /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the
-    /// first copy's for [`Layout::Replicate`]).
-    pub(super) fn target_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
-        match self.layout {
-            Layout::SplitExperts(set) => set.nth(block_of(expert, set.len(), experts)),
-            Layout::LayerPerNode(set) => set.nth(layer % set.len()),
-            Layout::Replicate(set) => set.nth(0),
-            Layout::Interleave(_) | Layout::Unplaced => None,
-        }
+        Ok(self.layout.target_node(layer, experts, expert))
     }
 
     /// The weights of `expert` of `layer` in the replica on the calling thread's node
@@ -475,38 +431,12 @@ pub(super) fn node_bytes(
     for (_, arena) in layer.arenas_by_kind() {
         for expert in 0..experts {
             let (Some(node), Some(len)) = (
-                store.target_node(index, experts, expert),
+                store.layout.target_node(index, experts, expert),
                 arena.loaded(expert),
             ) else {
                 continue;
             };
             *into.entry(node).or_default() += len as u64;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn blocks_are_contiguous_and_agree_with_the_formula() {
-        for (n, experts) in [(3, 16), (2, 5), (4, 3), (1, 7), (3, 3)] {
-            let mut next = 0;
-            for i in 0..n {
-                let b = block(i, n, experts);
-                assert_eq!(b.start, next, "n={n} experts={experts} i={i}");
-                for e in b.clone() {
-                    assert_eq!(block_of(e, n, experts), i, "expert {e}");
-                }
-                next = b.end;
-            }
-            assert_eq!(next, experts);
-        }
-        // 16 experts over 3 nodes: 6, 5, 5.
-        assert_eq!(
-            (0..3).map(|i| block(i, 3, 16).len()).collect::<Vec<_>>(),
-            vec![6, 5, 5]
-        );
     }
 }

@@ -1,0 +1,261 @@
+//! [`Layout`]: how a store places its layers, and every decision that follows from it —
+//! the policy of each region, the copies and the blocks a layer becomes, the node an
+//! expert is bound to, the mappings a region costs, where loader threads run. The rest of
+//! the store asks these methods and never matches a layout itself, so adding a layout
+//! touches this file, its tests and the docs.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::node::{Node, NodeSet};
+use crate::policy::MemPolicy;
+
+/// How layers are placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Every region interleaved page by page over the set: every core reads every
+    /// layer, so spread the bandwidth.
+    Interleave(NodeSet),
+    /// Layer `i` bound to the `i mod n`-th node of the set.
+    LayerPerNode(NodeSet),
+    /// A copy of every layer on each node of the set, each bound (`MPOL_BIND`) to its
+    /// node: a thread reads its own node's copy
+    /// ([`PinStore::weights_local`](super::PinStore::weights_local)). Costs nodes × the
+    /// memory and nodes × the mappings; the file is read once, into the first node's copy,
+    /// and the others are copied from it. Where placement is denied or unsupported, one
+    /// unplaced copy is built.
+    Replicate(NodeSet),
+    /// The experts of each layer in contiguous blocks, one per node of the set (expert
+    /// `e` of `E` on the `e × n / E`-th node), each block bound to its node:
+    /// [`PinStore::home_node`](super::PinStore::home_node) says where an expert lives. Up
+    /// to n mappings per region.
+    SplitExperts(NodeSet),
+    /// No binding at all: the baseline, and what a denied container gets anyway.
+    Unplaced,
+}
+
+impl Layout {
+    /// The node set the layout places over (`None` for [`Layout::Unplaced`]).
+    pub fn nodes(&self) -> Option<NodeSet> {
+        match *self {
+            Layout::Interleave(set)
+            | Layout::LayerPerNode(set)
+            | Layout::Replicate(set)
+            | Layout::SplitExperts(set) => Some(set),
+            Layout::Unplaced => None,
+        }
+    }
+
+    /// Checks what a store needs of the layout: a non-empty set, and (with shared,
+    /// exportable arenas) no replicas.
+    pub(super) fn check(&self, shared: bool) -> Result<()> {
+        if self.nodes().is_some_and(|set| set.is_empty()) {
+            return Err(Error::invalid(
+                "PinStore::new",
+                format!("{self:?} has no nodes"),
+            ));
+        }
+        if shared && !self.replica_set().is_empty() {
+            return Err(Error::invalid(
+                "PinStore::new",
+                format!("{self:?} with shared arenas: exporting replicas is not supported"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The policy each region of layer `layer` is bound with once (`None`: unplaced, or
+    /// bound block by block, see [`Layout::blocks`]); the first copy's for
+    /// [`Layout::Replicate`].
+    pub(super) fn region_policy(&self, layer: usize) -> Option<MemPolicy> {
+        let bind = |node: Option<Node>| node.map(|n| MemPolicy::Bind(std::iter::once(n).collect()));
+        match *self {
+            Layout::Interleave(set) => Some(MemPolicy::Interleave(set)),
+            Layout::LayerPerNode(set) => bind(set.nth(layer % set.len())),
+            Layout::Replicate(set) => bind(set.nth(0)),
+            Layout::SplitExperts(_) | Layout::Unplaced => None,
+        }
+    }
+
+    /// The nodes whose blocks a region is bound to one by one ([`Layout::SplitExperts`]).
+    pub(super) fn blocks(&self) -> Option<NodeSet> {
+        match *self {
+            Layout::SplitExperts(set) => Some(set),
+            Layout::Interleave(_)
+            | Layout::LayerPerNode(_)
+            | Layout::Replicate(_)
+            | Layout::Unplaced => None,
+        }
+    }
+
+    /// The nodes that hold a copy of every layer (empty but for [`Layout::Replicate`]).
+    pub(super) fn replica_set(&self) -> NodeSet {
+        match *self {
+            Layout::Replicate(set) => set,
+            Layout::Interleave(_)
+            | Layout::LayerPerNode(_)
+            | Layout::SplitExperts(_)
+            | Layout::Unplaced => NodeSet::new(),
+        }
+    }
+
+    /// Copies of each layer the layout makes (1 but for [`Layout::Replicate`]).
+    pub(super) fn copies(&self) -> usize {
+        self.replica_set().len().max(1)
+    }
+
+    /// Mappings one region of a layer of `experts` becomes once bound: one per block for
+    /// [`Layout::SplitExperts`] (ranges with different policies do not merge), else 1.
+    pub(super) fn maps_per_region(&self, experts: usize) -> usize {
+        match self.blocks() {
+            Some(set) => set.len().min(experts).max(1),
+            None => 1,
+        }
+    }
+
+    /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the first
+    /// copy's for [`Layout::Replicate`]).
+    pub(super) fn target_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
+        match *self {
+            Layout::SplitExperts(set) => set.nth(block_of(expert, set.len(), experts)),
+            Layout::LayerPerNode(set) => set.nth(layer % set.len()),
+            Layout::Replicate(set) => set.nth(0),
+            Layout::Interleave(_) | Layout::Unplaced => None,
+        }
+    }
+
+    /// Whether an expert has one home node ([`Layout::Replicate`]'s experts live on every
+    /// node of the set).
+    pub(super) fn has_home(&self) -> bool {
+        match *self {
+            Layout::Replicate(_) => false,
+            Layout::Interleave(_)
+            | Layout::LayerPerNode(_)
+            | Layout::SplitExperts(_)
+            | Layout::Unplaced => true,
+        }
+    }
+
+    /// The nodes loader threads spread over when the memory they fill has no single node
+    /// ([`Layout::Interleave`]: each node's share of the writes then comes from nearby
+    /// CPUs). Empty: each loader runs on its slot's target node, or anywhere.
+    pub(super) fn loader_spread(&self) -> NodeSet {
+        match *self {
+            Layout::Interleave(set) => set,
+            Layout::LayerPerNode(_)
+            | Layout::Replicate(_)
+            | Layout::SplitExperts(_)
+            | Layout::Unplaced => NodeSet::new(),
+        }
+    }
+}
+
+/// The experts of node `i` of `n` when `experts` are split in contiguous blocks (expert
+/// `e` on node `e × n / experts`).
+pub(crate) fn block(i: usize, n: usize, experts: usize) -> Range<usize> {
+    let start = |i: usize| (i as u128 * experts as u128).div_ceil(n.max(1) as u128) as usize;
+    start(i)..start(i + 1)
+}
+
+/// The index (among `n` nodes) of expert `e`'s block.
+pub(crate) fn block_of(e: usize, n: usize, experts: usize) -> usize {
+    (e as u128 * n as u128 / experts.max(1) as u128) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ids: &[usize]) -> NodeSet {
+        NodeSet::from_nodes(ids.iter().copied()).unwrap()
+    }
+
+    #[test]
+    fn blocks_are_contiguous_and_agree_with_the_formula() {
+        for (n, experts) in [(3, 16), (2, 5), (4, 3), (1, 7), (3, 3)] {
+            let mut next = 0;
+            for i in 0..n {
+                let b = block(i, n, experts);
+                assert_eq!(b.start, next, "n={n} experts={experts} i={i}");
+                for e in b.clone() {
+                    assert_eq!(block_of(e, n, experts), i, "expert {e}");
+                }
+                next = b.end;
+            }
+            assert_eq!(next, experts);
+        }
+        // 16 experts over 3 nodes: 6, 5, 5.
+        assert_eq!(
+            (0..3).map(|i| block(i, 3, 16).len()).collect::<Vec<_>>(),
+            vec![6, 5, 5]
+        );
+    }
+
+    #[test]
+    fn every_layout_answers_every_decision() {
+        let nodes = set(&[1, 3, 5]);
+        let bind = |n: u16| Some(MemPolicy::Bind(std::iter::once(Node(n)).collect()));
+        // (layout, policy of layer 4, copies, maps per region of 16 experts, node of
+        // expert 15 of 16 in layer 4, one home, loader spread)
+        let cases = [
+            (
+                Layout::Interleave(nodes),
+                Some(MemPolicy::Interleave(nodes)),
+                1,
+                1,
+                None,
+                true,
+                nodes,
+            ),
+            (
+                Layout::LayerPerNode(nodes),
+                bind(3),
+                1,
+                1,
+                Some(Node(3)),
+                true,
+                NodeSet::new(),
+            ),
+            (
+                Layout::Replicate(nodes),
+                bind(1),
+                3,
+                1,
+                Some(Node(1)),
+                false,
+                NodeSet::new(),
+            ),
+            (
+                Layout::SplitExperts(nodes),
+                None,
+                1,
+                3,
+                Some(Node(5)),
+                true,
+                NodeSet::new(),
+            ),
+            (Layout::Unplaced, None, 1, 1, None, true, NodeSet::new()),
+        ];
+        for (layout, policy, copies, maps, node, home, spread) in cases {
+            assert_eq!(layout.region_policy(4), policy, "{layout:?}");
+            assert_eq!(layout.copies(), copies, "{layout:?}");
+            assert_eq!(layout.maps_per_region(16), maps, "{layout:?}");
+            assert_eq!(layout.target_node(4, 16, 15), node, "{layout:?}");
+            assert_eq!(layout.has_home(), home, "{layout:?}");
+            assert_eq!(layout.loader_spread(), spread, "{layout:?}");
+            assert!(layout.check(false).is_ok(), "{layout:?}");
+            assert_eq!(layout.check(true).is_ok(), copies == 1, "{layout:?}");
+        }
+        // Fewer experts than nodes: a block per expert, no empty blocks mapped.
+        assert_eq!(Layout::SplitExperts(nodes).maps_per_region(2), 2);
+        assert_eq!(Layout::SplitExperts(nodes).maps_per_region(0), 1);
+        for empty in [
+            Layout::Interleave(NodeSet::new()),
+            Layout::LayerPerNode(NodeSet::new()),
+            Layout::Replicate(NodeSet::new()),
+            Layout::SplitExperts(NodeSet::new()),
+        ] {
+            assert!(empty.check(false).is_err(), "{empty:?}");
+        }
+    }
+}
