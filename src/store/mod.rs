@@ -2,14 +2,17 @@
 //! regions (weights and scales) at a fixed stride, so that a whole model costs O(layers)
 //! mappings and `mbind` calls however many experts it has.
 
+mod access;
 mod arena;
 mod budget;
 mod layer;
 mod layout;
 mod manifest;
+mod options;
 mod replica;
 mod shared;
 mod slot_map;
+mod spec;
 mod stats;
 mod table;
 
@@ -22,236 +25,20 @@ pub use crate::source::{
     DROP_BEHIND_EVERY, ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ,
     PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
+use access::{check_fits, out_of_range};
 use arena::Arena;
 use layer::Layer;
 pub use layout::Layout;
 pub use manifest::{Manifest, ManifestRegion};
+pub use options::{MAX_ALIGN, SlotAlign, StoreOptions};
 pub use shared::Export;
 pub use slot_map::{SlotMap, SlotPiece};
+pub use spec::{LayerReport, LayerSpec};
 pub use stats::{PAGE_SAMPLE, StoreStats};
 
 use crate::error::{Error, Result};
-use crate::policy::{MemPolicy, Observed, Placement};
+use crate::policy::{MemPolicy, Placement};
 use crate::region::Region;
-
-/// Options of a [`PinStore`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreOptions {
-    /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
-    /// so that even with THP `always` interleaving stays page by page.
-    pub huge_pages: bool,
-    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on).
-    pub populate: bool,
-    /// Threads that fill slots (default: the available parallelism).
-    pub loader_threads: usize,
-    /// Replace `vm.max_map_count` in the budget check (tests).
-    pub vma_budget: Option<usize>,
-    /// Back the arenas with memfds (shmem, placed by their shared policy) so that
-    /// [`PinStore::export`] can hand them to other processes (default off). Huge pages
-    /// then follow `/sys/kernel/mm/transparent_hugepage/shmem_enabled`.
-    pub shared: bool,
-    /// Where slots start: the default [`SlotAlign::Page`] wastes less than a page per
-    /// slot; [`SlotAlign::HugePage`] lets `release` give back whole huge pages, at up to
-    /// 2 MiB of padding per slot.
-    pub slot_align: SlotAlign,
-    /// How [`PinStore::pack_layer`] reads file pieces (default [`ReadMode::Buffered`]);
-    /// [`LayerReport::read_mode`] says what ran. [`PinStore::ensure`] always reads
-    /// buffered.
-    pub read_mode: ReadMode,
-    /// Called with each layer's [`Progress`] while it loads (default none); see
-    /// [`ProgressHook`] for the rate and the guarantees.
-    pub progress: Option<ProgressHook>,
-    /// Where pieces of a file source start inside a slot: at multiples of this power of
-    /// two (default 1: back to back). A slot grows by the padding; the padding bytes are
-    /// zero. [`PinStore::slot_map`] tells where each piece went.
-    pub piece_align: usize,
-}
-
-/// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
-/// Anything larger only pads slots (a 100-byte piece aligned to 1 TiB asks for a TiB),
-/// and with overcommit on, populating would fault all of it in.
-pub const MAX_ALIGN: usize = 1 << 30;
-
-/// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
-///
-/// Whatever the alignment, an arena's region is 2 MiB-aligned with `MADV_HUGEPAGE` when
-/// [`StoreOptions::huge_pages`] is on, so transparent huge pages back the region, not
-/// each slot. What the alignment changes is `release`: releasing a page-aligned slot
-/// inside a THP region splits the huge pages at its edges (lazily: RSS drops at once,
-/// `MemFree` may not until the split pages are reclaimed), and khugepaged may collapse a
-/// partly released range into a huge page again. Measure a release with RSS or `mincore`,
-/// not `MemFree`. Huge-page-aligned slots release whole huge pages, at the price of
-/// padding every slot up to a multiple of 2 MiB (a 2 MiB + 1 byte slot takes 4 MiB).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SlotAlign {
-    /// The base page (4 KiB): the stride is the slot size rounded up to the page.
-    #[default]
-    Page,
-    /// The transparent huge page (2 MiB).
-    HugePage,
-    /// Any power of two at least the page size.
-    Bytes(usize),
-}
-
-impl SlotAlign {
-    /// The alignment in bytes.
-    ///
-    /// # Errors
-    /// [`SlotAlign::Bytes`] that is not a power of two at least the page size.
-    pub fn bytes(self) -> Result<usize> {
-        let page = crate::page_size();
-        match self {
-            SlotAlign::Page => Ok(page),
-            SlotAlign::HugePage => Ok(arena::HUGE_PAGE),
-            SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page && n <= MAX_ALIGN => Ok(n),
-            SlotAlign::Bytes(n) => Err(Error::invalid(
-                "SlotAlign",
-                format!(
-                    "{n} is not a power of two from the page size {page} to {MAX_ALIGN} \
-                     (1 GiB: a larger alignment pads every slot by more than a huge page of \
-                     the largest size)"
-                ),
-            )),
-        }
-    }
-}
-
-impl Default for StoreOptions {
-    fn default() -> Self {
-        StoreOptions {
-            huge_pages: true,
-            populate: true,
-            loader_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            vma_budget: None,
-            shared: false,
-            slot_align: SlotAlign::Page,
-            read_mode: ReadMode::Buffered,
-            progress: None,
-            piece_align: 1,
-        }
-    }
-}
-
-/// The shape of one layer: how many experts, and the most bytes one expert's weights and
-/// scales can have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LayerSpec {
-    /// Experts in the layer.
-    pub experts: usize,
-    /// Maximum weight bytes of one expert.
-    pub weight_bytes: usize,
-    /// Maximum scale bytes of one expert (0: the layer has no scales region).
-    pub scale_bytes: usize,
-}
-
-impl LayerSpec {
-    /// The spec that fits `sources` exactly: one expert per source, and the largest
-    /// weights and scales among them.
-    ///
-    /// # Errors
-    /// A source's piece lengths overflow.
-    ///
-    /// # Example
-    /// ```
-    /// use numapin::store::{ExpertSource, LayerSpec};
-    /// let (a, b) = (vec![0u8; 100], vec![0u8; 120]);
-    /// let sources = [
-    ///     ExpertSource::Memory { weights: &a, scales: &[] },
-    ///     ExpertSource::Memory { weights: &b, scales: &a[..4] },
-    /// ];
-    /// let spec = LayerSpec::fitting(&sources)?;
-    /// assert_eq!(spec, LayerSpec { experts: 2, weight_bytes: 120, scale_bytes: 4 });
-    /// # Ok::<(), numapin::Error>(())
-    /// ```
-    pub fn fitting(sources: &[ExpertSource<'_>]) -> Result<LayerSpec> {
-        let mut spec = LayerSpec {
-            experts: sources.len(),
-            weight_bytes: 0,
-            scale_bytes: 0,
-        };
-        for source in sources {
-            for kind in Kind::ALL {
-                let bytes = source.bytes(kind)?;
-                let max = spec.bytes_mut(kind);
-                *max = (*max).max(bytes);
-            }
-        }
-        Ok(spec)
-    }
-
-    /// The most bytes one expert's tensor `kind` can have.
-    pub fn bytes(&self, kind: Kind) -> usize {
-        match kind {
-            Kind::Weights => self.weight_bytes,
-            Kind::Scales => self.scale_bytes,
-        }
-    }
-
-    fn bytes_mut(&mut self, kind: Kind) -> &mut usize {
-        match kind {
-            Kind::Weights => &mut self.weight_bytes,
-            Kind::Scales => &mut self.scale_bytes,
-        }
-    }
-
-    /// The tensor kinds this layer has a region for (weights always; scales when
-    /// `scale_bytes > 0`).
-    pub fn kinds(&self) -> impl Iterator<Item = Kind> + '_ {
-        Kind::ALL
-            .into_iter()
-            .filter(|&k| k == Kind::Weights || self.bytes(k) > 0)
-    }
-}
-
-/// What [`PinStore::pack_layer`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct LayerReport {
-    /// The layer.
-    pub layer: usize,
-    /// Experts loaded.
-    pub experts: usize,
-    /// Distance between weight slots.
-    pub weight_stride: usize,
-    /// Distance between scale slots (0 without scales).
-    pub scale_stride: usize,
-    /// Bytes loaded (weights and scales).
-    pub bytes: u64,
-    /// Regions reserved (2, or 1 without scales).
-    pub regions: usize,
-    /// `mbind` calls made for this layer.
-    pub mbind_calls: usize,
-    /// `pread` calls planned (after coalescing; a direct read may split one into aligned
-    /// windows).
-    pub reads: usize,
-    /// How the files were read: [`StoreOptions::read_mode`], or [`ReadMode::Buffered`]
-    /// when a direct read fell back (then [`LayerReport::read_fallback`] says why).
-    pub read_mode: ReadMode,
-    /// Why [`ReadMode::Direct`] fell back to buffered reads (the first file that did),
-    /// if it did.
-    pub read_fallback: Option<ReadFallback>,
-    /// The layer's policy (`None` for [`Layout::Unplaced`] and [`Layout::SplitExperts`],
-    /// whose blocks each have their own; the first copy's for [`Layout::Replicate`]).
-    pub policy: Option<MemPolicy>,
-    /// Copies of the layer: the nodes of [`Layout::Replicate`] (1 where placement
-    /// degraded), 1 for the other layouts.
-    pub replicas: usize,
-    /// Bytes written by a loader running on the node they were bound to, over every copy
-    /// (0 for [`Layout::Interleave`] and [`Layout::Unplaced`], which bind to no single
-    /// node). With [`LayerReport::bytes`] × [`LayerReport::replicas`] it says how much
-    /// of the load was node-local.
-    pub local_bytes: u64,
-    /// Loader threads that could not run on their target node (none of its CPUs in the
-    /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
-    /// were, summed over the fill and each replica's copy.
-    pub off_node_loaders: usize,
-    /// [`Layout::Interleave`]: the nodes the loader threads ran on, spread one per node
-    /// (loader `w` on the `w mod n`-th node of the set), distinct and sorted; empty for
-    /// the other layouts, whose loaders follow the node they fill.
-    pub loader_nodes: Vec<crate::node::Node>,
-    /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
-    pub placement: Option<Placement>,
-}
 
 /// Per-layer pin arenas for same-shape tensors.
 ///
@@ -693,177 +480,6 @@ impl PinStore {
             State::Broken => Err(broken(op)),
         }
     }
-
-    fn layer(&self, layer: usize) -> Result<&Layer> {
-        if self.state == State::Broken {
-            return Err(broken("PinStore"));
-        }
-        self.layers
-            .get(layer)
-            .map(|b| &**b)
-            .ok_or(Error::NotPacked {
-                op: "PinStore",
-                layer,
-            })
-    }
-
-    fn slot(&self, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
-        let l = self.layer(layer)?;
-        // The expert is checked against the layer whatever the tensor: a layer without
-        // scales has empty scales for its experts only.
-        let experts = l.experts();
-        if expert >= experts {
-            return Err(out_of_range(layer, expert, experts));
-        }
-        let Some(arena) = l.arena(kind) else {
-            return Ok(&[]);
-        };
-        arena.slot(expert).ok_or(Error::Released {
-            op: "PinStore",
-            layer,
-            expert,
-            kind: kind.name(),
-        })
-    }
-
-    /// Exactly the weight bytes loaded for `expert` of `layer`.
-    ///
-    /// # Errors
-    /// The layer is not packed, the expert is out of range, or its weights are released.
-    pub fn weights(&self, layer: usize, expert: usize) -> Result<&[u8]> {
-        self.slot(layer, expert, Kind::Weights)
-    }
-
-    /// Exactly the scale bytes loaded for `expert` of `layer` (empty if the layer has no
-    /// scales).
-    ///
-    /// # Errors
-    /// As [`PinStore::weights`].
-    pub fn scales(&self, layer: usize, expert: usize) -> Result<&[u8]> {
-        self.slot(layer, expert, Kind::Scales)
-    }
-
-    /// The policy the kernel holds for one tensor's slot (`get_mempolicy(MPOL_F_ADDR)`):
-    /// the proof that a released slot kept its policy.
-    ///
-    /// # Errors
-    /// The layer is not packed, the expert is out of range, the layer has no such
-    /// tensor, or `get_mempolicy` fails with an errno other than `EPERM`/`ENOSYS`.
-    pub fn slot_policy(
-        &self,
-        layer: usize,
-        expert: usize,
-        kind: Kind,
-    ) -> Result<Observed<(MemPolicy, crate::ModeFlags)>> {
-        let arena = self.layer(layer)?.arena(kind).ok_or_else(|| {
-            Error::invalid("PinStore", format!("layer {layer} has no {}", kind.name()))
-        })?;
-        if expert >= arena.slots() {
-            return Err(out_of_range(layer, expert, arena.slots()));
-        }
-        arena.slot_policy(expert)
-    }
-
-    /// Releases both tensors of an expert. See [`PinStore::release_kind`].
-    ///
-    /// # Errors
-    /// As [`PinStore::release_kind`].
-    pub fn release(&mut self, layer: usize, expert: usize) -> Result<()> {
-        self.release_kind(layer, expert, Kind::Weights)?;
-        self.release_kind(layer, expert, Kind::Scales)
-    }
-
-    /// Gives one tensor's pages back (`MADV_DONTNEED` over its slot, in every replica).
-    /// The slot's addresses and the region's policy stay; reading it is an error until
-    /// [`PinStore::ensure`] loads it again, which faults under the same policy.
-    ///
-    /// # Errors
-    /// The layer is not packed, the expert is out of range, or the store was exported or
-    /// attached ([`Error::Frozen`]).
-    pub fn release_kind(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<()> {
-        self.check_open("PinStore::release")?;
-        self.arena_mut(layer, expert, kind)?;
-        let Some(l) = self.layers.get_mut(layer) else {
-            return Ok(());
-        };
-        let (first, others) = l.split_replicas_mut(kind);
-        for arena in first.into_iter().chain(others.into_iter().map(|(_, a)| a)) {
-            arena.release_slot(expert)?;
-        }
-        Ok(())
-    }
-
-    fn arena_mut(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<Option<&mut Arena>> {
-        let l = self.layers.get_mut(layer).ok_or(Error::NotPacked {
-            op: "PinStore",
-            layer,
-        })?;
-        let experts = l.experts();
-        if expert >= experts {
-            return Err(out_of_range(layer, expert, experts));
-        }
-        Ok(l.arena_mut(kind))
-    }
-
-    /// Loads whatever of `expert` is released (weights, scales, or both) from `source`
-    /// into its own slot, under the policy the region kept, its pieces laid out as in
-    /// [`PinStore::pack_layer`] (the slot map follows). Loaded tensors are left as they
-    /// are. A replicated layer reloads the first copy from `source` and copies it to the
-    /// other replicas, each copy made on the replica's node.
-    ///
-    /// # Errors
-    /// As [`PinStore::release_kind`] (including [`Error::Frozen`]), a source larger than
-    /// the slot (padding included), or a read fails (the slot then stays released).
-    pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
-        self.check_open("PinStore::ensure")?;
-        let spec = *self.layer(layer)?.spec();
-        // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
-        // node for a replicated layer; the replicas are copied on theirs).
-        let on_node = (expert < spec.experts)
-            .then(|| self.layout.target_node(layer, spec.experts, expert))
-            .flatten()
-            .map(load::OnNode::enter);
-        check_fits(layer, expert, &spec, source)?;
-        for kind in Kind::ALL {
-            let what = || describe(layer, expert, kind);
-            let places = slot_map::places(&what, source, kind, self.options.piece_align)?;
-            let len = slot_map::extent(&places);
-            if len > spec.bytes(kind) {
-                return Err(Error::invalid(
-                    "PinStore::ensure",
-                    format!(
-                        "{}: the pieces take {len} bytes with their padding but the slot holds {}",
-                        what(),
-                        spec.bytes(kind)
-                    ),
-                ));
-            }
-            let Some(arena) = self.arena_mut(layer, expert, kind)? else {
-                continue;
-            };
-            if arena.loaded(expert).is_some() {
-                continue;
-            }
-            let tensor = source.tensor(kind);
-            let jobs = slot_map::jobs(
-                &places,
-                arena.slot_mut(expert)?,
-                tensor,
-                (layer, expert, kind),
-            )?;
-            for job in jobs {
-                load::fill_slot(job)?;
-            }
-            arena.mark_loaded(expert, len);
-            if let Some(map) = self.layers.get_mut(layer).and_then(|l| l.slot_map_mut()) {
-                map.set(expert, kind, places);
-            }
-        }
-        // Back to the caller's own affinity before moving to each replica's node (from
-        // the first node's CPUs alone, no other node's CPU would be allowed).
-        drop(on_node);
-        self.sync_replicas(layer, expert)
-    }
 }
 
 /// Numbers the stores of this process, for their regions' names.
@@ -882,48 +498,6 @@ fn broken(op: &'static str) -> Error {
               already unmapped it"
             .into(),
     }
-}
-
-fn out_of_range(layer: usize, expert: usize, experts: usize) -> Error {
-    Error::OutOfRange {
-        op: "PinStore",
-        what: format!("expert of layer {layer}"),
-        index: expert,
-        len: experts,
-    }
-}
-
-fn describe(layer: usize, expert: usize, kind: Kind) -> String {
-    format!("layer {layer} expert {expert} {}", kind.name())
-}
-
-/// Checks that `source` fits its slots; returns its `[weights, scales]` byte counts.
-fn check_fits(
-    layer: usize,
-    expert: usize,
-    spec: &LayerSpec,
-    source: &ExpertSource<'_>,
-) -> Result<[usize; 2]> {
-    if expert >= spec.experts {
-        return Err(out_of_range(layer, expert, spec.experts));
-    }
-    let mut lengths = [0; 2];
-    for kind in Kind::ALL {
-        let max = spec.bytes(kind);
-        let what = || describe(layer, expert, kind);
-        let len = source.tensor(kind).checked_len(PACK, &what)?;
-        if len > max {
-            return Err(Error::invalid(
-                PACK,
-                format!(
-                    "{}: the source has {len} bytes but the slot holds {max}",
-                    what()
-                ),
-            ));
-        }
-        lengths[kind.index()] = len;
-    }
-    Ok(lengths)
 }
 
 #[cfg(test)]

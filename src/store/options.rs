@@ -1,0 +1,105 @@
+//! [`StoreOptions`] and [`SlotAlign`]: how a [`PinStore`](super::PinStore) maps, aligns
+//! and loads its regions.
+
+#[cfg(doc)]
+use super::{LayerReport, PinStore, Progress};
+use super::{ProgressHook, ReadMode, arena};
+use crate::error::{Error, Result};
+
+/// Options of a [`PinStore`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
+    /// so that even with THP `always` interleaving stays page by page.
+    pub huge_pages: bool,
+    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on).
+    pub populate: bool,
+    /// Threads that fill slots (default: the available parallelism).
+    pub loader_threads: usize,
+    /// Replace `vm.max_map_count` in the budget check (tests).
+    pub vma_budget: Option<usize>,
+    /// Back the arenas with memfds (shmem, placed by their shared policy) so that
+    /// [`PinStore::export`] can hand them to other processes (default off). Huge pages
+    /// then follow `/sys/kernel/mm/transparent_hugepage/shmem_enabled`.
+    pub shared: bool,
+    /// Where slots start: the default [`SlotAlign::Page`] wastes less than a page per
+    /// slot; [`SlotAlign::HugePage`] lets `release` give back whole huge pages, at up to
+    /// 2 MiB of padding per slot.
+    pub slot_align: SlotAlign,
+    /// How [`PinStore::pack_layer`] reads file pieces (default [`ReadMode::Buffered`]);
+    /// [`LayerReport::read_mode`] says what ran. [`PinStore::ensure`] always reads
+    /// buffered.
+    pub read_mode: ReadMode,
+    /// Called with each layer's [`Progress`] while it loads (default none); see
+    /// [`ProgressHook`] for the rate and the guarantees.
+    pub progress: Option<ProgressHook>,
+    /// Where pieces of a file source start inside a slot: at multiples of this power of
+    /// two (default 1: back to back). A slot grows by the padding; the padding bytes are
+    /// zero. [`PinStore::slot_map`] tells where each piece went.
+    pub piece_align: usize,
+}
+
+/// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
+/// Anything larger only pads slots (a 100-byte piece aligned to 1 TiB asks for a TiB),
+/// and with overcommit on, populating would fault all of it in.
+pub const MAX_ALIGN: usize = 1 << 30;
+
+/// The alignment of slots inside an arena (the stride is the slot size rounded up to it).
+///
+/// Whatever the alignment, an arena's region is 2 MiB-aligned with `MADV_HUGEPAGE` when
+/// [`StoreOptions::huge_pages`] is on, so transparent huge pages back the region, not
+/// each slot. What the alignment changes is `release`: releasing a page-aligned slot
+/// inside a THP region splits the huge pages at its edges (lazily: RSS drops at once,
+/// `MemFree` may not until the split pages are reclaimed), and khugepaged may collapse a
+/// partly released range into a huge page again. Measure a release with RSS or `mincore`,
+/// not `MemFree`. Huge-page-aligned slots release whole huge pages, at the price of
+/// padding every slot up to a multiple of 2 MiB (a 2 MiB + 1 byte slot takes 4 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SlotAlign {
+    /// The base page (4 KiB): the stride is the slot size rounded up to the page.
+    #[default]
+    Page,
+    /// The transparent huge page (2 MiB).
+    HugePage,
+    /// Any power of two at least the page size.
+    Bytes(usize),
+}
+
+impl SlotAlign {
+    /// The alignment in bytes.
+    ///
+    /// # Errors
+    /// [`SlotAlign::Bytes`] that is not a power of two at least the page size.
+    pub fn bytes(self) -> Result<usize> {
+        let page = crate::page_size();
+        match self {
+            SlotAlign::Page => Ok(page),
+            SlotAlign::HugePage => Ok(arena::HUGE_PAGE),
+            SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page && n <= MAX_ALIGN => Ok(n),
+            SlotAlign::Bytes(n) => Err(Error::invalid(
+                "SlotAlign",
+                format!(
+                    "{n} is not a power of two from the page size {page} to {MAX_ALIGN} \
+                     (1 GiB: a larger alignment pads every slot by more than a huge page of \
+                     the largest size)"
+                ),
+            )),
+        }
+    }
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            huge_pages: true,
+            populate: true,
+            loader_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            vma_budget: None,
+            shared: false,
+            slot_align: SlotAlign::Page,
+            read_mode: ReadMode::Buffered,
+            progress: None,
+            piece_align: 1,
+        }
+    }
+}
