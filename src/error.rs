@@ -347,7 +347,12 @@ pub(crate) fn clip(text: &str, max: usize) -> (&str, bool) {
     if text.len() <= max {
         return (text, false);
     }
-    (&text[..text.floor_char_boundary(max)], true)
+    // `str::floor_char_boundary` is 1.91; the MSRV is 1.88. A char is at most 4 bytes.
+    let end = (max.saturating_sub(3)..=max)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    (&text[..end], true)
 }
 
 fn clip_owned(mut text: String, max: usize) -> String {

@@ -257,7 +257,10 @@ fn a_role_missing_from_every_expert_is_refused() {
     write_f16(&path, &per_expert(&[0], 2, &["gate", "down"]));
     let (kind, e) = checkpoint_fault(Checkpoint::open(&path).unwrap().expert_plan());
     assert_eq!(kind, CheckpointFault::Missing, "{e}");
-    assert!(e.to_string().contains("layer 0 expert 0 has no up_proj"), "{e}");
+    assert!(
+        e.to_string().contains("layer 0 expert 0 has no up_proj"),
+        "{e}"
+    );
 
     // Every weight role, a scale for gate only.
     let mut tensors = per_expert(&[0], 2, &["gate", "up", "down"]);
@@ -268,7 +271,10 @@ fn a_role_missing_from_every_expert_is_refused() {
     write_f16(&path, &tensors);
     let (kind, e) = checkpoint_fault(Checkpoint::open(&path).unwrap().expert_plan());
     assert_eq!(kind, CheckpointFault::Missing, "{e}");
-    assert!(e.to_string().contains("expert 0 has no up_proj scale"), "{e}");
+    assert!(
+        e.to_string().contains("expert 0 has no up_proj scale"),
+        "{e}"
+    );
 
     // Complete: packs, one slot per expert with all three pieces.
     let path = dir.join("complete.safetensors");
@@ -320,7 +326,15 @@ fn a_lone_shard_is_refused_or_opened_through_its_index() {
 
     let whole = scratch(&format!("{NAME}-whole")).join("model-00001-of-00001.safetensors");
     write_f16(&whole, &per_expert(&[0], 2, &["gate", "up", "down"]));
-    assert_eq!(Checkpoint::open(&whole).unwrap().expert_plan().unwrap().layers().len(), 1);
+    assert_eq!(
+        Checkpoint::open(&whole)
+            .unwrap()
+            .expert_plan()
+            .unwrap()
+            .layers()
+            .len(),
+        1
+    );
 }
 
 /// `config.json` beside the files says which layers are MoE layers and how many experts
@@ -353,8 +367,8 @@ fn config_json_names_a_missing_moe_layer() {
     assert_eq!(kind, CheckpointFault::Missing, "{e}");
     assert!(e.to_string().contains("layer 1 has 2 experts"), "{e}");
     // Layers 1 and 3 are the MoE layers of a Qwen-style config: complete.
-    let plan = plan_with(r#"{"num_hidden_layers":4,"decoder_sparse_step":2,"num_experts":2}"#)
-        .unwrap();
+    let plan =
+        plan_with(r#"{"num_hidden_layers":4,"decoder_sparse_step":2,"num_experts":2}"#).unwrap();
     assert_eq!(plan.layers().len(), 2);
 
     for json in [
@@ -371,7 +385,9 @@ fn config_json_names_a_missing_moe_layer() {
     }
     // Valid but huge: the walk stops at the first missing layer.
     let (plan, largest) = largest_allocation_during(|| {
-        plan_with(r#"{"num_hidden_layers":18446744073709551615,"decoder_sparse_step":2,"num_experts":2}"#)
+        plan_with(
+            r#"{"num_hidden_layers":18446744073709551615,"decoder_sparse_step":2,"num_experts":2}"#,
+        )
     });
     let (kind, e) = checkpoint_fault(plan);
     assert_eq!(kind, CheckpointFault::Missing, "{e}");
@@ -466,7 +482,12 @@ fn merged_gguf_experts_beyond_the_ceiling_are_refused() {
         let Error::Checkpoint { tensor, reason, .. } = &e else {
             unreachable!()
         };
-        assert!(tensor.as_deref().is_some_and(|t| t.ends_with("_exps.weight")), "{e}");
+        assert!(
+            tensor
+                .as_deref()
+                .is_some_and(|t| t.ends_with("_exps.weight")),
+            "{e}"
+        );
         assert!(reason.contains(&format!("{n} experts")), "{e}");
         assert!(reason.contains("at most 65536"), "{e}");
         assert!(largest < 1 << 20, "{n}: {largest} bytes at once");
@@ -490,7 +511,12 @@ fn fused_safetensors_experts_beyond_the_ceiling_are_refused() {
     write_st(
         &path,
         &[
-            ("model.layers.0.mlp.experts.gate_up_proj", "U8", vec![n, 1], n),
+            (
+                "model.layers.0.mlp.experts.gate_up_proj",
+                "U8",
+                vec![n, 1],
+                n,
+            ),
             ("model.layers.0.mlp.experts.down_proj", "U8", vec![n, 1], n),
         ],
     );
@@ -532,7 +558,10 @@ fn custom_naming_expert_usize_max_is_an_error_naming_the_tensor() {
         let Error::Checkpoint { tensor, reason, .. } = &e else {
             unreachable!()
         };
-        assert!(tensor.as_deref().is_some_and(|t| t.contains(".experts.1.")), "{e}");
+        assert!(
+            tensor.as_deref().is_some_and(|t| t.contains(".experts.1.")),
+            "{e}"
+        );
         assert!(reason.contains(&format!("expert {bad}")), "{e}");
     }
     let top_layer = Naming::Custom(CustomNaming::new("top", |name| {
@@ -575,16 +604,31 @@ fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
         Checkpoint::open(&st).and_then(|c| c.expert_plan())
     };
     let cases = [
-        ("name", format!(r#"{{"{big}":{{"dtype":"XX","shape":[1],"data_offsets":[0,1]}}}}"#)),
-        ("dtype", format!(r#"{{"t":{{"dtype":"{big}","shape":[1],"data_offsets":[0,1]}}}}"#)),
-        ("value", format!(r#"{{"t":{{"dtype":"U8","shape":"{big}","data_offsets":[0,1]}}}}"#)),
+        (
+            "name",
+            format!(r#"{{"{big}":{{"dtype":"XX","shape":[1],"data_offsets":[0,1]}}}}"#),
+        ),
+        (
+            "dtype",
+            format!(r#"{{"t":{{"dtype":"{big}","shape":[1],"data_offsets":[0,1]}}}}"#),
+        ),
+        (
+            "value",
+            format!(r#"{{"t":{{"dtype":"U8","shape":"{big}","data_offsets":[0,1]}}}}"#),
+        ),
         ("shape", {
             let dims = vec!["1"; 1 << 20].join(",");
             format!(r#"{{"t":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,2]}}}}"#)
         }),
         ("lookalikes", {
             let names: Vec<String> = (0..10)
-                .map(|i| format!(r#""expert{i}{}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#, &big[..1 << 20], i + 1))
+                .map(|i| {
+                    format!(
+                        r#""expert{i}{}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#,
+                        &big[..1 << 20],
+                        i + 1
+                    )
+                })
                 .collect();
             format!("{{{}}}", names.join(","))
         }),

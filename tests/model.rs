@@ -302,11 +302,15 @@ fn fixture_gguf_fused_gate_up_is_refused() {
         }) => {
             let names = format!(
                 "layer {} expert {} has no {}",
-                refused["layer"], refused["expert"],
+                refused["layer"],
+                refused["expert"],
                 refused["role"].as_str().unwrap()
             );
             assert!(reason.contains(&names), "{reason}");
-            assert!(reason.contains(refused["tensor"].as_str().unwrap()), "{reason}");
+            assert!(
+                reason.contains(refused["tensor"].as_str().unwrap()),
+                "{reason}"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -341,7 +345,10 @@ fn fixture_shard_opened_alone_is_refused() {
             kind: CheckpointFault::Missing,
             reason,
             ..
-        }) => assert!(reason.contains("layer 1 expert 2 has no up_proj"), "{reason}"),
+        }) => assert!(
+            reason.contains("layer 1 expert 2 has no up_proj"),
+            "{reason}"
+        ),
         other => panic!("{other:?}"),
     }
 }
