@@ -7,6 +7,12 @@
 //! defaults (`examples/support/args.rs`); `--json` prints one object
 //! (`examples/support/report.rs`, schema 2).
 //!
+//! `--model PATH` pins a real checkpoint instead. Its "verified" re-reads the pieces the
+//! plan named and compares them with the slots: it proves the copy, not the plan. The
+//! plan is checked on its own: every expert must have every role of its naming (and every
+//! MoE layer a `config.json` beside it names must be there), or nothing is packed;
+//! `--json` reports `"complete":true` from `ExpertPlan::is_complete`.
+//!
 //! Built with `--features jemalloc`, jemalloc is the global allocator (with
 //! `retain:false` baked in) and the example purges its arenas after the load by default,
 //! printing RSS before and after and the live bytes.
@@ -120,6 +126,11 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
 
 /// `--model PATH`: a real checkpoint, packed layer by layer at its model layer numbers,
 /// then every slot re-read from the files with the load's read mode and compared.
+///
+/// "verified" means the store holds exactly what the plan named: it re-reads the same
+/// pieces, so it cannot notice a plan that named the wrong ones. What guards the plan is
+/// that it is complete (every expert has every role of its naming, every MoE layer of a
+/// `config.json` is there; otherwise packing is refused), reported as `complete`.
 fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), String> {
     let err = |e: numapin::Error| e.to_string();
     let checkpoint = Checkpoint::open(path).map_err(err)?;
@@ -167,7 +178,14 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         engine_bytes: report.engine_bytes,
         reads: report.reads,
         slots_verified: verify.slots,
+        complete: plan.is_complete(),
     };
+    if !model.complete {
+        return Err(format!(
+            "{}: the plan is not complete (an expert lacks a role): not reporting it as pinned",
+            path.display()
+        ));
+    }
     if args.json {
         return print_json(args, &run, purge, Some(model), None);
     }
@@ -185,8 +203,11 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         gib(model.engine_bytes)
     );
     println!(
-        "  verified         {} slots re-read from the files ({} read) and equal",
-        verify.slots, run.read_mode
+        "  verified         {} slots re-read from the files ({} read) and equal to what \
+         the plan named; every expert complete ({} roles each)",
+        verify.slots,
+        run.read_mode,
+        plan.layers().first().map_or(0, |l| l.roles().count())
     );
     print_report(&run, None, &args.nodes, args.layout.name());
     print_purge(purge);

@@ -298,6 +298,11 @@ impl Error {
         }
     }
 
+    /// A checkpoint error. The tensor name is clipped to [`QUOTE_MAX`] bytes (with its
+    /// length), the file to [`PATH_MAX`] and the reason to [`REASON_MAX`]: each may quote
+    /// what a file chose, and a file may choose megabytes. Callers quote file-chosen
+    /// values in the reason with [`quote`] and lists with [`quote_list`]; the reason's cap
+    /// is a backstop.
     #[cfg_attr(not(feature = "model"), allow(dead_code))]
     pub(crate) fn checkpoint(
         file: impl Into<String>,
@@ -306,20 +311,86 @@ impl Error {
         reason: impl Into<String>,
     ) -> Self {
         Error::Checkpoint {
-            file: file.into(),
-            tensor: tensor.map(str::to_owned),
+            file: clip_owned(file.into(), PATH_MAX),
+            tensor: tensor.map(|t| match clip(t, QUOTE_MAX) {
+                (t, false) => t.to_owned(),
+                (head, true) => format!("{head}… ({} bytes)", t.len()),
+            }),
             kind,
-            reason: reason.into(),
+            reason: clip_owned(reason.into(), REASON_MAX),
         }
     }
 
     pub(crate) fn io(op: &'static str, path: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             op,
-            path: path.into(),
+            // A path may come from a file (a shard named by an index): bounded as well.
+            path: clip_owned(path.into(), PATH_MAX),
             source,
         }
     }
+}
+
+/// The most bytes of one file-chosen string (a tensor name, a dtype, a key) an error
+/// quotes.
+pub(crate) const QUOTE_MAX: usize = 200;
+/// The most items of a file-chosen list an error quotes.
+pub(crate) const LIST_MAX: usize = 5;
+/// The most bytes of a path an error keeps (Linux's `PATH_MAX`).
+pub(crate) const PATH_MAX: usize = 4096;
+/// The most bytes of an error's reason: a backstop behind [`quote`] and [`quote_list`].
+pub(crate) const REASON_MAX: usize = 8192;
+
+/// The longest prefix of `text` of at most `max` bytes that ends on a character
+/// boundary, and whether anything was cut.
+pub(crate) fn clip(text: &str, max: usize) -> (&str, bool) {
+    if text.len() <= max {
+        return (text, false);
+    }
+    // `str::floor_char_boundary` is 1.91; the MSRV is 1.88. A char is at most 4 bytes.
+    let end = (max.saturating_sub(3)..=max)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    (&text[..end], true)
+}
+
+fn clip_owned(mut text: String, max: usize) -> String {
+    if let (head, true) = clip(&text, max) {
+        let (cut, len) = (head.len(), text.len());
+        text.truncate(cut);
+        text.push_str(&format!("… ({len} bytes)"));
+    }
+    text
+}
+
+/// A file-chosen string quoted for a message: `"abc"`, or at most [`QUOTE_MAX`] bytes of
+/// it and its length, `"abc…" (4194304 bytes)`.
+pub(crate) fn quote(text: &str) -> String {
+    match clip(text, QUOTE_MAX) {
+        (text, false) => format!("{text:?}"),
+        (head, true) => format!("{:?} ({} bytes)", format!("{head}…"), text.len()),
+    }
+}
+
+/// At most [`LIST_MAX`] items of a file-chosen list, each [`quote`]d, and how many there
+/// are when some are left out: `"a", "b" and 3 more (5)`.
+pub(crate) fn quote_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::new();
+    let mut count = 0usize;
+    for item in items {
+        if count < LIST_MAX {
+            if count > 0 {
+                out.push_str(", ");
+            }
+            out.push_str(&quote(item));
+        }
+        count += 1;
+    }
+    if count > LIST_MAX {
+        out.push_str(&format!(" and {} more ({count} in all)", count - LIST_MAX));
+    }
+    out
 }
 
 impl From<Error> for std::io::Error {
@@ -448,5 +519,60 @@ fn errno_meaning(op: &str, errno: Errno) -> &'static str {
         (_, Errno::INVAL) => "invalid argument",
         (_, Errno::FAULT) => "bad address",
         _ => "see the man page",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quote_clips_at_a_char_boundary_and_gives_the_length() {
+        assert_eq!(quote("abc"), "\"abc\"");
+        let long = "é".repeat(QUOTE_MAX); // 2 bytes each
+        let q = quote(&long);
+        assert_eq!(
+            q,
+            format!(
+                "\"{}…\" ({} bytes)",
+                "é".repeat(QUOTE_MAX / 2),
+                2 * QUOTE_MAX
+            )
+        );
+        let odd = format!("a{long}");
+        let (head, cut) = clip(&odd, QUOTE_MAX);
+        assert!(cut);
+        assert_eq!(head.len(), QUOTE_MAX - 1);
+    }
+
+    #[test]
+    fn quote_list_keeps_a_handful_and_the_count() {
+        assert_eq!(quote_list(["a", "b"]), "\"a\", \"b\"");
+        let names: Vec<String> = (0..100_000).map(|i| format!("n{i}")).collect();
+        let q = quote_list(names.iter().map(String::as_str));
+        assert_eq!(
+            q,
+            "\"n0\", \"n1\", \"n2\", \"n3\", \"n4\" and 99995 more (100000 in all)"
+        );
+    }
+
+    #[test]
+    fn checkpoint_errors_are_bounded() {
+        let name = "x".repeat(4 << 20);
+        let e = Error::checkpoint(&name, Some(&name), CheckpointFault::Header, name.clone());
+        let Error::Checkpoint {
+            file,
+            tensor,
+            reason,
+            ..
+        } = &e
+        else {
+            unreachable!()
+        };
+        assert!(file.len() < PATH_MAX + 32, "{}", file.len());
+        assert!(file.ends_with("… (4194304 bytes)"));
+        assert!(tensor.as_ref().is_some_and(|t| t.len() < QUOTE_MAX + 32));
+        assert!(reason.len() < REASON_MAX + 32);
+        assert!(e.to_string().len() < PATH_MAX + QUOTE_MAX + REASON_MAX + 200);
     }
 }

@@ -115,6 +115,15 @@ fn check_fixture(test: &str, name: &str) -> Option<Checkpoint> {
     assert_eq!(naming.name(), fixture["naming"].as_str().unwrap());
     let plan = checkpoint.expert_plan().unwrap();
     assert_eq!(plan.naming(), naming.name());
+    assert!(plan.is_complete());
+    let roles = if naming.name() == "fused" { 2 } else { 3 };
+    let has_scales = fixture["has_scales"].as_bool().unwrap();
+    for layer in plan.layers() {
+        assert_eq!(
+            layer.roles().count(),
+            if has_scales { 2 * roles } else { roles }
+        );
+    }
     let layers: BTreeMap<String, u64> = plan
         .layers()
         .iter()
@@ -271,6 +280,82 @@ fn fixture_gguf_split() {
             .and_then(GgufValue::as_u64),
         Some(count)
     );
+}
+
+/// What `convert_hf_to_gguf.py --fuse-gate-up-exps` writes, by gguf-py's own writer: the
+/// GGUF preset has no fused gate_up, and must refuse rather than pack `down` alone.
+#[test]
+fn fixture_gguf_fused_gate_up_is_refused() {
+    let Some(dir) = fixtures("fixture_gguf_fused_gate_up_is_refused") else {
+        return;
+    };
+    let root = dir.join("gguf-fused-gate-up");
+    let fixture: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
+    let checkpoint = Checkpoint::open(root.join(fixture["path"].as_str().unwrap())).unwrap();
+    let refused = &fixture["refused"];
+    match checkpoint.expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Missing,
+            reason,
+            ..
+        }) => {
+            let names = format!(
+                "layer {} expert {} has no {}",
+                refused["layer"],
+                refused["expert"],
+                refused["role"].as_str().unwrap()
+            );
+            assert!(reason.contains(&names), "{reason}");
+            assert!(
+                reason.contains(refused["tensor"].as_str().unwrap()),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The sharded fixture's first shard copied alone is refused (it holds layer 1's experts
+/// 0..2 and part of 2); with its index and the other shard it opens whole, and its
+/// config.json (layers 1 and 2 MoE, 4 experts) agrees with the plan.
+#[test]
+fn fixture_shard_opened_alone_is_refused() {
+    let Some(dir) = fixtures("fixture_shard_opened_alone_is_refused") else {
+        return;
+    };
+    let model = dir.join("st-sharded/model");
+    let first = "model-00001-of-00002.safetensors";
+    let alone = scratch("fixture-shard-alone");
+    std::fs::copy(model.join(first), alone.join(first)).unwrap();
+    let (_, kind, _, reason) = checkpoint_fault(Checkpoint::open(alone.join(first)));
+    assert_eq!(kind, CheckpointFault::Split, "{reason}");
+    assert!(reason.contains("part 1 of 2"), "{reason}");
+    let checkpoint = Checkpoint::open(model.join(first)).unwrap();
+    assert_eq!(checkpoint.files().len(), 2);
+    assert!(checkpoint.expert_plan().unwrap().is_complete());
+    // The same shard renamed, so that its name no longer says it is a part, with the
+    // config beside it: layer 1's expert 2 lacks its up_proj (the cut is inside it):
+    // refused all the same, naming it.
+    let renamed = scratch("fixture-shard-renamed");
+    std::fs::copy(model.join("config.json"), renamed.join("config.json")).unwrap();
+    std::fs::copy(model.join(first), renamed.join("model.safetensors")).unwrap();
+    match Checkpoint::open(&renamed).unwrap().expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Missing,
+            reason,
+            ..
+        }) => assert!(
+            reason.contains("layer 1 expert 2 has no up_proj"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_expert_ceiling_is_65536() {
+    assert_eq!(numapin::model::MAX_EXPERTS_PER_LAYER, 65_536);
 }
 
 #[test]

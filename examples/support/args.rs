@@ -123,7 +123,11 @@ pub struct PinModelArgs {
     /// A checkpoint to pin instead of the synthetic model: a `.safetensors` file, a
     /// directory of safetensors shards (with or without `model.safetensors.index.json`),
     /// a `.gguf` file or the first part of a split GGUF. The MoE experts are packed, every
-    /// slot is re-read from the files (with --read's mode) and compared.
+    /// slot is re-read from the files (with --read's mode) and compared: "verified" means
+    /// the slots hold what the plan named. The plan itself must be complete (every expert
+    /// has every role of its naming: gate, up, down or gate_up, down, and their scales;
+    /// every MoE layer a config.json beside it names), or nothing is packed; `--json`
+    /// says `"complete":true`.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).

@@ -140,8 +140,13 @@ pub struct ModelJson {
     pub engine_bytes: u64,
     /// `pread`s issued by the pack (after coalescing adjacent pieces).
     pub reads: usize,
-    /// Slots re-read from the files and compared.
+    /// Slots re-read from the files and compared with them: this proves the copy of
+    /// what the plan named, not that the plan named the right bytes (see `complete`).
     pub slots_verified: usize,
+    /// Every expert of every layer has every role its naming declares (gate, up, down;
+    /// or gate_up, down; and their scales): `ExpertPlan::is_complete`, derived from the
+    /// plan. A checkpoint with a missing role does not pack at all.
+    pub complete: bool,
 }
 
 /// `numapin::Support` field by field, in the form the library's `serde` feature gives it

@@ -5,13 +5,15 @@
 //! Hand-written: the format is small and frozen, and the crates seen (`gguf`,
 //! `gguf-rs`, candle's reader) bring a CLI or a whole ML framework. Reads go through a
 //! 64 KiB window over [`ReadAt`]; every count and length is checked against the bytes
-//! left in the file before anything is allocated for it, and no reservation is larger
-//! than those bytes.
+//! left in the file before anything is allocated for it. That is not enough on its own:
+//! a sparse file holds as many (zero) bytes as it claims, so no reservation made for a
+//! count the file states is larger than [`RESERVE_BYTES`]; vectors grow as their entries
+//! are parsed, and a string's buffer grows as its bytes are read.
 
 use std::path::{Path, PathBuf};
 
 use super::{Dtype, ReadAt, TensorInfo};
-use crate::error::{CheckpointFault, Error, Result};
+use crate::error::{CheckpointFault, Error, Result, quote};
 use crate::model::ggml::GgmlType;
 
 /// `"GGUF"`, the first four bytes.
@@ -25,6 +27,9 @@ pub const MAX_STRING: u64 = 64 << 20;
 /// How deep arrays may nest.
 pub const MAX_NESTING: usize = 8;
 const WINDOW: usize = 64 << 10;
+/// The most bytes reserved ahead for a count a file states (key/values, tensor infos,
+/// array elements); past it a vector grows as entries are actually parsed.
+pub const RESERVE_BYTES: usize = 64 << 10;
 
 /// A GGUF metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,6 +111,16 @@ impl GgufValue {
         }
     }
 
+    /// The value for a message: numbers as they are, a string quoted and clipped, an
+    /// array by its length (a file may make either megabytes).
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            GgufValue::String(s) => format!("the string {}", quote(s)),
+            GgufValue::Array(a) => format!("an array of {} elements", a.len()),
+            other => format!("{other:?}"),
+        }
+    }
+
     /// The value as a string, if it is one.
     pub fn as_str(&self) -> Option<&str> {
         match self {
@@ -182,7 +197,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<GgufHeader> {
             return Err(r.fault(
                 None,
                 CheckpointFault::Header,
-                format!("key {key:?} appears twice"),
+                format!("key {} appears twice", quote(key)),
             ));
         }
     }
@@ -194,7 +209,10 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<GgufHeader> {
             return Err(r.fault(
                 None,
                 CheckpointFault::Header,
-                format!("general.alignment is {value:?}: it must be a u32 power of two"),
+                format!(
+                    "general.alignment is {}: it must be a u32 power of two",
+                    value.describe()
+                ),
             ));
         }
     };
@@ -210,7 +228,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<GgufHeader> {
                 format!("{n_dims} dimensions (ggml has at most {MAX_DIMS})"),
             ));
         }
-        let mut ne = Vec::with_capacity(n_dims as usize);
+        let mut ne = Vec::with_capacity(MAX_DIMS as usize);
         for _ in 0..n_dims {
             let d = r.u64("dimension")?;
             if d > i64::MAX as u64 {
@@ -316,10 +334,10 @@ pub(crate) fn check_layout(tensors: &mut [TensorInfo], file: &str) -> Result<()>
                 Some(&b.name),
                 CheckpointFault::Range,
                 format!(
-                    "bytes {}..{} overlap {:?} at {}..{}",
+                    "bytes {}..{} overlap {} at {}..{}",
                     b.offset,
                     b.offset + b.len,
-                    a.name,
+                    quote(&a.name),
                     a.offset,
                     a.offset + a.len
                 ),
@@ -355,7 +373,7 @@ pub fn split_info(metadata: &[(String, GgufValue)], file: &str) -> Result<Option
                     file,
                     None,
                     CheckpointFault::Header,
-                    format!("{key} is {v:?}, not a non-negative integer"),
+                    format!("{key} is {}, not a non-negative integer", v.describe()),
                 )
             }),
         }
@@ -432,7 +450,7 @@ pub fn split_paths(path: &Path, split: &SplitInfo) -> Result<Vec<PathBuf>> {
         ));
     }
     let dir = path.parent().unwrap_or(Path::new("."));
-    let mut paths = Vec::with_capacity(split.count.min(99_999) as usize);
+    let mut paths = Vec::with_capacity(split.count.min(16) as usize);
     for i in 0..split.count {
         let part = dir.join(format!("{prefix}-{:05}-of-{:05}.gguf", i + 1, split.count));
         if !part.is_file() {
@@ -494,10 +512,12 @@ impl Cursor<'_> {
     }
 
     /// How many `T`s may be reserved for a count the file claims: never more bytes than
-    /// the file has left.
+    /// the file has left, nor than [`RESERVE_BYTES`] (a sparse file has every byte it
+    /// claims); the vector grows past that as entries are parsed.
     fn capacity<T>(&self, claimed: u64) -> usize {
         let per = std::mem::size_of::<T>().max(1) as u64;
-        claimed.min(self.remaining() / per) as usize
+        let cap = (RESERVE_BYTES as u64 / per).min(self.remaining() / per);
+        claimed.min(cap) as usize
     }
 
     fn count_fits(&self, count: u64, min_bytes: u64, what: &str) -> Result<()> {
@@ -584,8 +604,14 @@ impl Cursor<'_> {
         if n > self.remaining() {
             return Err(self.past_end(n, what));
         }
-        let mut bytes = vec![0u8; n as usize];
-        self.fill(&mut bytes, what)?;
+        // Grown window by window as the bytes are read: `n` is only what the file says.
+        let mut bytes = Vec::with_capacity((n as usize).min(WINDOW));
+        while (bytes.len() as u64) < n {
+            let at = bytes.len();
+            let step = (n - at as u64).min(WINDOW as u64) as usize;
+            bytes.resize(at + step, 0);
+            self.fill(&mut bytes[at..], what)?;
+        }
         String::from_utf8(bytes).map_err(|e| {
             self.fault(
                 None,
@@ -596,7 +622,8 @@ impl Cursor<'_> {
     }
 
     fn value(&mut self, value_type: u32, key: &str, depth: usize) -> Result<GgufValue> {
-        let ctx = |what: &str| format!("{what} of {key:?}");
+        let quoted = quote(key);
+        let ctx = |what: &str| format!("{what} of {quoted}");
         Ok(match value_type {
             0 => GgufValue::U8(u8::from_le_bytes(self.array(&ctx("u8"))?)),
             1 => GgufValue::I8(i8::from_le_bytes(self.array(&ctx("i8"))?)),
@@ -615,7 +642,7 @@ impl Cursor<'_> {
                 return Err(self.fault(
                     None,
                     CheckpointFault::Header,
-                    format!("key {key:?} has unknown value type {other}"),
+                    format!("key {quoted} has unknown value type {other}"),
                 ));
             }
         })
@@ -628,7 +655,7 @@ impl Cursor<'_> {
             b => Err(self.fault(
                 None,
                 CheckpointFault::Header,
-                format!("key {key:?}: bool byte {b} is neither 0 nor 1"),
+                format!("key {}: bool byte {b} is neither 0 nor 1", quote(key)),
             )),
         }
     }
@@ -651,7 +678,7 @@ impl Cursor<'_> {
             return Err(self.fault(
                 None,
                 CheckpointFault::Header,
-                format!("key {key:?}: arrays nest deeper than {MAX_NESTING}"),
+                format!("key {}: arrays nest deeper than {MAX_NESTING}", quote(key)),
             ));
         }
         let elem = self.u32("array type")?;
@@ -666,7 +693,7 @@ impl Cursor<'_> {
                 return Err(self.fault(
                     None,
                     CheckpointFault::Header,
-                    format!("key {key:?}: array of unknown value type {other}"),
+                    format!("key {}: array of unknown value type {other}", quote(key)),
                 ));
             }
         };
@@ -677,14 +704,15 @@ impl Cursor<'_> {
                 None,
                 CheckpointFault::Truncated,
                 format!(
-                    "key {key:?}: array of {n} elements of at least {min} bytes reaches past the \
+                    "key {}: array of {n} elements of at least {min} bytes reaches past the \
                      end ({} bytes left at offset {})",
+                    quote(key),
                     self.remaining(),
                     self.pos
                 ),
             ));
         }
-        let what = format!("element of {key:?}");
+        let what = format!("element of {}", quote(key));
         Ok(match elem {
             0 => GgufArray::U8(self.typed(n, &what, u8::from_le_bytes)?),
             1 => GgufArray::I8(self.typed(n, &what, i8::from_le_bytes)?),

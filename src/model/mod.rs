@@ -27,10 +27,12 @@
 //! # Ok::<(), numapin::Error>(())
 //! ```
 
+mod config;
 pub mod ggml;
 pub mod gguf;
 mod naming;
 mod pack;
+mod plan;
 pub mod safetensors;
 
 use std::fs::File;
@@ -38,15 +40,17 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+pub use config::MAX_CONFIG;
 pub use ggml::GgmlType;
 pub use gguf::{GgufArray, GgufValue};
 pub use naming::{
-    CustomNaming, ExpertPieces, ExpertPlan, LayerPlan, Naming, Piece, PieceRole, TensorRef,
+    CustomNaming, ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, Piece,
+    PieceRole, TensorRef,
 };
 pub use pack::{ModelReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
 
-use crate::error::{CheckpointFault, Error, Result};
+use crate::error::{CheckpointFault, Error, Result, quote};
 
 /// Positional reads from a file or a buffer: what the header parsers need.
 ///
@@ -103,6 +107,30 @@ impl ReadAt for Vec<u8> {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.as_slice().read_exact_at(buf, offset)
     }
+}
+
+/// `len` bytes at `offset`, read in steps of at most 1 MiB into a buffer that grows with
+/// what was read: `len` is a number a file stated, and a sparse file holds every byte it
+/// claims, so nothing is reserved for it ahead.
+pub(crate) fn read_grown(src: &dyn ReadAt, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+    const STEP: u64 = 1 << 20;
+    let mut out = Vec::with_capacity(len.min(STEP) as usize);
+    while (out.len() as u64) < len {
+        let at = out.len();
+        let step = (len - at as u64).min(STEP) as usize;
+        out.resize(at + step, 0);
+        src.read_exact_at(&mut out[at..], offset + at as u64)?;
+    }
+    Ok(out)
+}
+
+/// A shape for a message: a safetensors shape may have a million dimensions.
+pub(crate) fn shape_text(shape: &[u64]) -> String {
+    const SHOWN: usize = 8;
+    if shape.len() <= SHOWN {
+        return format!("{shape:?}");
+    }
+    format!("{:?} … ({} dimensions)", &shape[..SHOWN], shape.len())
 }
 
 /// A tensor's element type.
@@ -238,6 +266,7 @@ pub struct Checkpoint {
     files: Vec<CheckpointFile>,
     tensors: Vec<TensorInfo>,
     metadata: Vec<(String, GgufValue)>,
+    config: Option<config::ModelConfig>,
 }
 
 impl Checkpoint {
@@ -249,26 +278,56 @@ impl Checkpoint {
     /// GGUF (`name-00001-of-0000N.gguf`; the other parts are found beside it and checked
     /// against its `split.*` keys).
     ///
+    /// A part of a sharded safetensors set is never taken for the whole: a file named
+    /// `NAME-0000K-of-0000N.safetensors` with N > 1 opens the whole set through
+    /// `NAME.safetensors.index.json` beside it (which must name the file), and is refused
+    /// without one; a directory without an index must hold every part of each such set.
+    /// (`-00001-of-00001` is a whole checkpoint.) A non-first GGUF part is refused too.
+    ///
+    /// A `config.json` beside safetensors files (GGUF: the `{arch}.expert_count` key) is
+    /// read, if small and understood, for [`Naming::plan`]'s checks.
+    ///
     /// # Errors
     /// [`Error::Io`] when a file cannot be opened or read; [`Error::Checkpoint`] for every
-    /// malformed header, tensor range, duplicate name, missing shard or split part.
+    /// malformed header, tensor range, duplicate name, missing shard or split part, a
+    /// shard opened alone ([`CheckpointFault::Split`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
         let path = path.as_ref();
         let meta = std::fs::metadata(path).map_err(|e| Error::io("stat", display(path), e))?;
-        if meta.is_dir() {
-            return open_safetensors_dir(path);
-        }
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("gguf") => open_gguf(path),
-            Some("safetensors") => Checkpoint::from_safetensors_files(vec![path.to_path_buf()]),
-            Some("json") => open_safetensors_index(path),
-            _ => Err(Error::checkpoint(
-                display(path),
-                None,
-                CheckpointFault::Header,
-                "not a .safetensors or .gguf file, an index .json, nor a directory",
-            )),
-        }
+        let dir = if meta.is_dir() {
+            path
+        } else {
+            path.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+        };
+        let mut checkpoint = if meta.is_dir() {
+            open_safetensors_dir(path)?
+        } else {
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("gguf") => open_gguf(path)?,
+                Some("safetensors") => open_safetensors_file(path)?,
+                Some("json") => open_safetensors_index(path)?,
+                _ => {
+                    return Err(Error::checkpoint(
+                        display(path),
+                        None,
+                        CheckpointFault::Header,
+                        "not a .safetensors or .gguf file, an index .json, nor a directory",
+                    ));
+                }
+            }
+        };
+        checkpoint.config = match checkpoint.format {
+            Format::Safetensors => config::ModelConfig::read(dir),
+            Format::Gguf => config::ModelConfig::from_gguf(&checkpoint.metadata, path),
+        };
+        Ok(checkpoint)
+    }
+
+    /// The model config read beside the checkpoint, if any was understood.
+    pub(crate) fn config(&self) -> Option<&config::ModelConfig> {
+        self.config.as_ref()
     }
 
     /// The container format.
@@ -340,6 +399,7 @@ impl Checkpoint {
             files,
             tensors,
             metadata: Vec::new(),
+            config: None,
         })
     }
 }
@@ -404,6 +464,88 @@ fn check_unique(files: &[CheckpointFile], tensors: &[TensorInfo]) -> Result<()> 
 
 const INDEX_NAME: &str = "model.safetensors.index.json";
 
+/// `(prefix, no, count)` from `prefix-00002-of-00003.safetensors` (no from 1).
+fn shard_name(path: &Path) -> Option<(String, u64, u64)> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".safetensors")?;
+    let (rest, count) = stem.rsplit_once("-of-")?;
+    let (prefix, no) = rest.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(no) || !digits(count) {
+        return None;
+    }
+    Some((prefix.to_owned(), no.parse().ok()?, count.parse().ok()?))
+}
+
+/// One `.safetensors` file: the whole checkpoint, unless its name says it is a part of a
+/// set, which is opened through its index or refused.
+fn open_safetensors_file(path: &Path) -> Result<Checkpoint> {
+    let Some((prefix, no, count)) = shard_name(path).filter(|(_, _, count)| *count > 1) else {
+        return Checkpoint::from_safetensors_files(vec![path.to_path_buf()]);
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let index = dir.join(format!("{prefix}.safetensors.index.json"));
+    if !index.is_file() {
+        return Err(Error::checkpoint(
+            display(path),
+            None,
+            CheckpointFault::Split,
+            format!(
+                "part {no} of {count} of a sharded checkpoint, opened alone: its experts would \
+                 be missing the tensors of the other parts; open the directory or {} (not \
+                 found beside it)",
+                index.display()
+            ),
+        ));
+    }
+    let checkpoint = open_safetensors_index(&index)?;
+    let name = path.file_name();
+    if !checkpoint.files.iter().any(|f| f.path.file_name() == name) {
+        return Err(Error::checkpoint(
+            display(path),
+            None,
+            CheckpointFault::Split,
+            format!(
+                "part {no} of {count} of a sharded checkpoint, but {} beside it does not \
+                 name this file",
+                index.display()
+            ),
+        ));
+    }
+    Ok(checkpoint)
+}
+
+/// Every part of each `NAME-0000K-of-0000N.safetensors` set among `paths` is there.
+fn check_shard_sets(dir: &Path, paths: &[PathBuf]) -> Result<()> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut sets: BTreeMap<(String, u64), BTreeSet<u64>> = BTreeMap::new();
+    for path in paths {
+        if let Some((prefix, no, count)) = shard_name(path) {
+            sets.entry((prefix, count)).or_default().insert(no);
+        }
+    }
+    for ((prefix, count), present) in sets {
+        // At most |present| + 1 turns: the first part not present.
+        let missing = (1..=count).find(|no| !present.contains(no));
+        if let Some(no) = missing {
+            return Err(Error::checkpoint(
+                display(dir),
+                None,
+                CheckpointFault::Missing,
+                format!(
+                    "part {no} of {count} of {} is not in the directory (and there is no \
+                     {INDEX_NAME}): the other parts alone are not the checkpoint",
+                    quote(&format!("{prefix}-*-of-{count:05}.safetensors"))
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn open_safetensors_dir(dir: &Path) -> Result<Checkpoint> {
     let index = dir.join(INDEX_NAME);
     if index.is_file() {
@@ -427,6 +569,7 @@ fn open_safetensors_dir(dir: &Path) -> Result<Checkpoint> {
         ));
     }
     paths.sort();
+    check_shard_sets(dir, &paths)?;
     Checkpoint::from_safetensors_files(paths)
 }
 
@@ -445,8 +588,7 @@ fn open_safetensors_index(index: &Path) -> Result<Checkpoint> {
             ),
         ));
     }
-    let mut bytes = vec![0u8; len as usize];
-    ReadAt::read_exact_at(&file, &mut bytes, 0).map_err(|e| Error::io("pread", &name, e))?;
+    let bytes = read_grown(&file, 0, len).map_err(|e| Error::io("pread", &name, e))?;
     let weight_map = safetensors::parse_index(&bytes, &name)?;
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut shard_names: Vec<&str> = Vec::new();
@@ -468,7 +610,10 @@ fn open_safetensors_index(index: &Path) -> Result<Checkpoint> {
                 name,
                 tensor,
                 CheckpointFault::Missing,
-                format!("the index names shard {shard:?}, which does not exist"),
+                format!(
+                    "the index names shard {}, which does not exist",
+                    quote(shard)
+                ),
             ));
         }
         paths.push(path);
@@ -488,7 +633,10 @@ fn open_safetensors_index(index: &Path) -> Result<Checkpoint> {
                 name,
                 Some(tensor),
                 CheckpointFault::Missing,
-                format!("the index places the tensor in {shard:?}, which does not hold it"),
+                format!(
+                    "the index places the tensor in {}, which does not hold it",
+                    quote(shard)
+                ),
             ));
         }
     }
@@ -522,6 +670,7 @@ fn open_gguf(path: &Path) -> Result<Checkpoint> {
             files,
             tensors,
             metadata: first.metadata,
+            config: None,
         });
     };
     let paths = gguf::split_paths(path, &split)?;
@@ -566,5 +715,6 @@ fn open_gguf(path: &Path) -> Result<Checkpoint> {
         files,
         tensors,
         metadata: first.metadata,
+        config: None,
     })
 }

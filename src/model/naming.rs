@@ -1,13 +1,24 @@
-//! Expert naming: which tensors are experts, of which layer, in which slot order; and the
-//! [`ExpertPlan`] that results: per MoE layer, per expert, its weight and scale pieces as
-//! (file, absolute offset, length). No bytes are read.
+//! Expert naming: which tensors are experts, of which layer, in which slot order, and
+//! which roles (gate, up, down, ...) every expert must have; and the [`ExpertPlan`] that
+//! results (built in `plan.rs`): per MoE layer, per expert, its weight and scale pieces
+//! as (file, absolute offset, length). No bytes are read.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
-use super::{Checkpoint, TensorInfo};
-use crate::error::{CheckpointFault, Error, Result};
+use super::Checkpoint;
+use crate::error::{CheckpointFault, Error, Result, quote_list};
+
+/// The most experts one MoE layer may have: 65,536.
+///
+/// The largest layers shipped have 384 (Kimi K2) and 512 (Qwen3-Next) routed experts;
+/// this is 128 times that. A plan keeps a few hundred bytes per expert (its pieces), so
+/// a layer at the ceiling costs tens of MiB of plan, never more: a file that claims more
+/// experts (a merged tensor whose shape says 2^40, a name or a custom naming that says
+/// expert `usize::MAX`) is an [`Error::Checkpoint`] naming the tensor, refused before
+/// anything is allocated for its experts.
+pub const MAX_EXPERTS_PER_LAYER: usize = 1 << 16;
 
 /// What a naming says about one tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +57,7 @@ type Classify = dyn Fn(&str) -> Option<TensorRef> + Send + Sync;
 pub struct CustomNaming {
     name: String,
     classify: Arc<Classify>,
+    roles: Vec<(bool, u8)>,
 }
 
 impl CustomNaming {
@@ -57,7 +69,26 @@ impl CustomNaming {
         CustomNaming {
             name: name.into(),
             classify: Arc::new(classify),
+            roles: Vec::new(),
         }
+    }
+
+    /// Declares the roles every expert must have, as `(piece, scale)` pairs: a layer
+    /// where an expert lacks one is an error naming it. Without this, the roles are those
+    /// any expert of the layer has (so a piece no expert has goes unnoticed).
+    ///
+    /// ```
+    /// use numapin::model::CustomNaming;
+    /// // gate 0, up 1, down 2, no scales.
+    /// let naming = CustomNaming::new("my-moe", |_| None).with_roles([(0, false), (1, false), (2, false)]);
+    /// # let _ = naming;
+    /// ```
+    pub fn with_roles(mut self, roles: impl IntoIterator<Item = (u8, bool)>) -> Self {
+        self.roles = roles
+            .into_iter()
+            .map(|(piece, scale)| (scale, piece))
+            .collect();
+        self
     }
 }
 
@@ -65,6 +96,7 @@ impl fmt::Debug for CustomNaming {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CustomNaming")
             .field("name", &self.name)
+            .field("roles", &self.roles)
             .finish_non_exhaustive()
     }
 }
@@ -156,7 +188,8 @@ impl Naming {
     ///
     /// # Errors
     /// [`CheckpointFault::NoExperts`] when no preset recognises any tensor; the message
-    /// lists up to ten names that look like expert tensors (contain `expert` or `exps`).
+    /// lists a few names that look like expert tensors (contain `expert` or `exps`) and
+    /// how many there are.
     pub fn detect(checkpoint: &Checkpoint) -> Result<Naming> {
         let mut best: Option<(usize, Naming)> = None;
         for naming in Naming::PRESETS {
@@ -175,13 +208,67 @@ impl Naming {
 
     /// The plan of `checkpoint`'s experts under this naming.
     ///
+    /// An expert is complete or it is an error: every expert `0..E` of a MoE layer must
+    /// have every role of the naming (see [`Naming::role_name`]). A preset with scales
+    /// wants a scale for every weight role of a layer where any scale is present. Beside
+    /// a safetensors checkpoint, a `config.json` (`num_hidden_layers`,
+    /// `first_k_dense_replace`, `moe_layer_freq`, `decoder_sparse_step`,
+    /// `mlp_only_layers`, and `n_routed_experts`, `num_local_experts` or `num_experts`)
+    /// says which layers are MoE layers and how many experts each has; a GGUF's
+    /// `{arch}.expert_count` says the latter. Presets are checked against them (keys
+    /// absent or not understood: no check); a custom naming is not, as it may choose a
+    /// subset on purpose.
+    ///
     /// # Errors
-    /// [`CheckpointFault::NoExperts`], [`CheckpointFault::Missing`] (a layer missing an
-    /// expert, named), [`CheckpointFault::Shape`] (experts of one layer with different
+    /// [`CheckpointFault::NoExperts`]; [`CheckpointFault::Missing`]: an expert of a layer
+    /// without a role (the message names the layer, the expert and the role), a layer
+    /// missing an expert, a MoE layer of `config.json` missing, fewer experts than the
+    /// config says; [`CheckpointFault::Shape`]: experts of one layer with different
     /// shapes or dtypes, a piece given twice, a fused tensor whose bytes do not divide by
-    /// its expert count, fused tensors of one layer that disagree on it).
+    /// its expert count, fused tensors of one layer that disagree on it, more experts
+    /// than the config says, more than [`MAX_EXPERTS_PER_LAYER`] experts.
     pub fn plan(&self, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
-        build_plan(self, checkpoint)
+        super::plan::build_plan(self, checkpoint)
+    }
+
+    /// The name of the role `(piece, scale)` in this naming, as its tensors spell it
+    /// (`"up_proj"`, `"w3 scale"`, `"ffn_down_exps"`; `"piece 4"` for a custom naming).
+    pub fn role_name(&self, piece: u8, scale: bool) -> String {
+        let names: &[&str] = match self {
+            Naming::PerExpert => &["gate_proj", "up_proj", "down_proj"],
+            Naming::Mixtral => &["w1", "w3", "w2"],
+            Naming::Fused => &["gate_up_proj", "down_proj"],
+            Naming::GgufMerged => &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+            Naming::Custom(_) => &[],
+        };
+        let base = names
+            .get(usize::from(piece))
+            .map_or_else(|| format!("piece {piece}"), |n| (*n).to_owned());
+        if scale { format!("{base} scale") } else { base }
+    }
+
+    /// The roles, as `(scale, piece)`, every expert of a layer must have, given those
+    /// some tensor of the layer has (`seen`): the naming's own, and every one seen.
+    pub(crate) fn required_roles(&self, seen: &BTreeSet<(bool, u8)>) -> BTreeSet<(bool, u8)> {
+        let weights: &[u8] = match self {
+            Naming::PerExpert | Naming::Mixtral | Naming::GgufMerged => &[0, 1, 2],
+            Naming::Fused => &[0, 1],
+            Naming::Custom(_) => &[],
+        };
+        let mut roles = seen.clone();
+        roles.extend(weights.iter().map(|&p| (false, p)));
+        if seen.iter().any(|&(scale, _)| scale) {
+            roles.extend(weights.iter().map(|&p| (true, p)));
+        }
+        if let Naming::Custom(c) = self {
+            roles.extend(c.roles.iter().copied());
+        }
+        roles
+    }
+
+    /// Whether this is a preset (checked against the model's config).
+    pub(crate) fn is_preset(&self) -> bool {
+        !matches!(self, Naming::Custom(_))
     }
 }
 
@@ -214,23 +301,23 @@ fn per_expert(name: &str, middle: &str, pieces: &[&str; 3]) -> Option<TensorRef>
     })
 }
 
-fn no_experts(checkpoint: &Checkpoint, naming: &str) -> Error {
-    let looks: Vec<&str> = checkpoint
-        .tensors()
-        .iter()
-        .map(|t| t.name())
-        .filter(|n| n.contains("expert") || n.contains("exps"))
-        .take(10)
-        .collect();
+pub(crate) fn no_experts(checkpoint: &Checkpoint, naming: &str) -> Error {
+    let looks = || {
+        checkpoint
+            .tensors()
+            .iter()
+            .map(|t| t.name())
+            .filter(|n| n.contains("expert") || n.contains("exps"))
+    };
     let file = checkpoint
         .files()
         .first()
         .map(|f| f.path().display().to_string())
         .unwrap_or_default();
-    let seen = if looks.is_empty() {
+    let seen = if looks().next().is_none() {
         "no tensor name contains \"expert\" or \"exps\"".to_owned()
     } else {
-        format!("names that look like experts: {}", looks.join(", "))
+        format!("names that look like experts: {}", quote_list(looks()))
     };
     Error::checkpoint(
         file,
@@ -243,10 +330,10 @@ fn no_experts(checkpoint: &Checkpoint, naming: &str) -> Error {
 /// One range of a file: part of an expert's slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
-    tensor: usize,
-    file: usize,
-    offset: u64,
-    len: u64,
+    pub(crate) tensor: usize,
+    pub(crate) file: usize,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
 }
 
 impl Piece {
@@ -288,8 +375,8 @@ pub enum PieceRole {
 /// One expert: its weight pieces and scale pieces, each in slot order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertPieces {
-    weights: Vec<Piece>,
-    scales: Vec<Piece>,
+    pub(crate) weights: Vec<Piece>,
+    pub(crate) scales: Vec<Piece>,
 }
 
 impl ExpertPieces {
@@ -315,10 +402,12 @@ impl ExpertPieces {
 /// One MoE layer: its experts, all of one shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerPlan {
-    layer: usize,
-    experts: Vec<ExpertPieces>,
-    weight_bytes: u64,
-    scale_bytes: u64,
+    pub(crate) layer: usize,
+    pub(crate) experts: Vec<ExpertPieces>,
+    pub(crate) weight_bytes: u64,
+    pub(crate) scale_bytes: u64,
+    /// The naming's roles for this layer, in slot order, weights then scales.
+    pub(crate) roles: Vec<(PieceRole, String)>,
 }
 
 impl LayerPlan {
@@ -341,15 +430,35 @@ impl LayerPlan {
     pub fn scale_bytes(&self) -> u64 {
         self.scale_bytes
     }
+
+    /// The roles every expert of the layer has, in slot order (weights, then scales), as
+    /// the naming calls them (`"gate_proj"`, ..., `"gate_proj scale"`, ...).
+    pub fn roles(&self) -> impl Iterator<Item = (PieceRole, &str)> + '_ {
+        self.roles.iter().map(|(r, n)| (*r, n.as_str()))
+    }
+
+    /// Whether every expert has one piece for each of the layer's roles (and the layer
+    /// has experts and a weight role): what "complete" means in a report. A plan built
+    /// by [`Naming::plan`] is complete or was an error; this checks the plan itself.
+    pub fn is_complete(&self) -> bool {
+        let want = |role| self.roles.iter().filter(|(r, _)| *r == role).count();
+        let (weights, scales) = (want(PieceRole::Weight), want(PieceRole::Scale));
+        weights > 0
+            && !self.experts.is_empty()
+            && self
+                .experts
+                .iter()
+                .all(|e| e.weights.len() == weights && e.scales.len() == scales)
+    }
 }
 
 /// The experts of a checkpoint under a naming: what the store packs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertPlan {
-    naming: String,
-    layers: Vec<LayerPlan>,
-    engine_tensors: usize,
-    engine_bytes: u64,
+    pub(crate) naming: String,
+    pub(crate) layers: Vec<LayerPlan>,
+    pub(crate) engine_tensors: usize,
+    pub(crate) engine_bytes: u64,
 }
 
 impl ExpertPlan {
@@ -377,254 +486,10 @@ impl ExpertPlan {
     pub fn engine_bytes(&self) -> u64 {
         self.engine_bytes
     }
-}
 
-#[derive(Default)]
-struct LayerTensors {
-    /// expert → (scale, piece) → tensor index
-    per_expert: BTreeMap<usize, BTreeMap<(bool, u8), usize>>,
-    /// (scale, piece) → tensor index, for tensors holding every expert.
-    merged: BTreeMap<(bool, u8), usize>,
-}
-
-fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
-    let tensors = checkpoint.tensors();
-    let file_of = |t: &TensorInfo| {
-        checkpoint
-            .files()
-            .get(t.file())
-            .map(|f| f.path().display().to_string())
-            .unwrap_or_default()
-    };
-    let shape_fault = |t: &TensorInfo, why: String| {
-        Error::checkpoint(file_of(t), Some(t.name()), CheckpointFault::Shape, why)
-    };
-
-    let mut layers: BTreeMap<usize, LayerTensors> = BTreeMap::new();
-    let mut engine_tensors = 0;
-    let mut engine_bytes = 0u64;
-    for (index, t) in tensors.iter().enumerate() {
-        let Some(r) = naming.classify(t.name()) else {
-            engine_tensors += 1;
-            engine_bytes += t.len();
-            continue;
-        };
-        let layer = layers.entry(r.layer).or_default();
-        let slot = match r.expert {
-            Some(e) => layer.per_expert.entry(e).or_default(),
-            None => &mut layer.merged,
-        };
-        if let Some(other) = slot.insert((r.scale, r.piece), index) {
-            return Err(shape_fault(
-                t,
-                format!(
-                    "the naming {:?} gives it the same place as {:?} (layer {}, piece {})",
-                    naming.name(),
-                    tensors[other].name(),
-                    r.layer,
-                    r.piece
-                ),
-            ));
-        }
+    /// Whether every layer is complete ([`LayerPlan::is_complete`]): every expert of
+    /// every layer has every role of the naming.
+    pub fn is_complete(&self) -> bool {
+        !self.layers.is_empty() && self.layers.iter().all(LayerPlan::is_complete)
     }
-    if layers.is_empty() {
-        return Err(no_experts(
-            checkpoint,
-            &format!("the naming {:?}", naming.name()),
-        ));
-    }
-
-    let mut plans = Vec::with_capacity(layers.len());
-    for (layer, lt) in layers {
-        let experts = if lt.merged.is_empty() {
-            per_expert_layer(layer, &lt.per_expert, tensors, &shape_fault, &file_of)?
-        } else if let Some((&e, pieces)) = lt.per_expert.iter().next() {
-            let t = &tensors[*pieces.values().next().unwrap_or(&0)];
-            return Err(shape_fault(
-                t,
-                format!(
-                    "layer {layer} has both per-expert tensors (expert {e}) and tensors \
-                     holding every expert"
-                ),
-            ));
-        } else {
-            merged_layer(layer, &lt.merged, tensors, &shape_fault)?
-        };
-        let bytes = |pieces: &[Piece]| pieces.iter().map(|p| p.len).sum::<u64>();
-        let (weight_bytes, scale_bytes) = experts
-            .first()
-            .map(|e| (bytes(&e.weights), bytes(&e.scales)))
-            .unwrap_or((0, 0));
-        plans.push(LayerPlan {
-            layer,
-            experts,
-            weight_bytes,
-            scale_bytes,
-        });
-    }
-    Ok(ExpertPlan {
-        naming: naming.name().to_owned(),
-        layers: plans,
-        engine_tensors,
-        engine_bytes,
-    })
-}
-
-fn piece_of(tensors: &[TensorInfo], index: usize) -> Piece {
-    let t = &tensors[index];
-    Piece {
-        tensor: index,
-        file: t.file(),
-        offset: t.offset(),
-        len: t.len(),
-    }
-}
-
-fn split_roles(pieces: impl Iterator<Item = ((bool, u8), Piece)>) -> ExpertPieces {
-    let mut weights = Vec::new();
-    let mut scales = Vec::new();
-    // BTreeMap order: (false, piece) before (true, piece), each by piece.
-    for ((scale, _), p) in pieces {
-        if scale {
-            scales.push(p)
-        } else {
-            weights.push(p)
-        }
-    }
-    ExpertPieces { weights, scales }
-}
-
-fn per_expert_layer(
-    layer: usize,
-    experts: &BTreeMap<usize, BTreeMap<(bool, u8), usize>>,
-    tensors: &[TensorInfo],
-    shape_fault: &dyn Fn(&TensorInfo, String) -> Error,
-    file_of: &dyn Fn(&TensorInfo) -> String,
-) -> Result<Vec<ExpertPieces>> {
-    let Some((_, first)) = experts.iter().next() else {
-        return Ok(Vec::new());
-    };
-    let count = experts.keys().next_back().map_or(0, |&e| e + 1);
-    let mut out = Vec::with_capacity(experts.len());
-    for e in 0..count {
-        let Some(pieces) = experts.get(&e) else {
-            let t = &tensors[*first.values().next().unwrap_or(&0)];
-            return Err(Error::checkpoint(
-                file_of(t),
-                None,
-                CheckpointFault::Missing,
-                format!(
-                    "layer {layer} has experts up to {} but no tensor of expert {e}",
-                    count - 1
-                ),
-            ));
-        };
-        // Same pieces, each of the same dtype, shape and length as expert 0's.
-        for (key, &index) in first {
-            let reference = &tensors[index];
-            let Some(&mine) = pieces.get(key) else {
-                let t = &tensors[*pieces.values().next().unwrap_or(&index)];
-                return Err(shape_fault(
-                    t,
-                    format!(
-                        "experts of one layer with different shapes: layer {layer} expert {e} \
-                         has no counterpart of {:?}",
-                        reference.name()
-                    ),
-                ));
-            };
-            let t = &tensors[mine];
-            if t.dtype() != reference.dtype() || t.shape() != reference.shape() {
-                return Err(shape_fault(
-                    t,
-                    format!(
-                        "experts of one layer with different shapes: {} {:?} here, {} {:?} in \
-                         {:?}",
-                        t.dtype(),
-                        t.shape(),
-                        reference.dtype(),
-                        reference.shape(),
-                        reference.name()
-                    ),
-                ));
-            }
-        }
-        if pieces.len() != first.len() {
-            let extra = pieces.keys().find(|k| !first.contains_key(k));
-            let t = &tensors[extra.and_then(|k| pieces.get(k)).copied().unwrap_or(0)];
-            return Err(shape_fault(
-                t,
-                format!(
-                    "experts of one layer with different shapes: layer {layer} expert {e} has \
-                     a piece expert {} lacks",
-                    experts.keys().next().copied().unwrap_or(0)
-                ),
-            ));
-        }
-        out.push(split_roles(
-            pieces.iter().map(|(&k, &i)| (k, piece_of(tensors, i))),
-        ));
-    }
-    Ok(out)
-}
-
-fn merged_layer(
-    layer: usize,
-    merged: &BTreeMap<(bool, u8), usize>,
-    tensors: &[TensorInfo],
-    shape_fault: &dyn Fn(&TensorInfo, String) -> Error,
-) -> Result<Vec<ExpertPieces>> {
-    let mut count: Option<(u64, &TensorInfo)> = None;
-    for &index in merged.values() {
-        let t = &tensors[index];
-        let n = match t.outermost_dim() {
-            Some(n) if n > 0 => n,
-            _ => {
-                return Err(shape_fault(
-                    t,
-                    format!(
-                        "a tensor holding layer {layer}'s experts has shape {:?}",
-                        t.shape()
-                    ),
-                ));
-            }
-        };
-        if !t.len().is_multiple_of(n) || t.len() < n {
-            return Err(shape_fault(
-                t,
-                format!("{} bytes do not divide into {n} non-empty experts", t.len()),
-            ));
-        }
-        match count {
-            Some((c, other)) if c != n => {
-                return Err(shape_fault(
-                    t,
-                    format!(
-                        "{n} experts here but {c} in {:?} of the same layer {layer}",
-                        other.name()
-                    ),
-                ));
-            }
-            _ => count = Some((n, t)),
-        }
-    }
-    let n = count.map_or(0, |(n, _)| n);
-    // n ≤ the tensor's bytes ≤ the file's length: checked above.
-    let mut out = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
-    for e in 0..n {
-        out.push(split_roles(merged.iter().map(|(&k, &i)| {
-            let t = &tensors[i];
-            let per = t.len() / n;
-            (
-                k,
-                Piece {
-                    tensor: i,
-                    file: t.file(),
-                    offset: t.offset() + e * per,
-                    len: per,
-                },
-            )
-        })));
-    }
-    Ok(out)
 }

@@ -18,8 +18,8 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::{MapAccess, Visitor};
 
-use super::{ReadAt, TensorInfo};
-use crate::error::{CheckpointFault, Error, Result};
+use super::{ReadAt, TensorInfo, read_grown, shape_text};
+use crate::error::{CheckpointFault, Error, Result, clip, quote};
 use crate::model::gguf::check_layout;
 
 /// The largest JSON header (or index) read: 100 MiB.
@@ -114,7 +114,7 @@ impl<'de> Deserialize<'de> for Header {
                         map.next_value::<BTreeMap<String, String>>()?;
                     } else {
                         let entry = map.next_value::<Entry>().map_err(|e| {
-                            serde::de::Error::custom(format_args!("tensor {key:?}: {e}"))
+                            serde::de::Error::custom(format_args!("tensor {}: {e}", quote(&key)))
                         })?;
                         tensors.push((key, entry));
                     }
@@ -165,9 +165,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
             format!("header length {header_len} is over the {MAX_HEADER} byte cap"),
         ));
     }
-    let mut json = vec![0u8; header_len as usize];
-    src.read_exact_at(&mut json, 8)
-        .map_err(|e| Error::io("pread", file, e))?;
+    let json = read_grown(src, 8, header_len).map_err(|e| Error::io("pread", file, e))?;
     let text = std::str::from_utf8(&json).map_err(|e| {
         fault(
             None,
@@ -179,7 +177,10 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
         fault(
             None,
             CheckpointFault::Header,
-            format!("the header is not a safetensors JSON header: {e}"),
+            format!(
+                "the header is not a safetensors JSON header: {}",
+                json_error(&e)
+            ),
         )
     })?;
     drop(json);
@@ -192,7 +193,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
             return Err(fault(
                 Some(&name),
                 CheckpointFault::UnknownType,
-                format!("dtype {:?} is not a safetensors dtype", entry.dtype),
+                format!("dtype {} is not a safetensors dtype", quote(&entry.dtype)),
             ));
         };
         let (begin, end) = entry.data_offsets;
@@ -223,9 +224,9 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
                     Some(&name),
                     CheckpointFault::Size,
                     format!(
-                        "{} × {:?} is {bits} bits, not whole bytes",
+                        "{} × {} is {bits} bits, not whole bytes",
                         dtype.name(),
-                        entry.shape
+                        shape_text(&entry.shape)
                     ),
                 ));
             }
@@ -233,7 +234,11 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
                 return Err(fault(
                     Some(&name),
                     CheckpointFault::Size,
-                    format!("{} × {:?} overflows 64 bits", dtype.name(), entry.shape),
+                    format!(
+                        "{} × {} overflows 64 bits",
+                        dtype.name(),
+                        shape_text(&entry.shape)
+                    ),
                 ));
             }
         };
@@ -242,10 +247,10 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
                 Some(&name),
                 CheckpointFault::Size,
                 format!(
-                    "data_offsets [{begin}, {end}] hold {} bytes but {} × {:?} is {bytes}",
+                    "data_offsets [{begin}, {end}] hold {} bytes but {} × {} is {bytes}",
                     end - begin,
                     dtype.name(),
-                    entry.shape
+                    shape_text(&entry.shape)
                 ),
             ));
         }
@@ -278,15 +283,32 @@ pub fn parse_index(bytes: &[u8], file: &str) -> Result<Vec<(String, String)>> {
     };
     let text = std::str::from_utf8(bytes)
         .map_err(|e| fault(None, format!("the index is not UTF-8: {e}")))?;
-    let index: Index = serde_json::from_str(text)
-        .map_err(|e| fault(None, format!("the index is not a safetensors index: {e}")))?;
+    let index: Index = serde_json::from_str(text).map_err(|e| {
+        fault(
+            None,
+            format!("the index is not a safetensors index: {}", json_error(&e)),
+        )
+    })?;
     for (tensor, shard) in &index.weight_map {
         if shard.is_empty() || shard.contains('/') || shard == "." || shard == ".." {
             return Err(fault(
                 Some(tensor),
-                format!("shard {shard:?} is not a file name in the index's directory"),
+                format!(
+                    "shard {} is not a file name in the index's directory",
+                    quote(shard)
+                ),
             ));
         }
     }
     Ok(index.weight_map.into_iter().collect())
+}
+
+/// A serde_json error for a message: it may quote a value of the file (an invalid type
+/// quotes the string found), so it is clipped like any file-chosen string.
+pub(crate) fn json_error(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match clip(&text, 2 * crate::error::QUOTE_MAX) {
+        (_, false) => text,
+        (head, true) => format!("{head}… ({} bytes)", text.len()),
+    }
 }

@@ -143,12 +143,9 @@ impl Manifest {
 
 fn bad(line_number: usize, line: &str, why: &str) -> Error {
     // Both clipped: `why` may quote a word of the line, and a line may be megabytes.
-    let clip = |text: &str, max: usize| {
-        let mut out: String = text.chars().take(max).collect();
-        if out.len() < text.len() {
-            out.push('…');
-        }
-        out
+    let clip = |text: &str, max: usize| match crate::error::clip(text, max) {
+        (text, false) => text.to_owned(),
+        (head, true) => format!("{head}… ({} bytes)", text.len()),
     };
     let (why, quoted) = (clip(why, 400), clip(line, 200));
     Error::invalid(OP, format!("line {line_number}: {why}: {quoted:?}"))

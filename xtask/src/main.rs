@@ -156,6 +156,7 @@ fn main_job_on_checkpoints() -> Result<(), String> {
         let text = String::from_utf8_lossy(&out.stdout);
         let ok = out.status.success()
             && text.contains("\"verified\":true")
+            && text.contains("\"complete\":true")
             && text.contains("\"model\":{")
             && text.contains("\"experts_per_layer\":{\"1\":4,\"2\":4}");
         if !ok {

@@ -1,0 +1,353 @@
+//! Building an [`ExpertPlan`]: the tensors a naming recognises, grouped by layer and
+//! expert, checked for completeness (every expert has every role), for counts no file
+//! can make true (more than [`MAX_EXPERTS_PER_LAYER`] experts) and against the model's
+//! config, then cut into per-expert pieces.
+//!
+//! Nothing here is sized by a number a file states before it is checked: the per-expert
+//! maps hold only tensors that exist, and a merged tensor's expert count is checked
+//! against the ceiling and against the tensor's bytes before its experts are laid out.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::naming::{
+    ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, Piece, PieceRole,
+    no_experts,
+};
+use super::{Checkpoint, TensorInfo, shape_text};
+use crate::error::{CheckpointFault, Error, Result, quote};
+
+/// `(scale, piece)`: a role of an expert, in slot order (weights first, each by piece).
+type Role = (bool, u8);
+
+#[derive(Default)]
+struct LayerTensors {
+    /// expert → role → tensor index
+    per_expert: BTreeMap<usize, BTreeMap<Role, usize>>,
+    /// role → tensor index, for tensors holding every expert.
+    merged: BTreeMap<Role, usize>,
+}
+
+/// What the steps share: the naming, the checkpoint, and how to name a tensor's file.
+struct Plan<'a> {
+    naming: &'a Naming,
+    checkpoint: &'a Checkpoint,
+}
+
+impl Plan<'_> {
+    fn tensor(&self, index: usize) -> &TensorInfo {
+        &self.checkpoint.tensors()[index]
+    }
+
+    fn file_of(&self, t: &TensorInfo) -> String {
+        self.checkpoint
+            .files()
+            .get(t.file())
+            .map(|f| f.path().display().to_string())
+            .unwrap_or_default()
+    }
+
+    fn fault(&self, t: &TensorInfo, kind: CheckpointFault, why: String) -> Error {
+        Error::checkpoint(self.file_of(t), Some(t.name()), kind, why)
+    }
+
+    /// Expert `expert` of `layer` lacks `role`; `t` is a tensor of the layer (for the file).
+    fn missing_role(
+        &self,
+        t: &TensorInfo,
+        layer: usize,
+        expert: usize,
+        role: Role,
+        required: &BTreeSet<Role>,
+    ) -> Error {
+        let names: Vec<String> = required
+            .iter()
+            .map(|&(scale, piece)| self.naming.role_name(piece, scale))
+            .collect();
+        let mut why = format!(
+            "layer {layer} expert {expert} has no {} (the naming {} wants every expert to \
+             have {}): an incomplete expert is not packed",
+            self.naming.role_name(role.1, role.0),
+            quote(self.naming.name()),
+            names.join(", ")
+        );
+        if matches!(self.naming, Naming::GgufMerged) {
+            let fused = format!("blk.{layer}.ffn_gate_up_exps.weight");
+            if self.checkpoint.tensor(&fused).is_some() {
+                why.push_str(&format!(
+                    "; the file has {fused}, gate and up fused into one tensor (as llama.cpp's \
+                     convert_hf_to_gguf.py --fuse-gate-up-exps writes), which this naming \
+                     does not take apart"
+                ));
+            }
+        }
+        Error::checkpoint(self.file_of(t), None, CheckpointFault::Missing, why)
+    }
+
+    fn piece(&self, index: usize) -> Piece {
+        let t = self.tensor(index);
+        Piece {
+            tensor: index,
+            file: t.file(),
+            offset: t.offset(),
+            len: t.len(),
+        }
+    }
+}
+
+pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
+    let plan = Plan { naming, checkpoint };
+    let (layers, engine_tensors, engine_bytes) = group(&plan)?;
+    if layers.is_empty() {
+        return Err(no_experts(
+            checkpoint,
+            &format!("the naming {}", quote(naming.name())),
+        ));
+    }
+    let mut plans = Vec::with_capacity(layers.len());
+    for (layer, lt) in layers {
+        let (experts, required) = if lt.merged.is_empty() {
+            per_expert_layer(&plan, layer, &lt.per_expert)?
+        } else if let Some((&e, pieces)) = lt.per_expert.iter().next() {
+            let t = plan.tensor(*pieces.values().next().unwrap_or(&0));
+            return Err(plan.fault(
+                t,
+                CheckpointFault::Shape,
+                format!(
+                    "layer {layer} has both per-expert tensors (expert {e}) and tensors \
+                     holding every expert"
+                ),
+            ));
+        } else {
+            merged_layer(&plan, layer, &lt.merged)?
+        };
+        let bytes = |pieces: &[Piece]| pieces.iter().map(|p| p.len).sum::<u64>();
+        let (weight_bytes, scale_bytes) = experts
+            .first()
+            .map(|e| (bytes(&e.weights), bytes(&e.scales)))
+            .unwrap_or((0, 0));
+        let roles = required
+            .iter()
+            .map(|&(scale, piece)| {
+                let role = if scale {
+                    PieceRole::Scale
+                } else {
+                    PieceRole::Weight
+                };
+                (role, naming.role_name(piece, scale))
+            })
+            .collect();
+        plans.push(LayerPlan {
+            layer,
+            experts,
+            weight_bytes,
+            scale_bytes,
+            roles,
+        });
+    }
+    let expert_plan = ExpertPlan {
+        naming: naming.name().to_owned(),
+        layers: plans,
+        engine_tensors,
+        engine_bytes,
+    };
+    if naming.is_preset()
+        && let Some(config) = checkpoint.config()
+    {
+        config.check(&expert_plan)?;
+    }
+    Ok(expert_plan)
+}
+
+/// The naming's tensors by layer and expert; the others counted for the engine.
+fn group(plan: &Plan<'_>) -> Result<(BTreeMap<usize, LayerTensors>, usize, u64)> {
+    let mut layers: BTreeMap<usize, LayerTensors> = BTreeMap::new();
+    let (mut engine_tensors, mut engine_bytes) = (0usize, 0u64);
+    for (index, t) in plan.checkpoint.tensors().iter().enumerate() {
+        let Some(r) = plan.naming.classify(t.name()) else {
+            engine_tensors += 1;
+            engine_bytes = engine_bytes.saturating_add(t.len());
+            continue;
+        };
+        if let Some(e) = r.expert
+            && e >= MAX_EXPERTS_PER_LAYER
+        {
+            return Err(plan.fault(
+                t,
+                CheckpointFault::Shape,
+                format!(
+                    "the naming {} makes it expert {e} of layer {}: a layer has at most \
+                     {MAX_EXPERTS_PER_LAYER} experts",
+                    quote(plan.naming.name()),
+                    r.layer
+                ),
+            ));
+        }
+        let layer = layers.entry(r.layer).or_default();
+        let slot = match r.expert {
+            Some(e) => layer.per_expert.entry(e).or_default(),
+            None => &mut layer.merged,
+        };
+        if let Some(other) = slot.insert((r.scale, r.piece), index) {
+            return Err(plan.fault(
+                t,
+                CheckpointFault::Shape,
+                format!(
+                    "the naming {} gives it the same place as {} (layer {}, piece {})",
+                    quote(plan.naming.name()),
+                    quote(plan.tensor(other).name()),
+                    r.layer,
+                    r.piece
+                ),
+            ));
+        }
+    }
+    Ok((layers, engine_tensors, engine_bytes))
+}
+
+fn split_roles(pieces: impl Iterator<Item = (Role, Piece)>) -> ExpertPieces {
+    let mut weights = Vec::new();
+    let mut scales = Vec::new();
+    // BTreeMap order: (false, piece) before (true, piece), each by piece.
+    for ((scale, _), p) in pieces {
+        if scale {
+            scales.push(p)
+        } else {
+            weights.push(p)
+        }
+    }
+    ExpertPieces { weights, scales }
+}
+
+fn per_expert_layer(
+    plan: &Plan<'_>,
+    layer: usize,
+    experts: &BTreeMap<usize, BTreeMap<Role, usize>>,
+) -> Result<(Vec<ExpertPieces>, BTreeSet<Role>)> {
+    let seen: BTreeSet<Role> = experts.values().flat_map(|m| m.keys().copied()).collect();
+    let required = plan.naming.required_roles(&seen);
+    let (Some((_, first)), Some(&last)) = (experts.iter().next(), experts.keys().next_back())
+    else {
+        return Ok((Vec::new(), required));
+    };
+    // `last` < MAX_EXPERTS_PER_LAYER (checked in `group`): no overflow, a small loop.
+    let mut out = Vec::with_capacity(experts.len());
+    for e in 0..=last {
+        let Some(pieces) = experts.get(&e) else {
+            let t = plan.tensor(*first.values().next().unwrap_or(&0));
+            return Err(Error::checkpoint(
+                plan.file_of(t),
+                None,
+                CheckpointFault::Missing,
+                format!("layer {layer} has experts up to {last} but no tensor of expert {e}"),
+            ));
+        };
+        let any = plan.tensor(*pieces.values().next().unwrap_or(&0));
+        if let Some(&role) = required.iter().find(|r| !pieces.contains_key(r)) {
+            return Err(plan.missing_role(any, layer, e, role, &required));
+        }
+        // Every expert has exactly the required roles now (it has each, and none that is
+        // not: every role seen is required). Each of the dtype and shape of the first's.
+        for (key, &mine) in pieces {
+            let reference = plan.tensor(first.get(key).copied().unwrap_or(mine));
+            let t = plan.tensor(mine);
+            if t.dtype() != reference.dtype() || t.shape() != reference.shape() {
+                return Err(plan.fault(
+                    t,
+                    CheckpointFault::Shape,
+                    format!(
+                        "experts of one layer with different shapes: {} {} here, {} {} in {}",
+                        t.dtype(),
+                        shape_text(t.shape()),
+                        reference.dtype(),
+                        shape_text(reference.shape()),
+                        quote(reference.name())
+                    ),
+                ));
+            }
+        }
+        out.push(split_roles(
+            pieces.iter().map(|(&k, &i)| (k, plan.piece(i))),
+        ));
+    }
+    Ok((out, required))
+}
+
+fn merged_layer(
+    plan: &Plan<'_>,
+    layer: usize,
+    merged: &BTreeMap<Role, usize>,
+) -> Result<(Vec<ExpertPieces>, BTreeSet<Role>)> {
+    let seen: BTreeSet<Role> = merged.keys().copied().collect();
+    let required = plan.naming.required_roles(&seen);
+    if let Some(&role) = required.iter().find(|r| !merged.contains_key(r)) {
+        let any = plan.tensor(*merged.values().next().unwrap_or(&0));
+        return Err(plan.missing_role(any, layer, 0, role, &required));
+    }
+    let mut count: Option<(u64, &TensorInfo)> = None;
+    for &index in merged.values() {
+        let t = plan.tensor(index);
+        let n = match t.outermost_dim() {
+            Some(n) if n > 0 => n,
+            _ => {
+                return Err(plan.fault(
+                    t,
+                    CheckpointFault::Shape,
+                    format!(
+                        "a tensor holding layer {layer}'s experts has shape {}",
+                        shape_text(t.shape())
+                    ),
+                ));
+            }
+        };
+        if n > MAX_EXPERTS_PER_LAYER as u64 {
+            return Err(plan.fault(
+                t,
+                CheckpointFault::Shape,
+                format!(
+                    "its shape {} says {n} experts of layer {layer}: a layer has at most \
+                     {MAX_EXPERTS_PER_LAYER} experts",
+                    shape_text(t.shape())
+                ),
+            ));
+        }
+        if !t.len().is_multiple_of(n) || t.len() < n {
+            return Err(plan.fault(
+                t,
+                CheckpointFault::Shape,
+                format!("{} bytes do not divide into {n} non-empty experts", t.len()),
+            ));
+        }
+        match count {
+            Some((c, other)) if c != n => {
+                return Err(plan.fault(
+                    t,
+                    CheckpointFault::Shape,
+                    format!(
+                        "{n} experts here but {c} in {} of the same layer {layer}",
+                        quote(other.name())
+                    ),
+                ));
+            }
+            _ => count = Some((n, t)),
+        }
+    }
+    // n ≤ MAX_EXPERTS_PER_LAYER and n ≤ the tensor's bytes: checked above.
+    let n = count.map_or(0, |(n, _)| n);
+    let mut out = Vec::with_capacity(MAX_EXPERTS_PER_LAYER.min(n as usize));
+    for e in 0..n {
+        out.push(split_roles(merged.iter().map(|(&k, &i)| {
+            let t = plan.tensor(i);
+            let per = t.len() / n;
+            (
+                k,
+                Piece {
+                    tensor: i,
+                    file: t.file(),
+                    offset: t.offset() + e * per,
+                    len: per,
+                },
+            )
+        })));
+    }
+    Ok((out, required))
+}

@@ -1,0 +1,553 @@
+//! Hostile checkpoints, round 3 (issue 19): incomplete experts that used to pack and be
+//! called verified, lone shards, missing layers, sparse files whose headers claim
+//! terabytes, a custom naming that lies, and file-chosen strings of megabytes in errors.
+//! Each must end in the right value or error: never a panic, an abort or a huge
+//! allocation.
+//!
+//! Every probe runs in a child process (this binary again, selected by
+//! `NUMAPIN_HOSTILE3_ROLE`): an abort fails the probe's test with the child's status
+//! instead of killing the run. The global allocator records the largest single
+//! allocation of each thread, so a test can assert that nothing was reserved for what a
+//! file merely claims.
+#![cfg(feature = "model")]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use numapin::model::{Checkpoint, CustomNaming, Naming, TensorRef};
+use numapin::{CheckpointFault, Error, Layout as StoreLayout, PinStore, StoreOptions};
+
+// ---------------------------------------------------------------------------------------
+// Harness
+
+struct Counting;
+
+thread_local! {
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator unchanged; only records sizes in a
+// const-initialised thread-local Cell (no allocation, no destructor).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = LARGEST.try_with(|m| m.set(m.get().max(layout.size())));
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = LARGEST.try_with(|m| m.set(m.get().max(new_size)));
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn largest_allocation_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    LARGEST.with(|m| m.set(0));
+    let out = f();
+    (out, LARGEST.with(Cell::get))
+}
+
+const ROLE: &str = "NUMAPIN_HOSTILE3_ROLE";
+
+/// True in the child; in the parent, runs the child, asserts it succeeded, returns false.
+fn child(test: &str) -> bool {
+    if std::env::var(ROLE).is_ok_and(|r| r == test) {
+        return true;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, test)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "child {test} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        &stderr[..stderr.len().min(4000)]
+    );
+    false
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("hostile3")
+        .join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn checkpoint_fault(result: numapin::Result<impl std::fmt::Debug>) -> (CheckpointFault, Error) {
+    match result {
+        Err(e @ Error::Checkpoint { kind, .. }) => (kind, e),
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
+}
+
+mod files;
+
+use files::{F32, I8, expert, gguf, gstr, per_expert, write_f16, write_sparse, write_st};
+
+fn store() -> PinStore {
+    PinStore::new(StoreLayout::Unplaced, StoreOptions::default()).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// 1b. Wrong bytes must never be called verified
+
+/// llama.cpp's `convert_hf_to_gguf.py --fuse-gate-up-exps` writes `ffn_gate_up_exps`
+/// beside `ffn_down_exps`. The GGUF preset used to pack `down` alone into each slot (and
+/// pin_model said verified); now the plan and the pack are refused naming layer 1,
+/// expert 0 and the missing role, with a word on the fused tensor.
+#[test]
+fn gguf_fused_gate_up_is_refused_naming_layer_expert_and_role() {
+    const NAME: &str = "gguf_fused_gate_up_is_refused_naming_layer_expert_and_role";
+    if !child(NAME) {
+        return;
+    }
+    let path = scratch(NAME).join("fused.gguf");
+    let arch = ("general.architecture", 8, gstr("qwen3moe"));
+    let (head, len) = gguf(
+        &[arch],
+        &[
+            ("blk.1.ffn_gate_up_exps.weight", vec![4, 8, 2], F32, 256),
+            ("blk.1.ffn_down_exps.weight", vec![4, 4, 2], F32, 128),
+            ("blk.1.attn_q.weight", vec![4, 4], F32, 64),
+        ],
+    );
+    write_sparse(&path, &head, len);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let (kind, e) = checkpoint_fault(checkpoint.expert_plan());
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    let msg = e.to_string();
+    for word in [
+        "layer 1 expert 0",
+        "no ffn_gate_exps",
+        "blk.1.ffn_gate_up_exps.weight",
+    ] {
+        assert!(msg.contains(word), "{word:?} not in {msg}");
+    }
+    let store = store();
+    let (kind, _) = checkpoint_fault(checkpoint.pack(&store));
+    assert_eq!(kind, CheckpointFault::Missing);
+    assert_eq!(store.stats().unwrap().layers, 0, "nothing packed");
+}
+
+/// A role missing from every expert (the old check only compared each expert with
+/// expert 0), and scales for some weight roles only.
+#[test]
+fn a_role_missing_from_every_expert_is_refused() {
+    const NAME: &str = "a_role_missing_from_every_expert_is_refused";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    let path = dir.join("no-up.safetensors");
+    write_f16(&path, &per_expert(&[0], 2, &["gate", "down"]));
+    let (kind, e) = checkpoint_fault(Checkpoint::open(&path).unwrap().expert_plan());
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(
+        e.to_string().contains("layer 0 expert 0 has no up_proj"),
+        "{e}"
+    );
+
+    // Every weight role, a scale for gate only.
+    let mut tensors = per_expert(&[0], 2, &["gate", "up", "down"]);
+    for e in 0..2 {
+        tensors.push((expert(0, e, "gate").replace(".weight", ".weight_scale"), 8));
+    }
+    let path = dir.join("one-scale.safetensors");
+    write_f16(&path, &tensors);
+    let (kind, e) = checkpoint_fault(Checkpoint::open(&path).unwrap().expert_plan());
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(
+        e.to_string().contains("expert 0 has no up_proj scale"),
+        "{e}"
+    );
+
+    // Complete: packs, one slot per expert with all three pieces.
+    let path = dir.join("complete.safetensors");
+    write_f16(&path, &per_expert(&[0], 2, &["gate", "up", "down"]));
+    let plan = Checkpoint::open(&path).unwrap().expert_plan().unwrap();
+    assert_eq!(plan.layers()[0].experts().len(), 2);
+    assert_eq!(plan.layers()[0].weight_bytes(), 96);
+}
+
+/// `model-00001-of-00002.safetensors` opened alone used to pack layer 0 with gate only.
+/// Alone it is refused; with its index beside it, the whole set opens; a directory
+/// without an index missing part 2 is refused; `-00001-of-00001` is whole.
+#[test]
+fn a_lone_shard_is_refused_or_opened_through_its_index() {
+    const NAME: &str = "a_lone_shard_is_refused_or_opened_through_its_index";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    let first = dir.join("model-00001-of-00002.safetensors");
+    let second = dir.join("model-00002-of-00002.safetensors");
+    write_f16(&first, &per_expert(&[0], 2, &["gate", "up"]));
+    let (kind, e) = checkpoint_fault(Checkpoint::open(&first));
+    assert_eq!(kind, CheckpointFault::Split, "{e}");
+    assert!(e.to_string().contains("part 1 of 2"), "{e}");
+    // The directory without part 2 and without an index.
+    let (kind, e) = checkpoint_fault(Checkpoint::open(&dir));
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(e.to_string().contains("part 2 of 2"), "{e}");
+
+    write_f16(&second, &per_expert(&[0], 2, &["down"]));
+    let index: String = per_expert(&[0], 2, &["gate", "up", "down"])
+        .iter()
+        .map(|(n, _)| {
+            let shard = if n.contains("down") { 2 } else { 1 };
+            format!(r#""{n}":"model-0000{shard}-of-00002.safetensors""#)
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        format!(r#"{{"weight_map":{{{index}}}}}"#),
+    )
+    .unwrap();
+    let checkpoint = Checkpoint::open(&first).unwrap();
+    assert_eq!(checkpoint.files().len(), 2);
+    let plan = checkpoint.expert_plan().unwrap();
+    assert_eq!(plan.layers()[0].weight_bytes(), 96);
+
+    let whole = scratch(&format!("{NAME}-whole")).join("model-00001-of-00001.safetensors");
+    write_f16(&whole, &per_expert(&[0], 2, &["gate", "up", "down"]));
+    assert_eq!(
+        Checkpoint::open(&whole)
+            .unwrap()
+            .expert_plan()
+            .unwrap()
+            .layers()
+            .len(),
+        1
+    );
+}
+
+/// `config.json` beside the files says which layers are MoE layers and how many experts
+/// each has: a missing layer and a short layer are named. Hostile configs give no check,
+/// quickly and without a large allocation.
+#[test]
+fn config_json_names_a_missing_moe_layer() {
+    const NAME: &str = "config_json_names_a_missing_moe_layer";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    write_f16(
+        &dir.join("model.safetensors"),
+        &per_expert(&[1, 3], 2, &["gate", "up", "down"]),
+    );
+    let config = dir.join("config.json");
+    let plan_with = |json: &str| {
+        std::fs::write(&config, json).unwrap();
+        Checkpoint::open(&dir).unwrap().expert_plan()
+    };
+    let (kind, e) = checkpoint_fault(plan_with(
+        r#"{"num_hidden_layers":4,"first_k_dense_replace":1,"n_routed_experts":2}"#,
+    ));
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(e.to_string().contains("layer 2 is a MoE layer"), "{e}");
+    let (kind, e) = checkpoint_fault(plan_with(
+        r#"{"num_hidden_layers":4,"decoder_sparse_step":2,"num_experts":3}"#,
+    ));
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(e.to_string().contains("layer 1 has 2 experts"), "{e}");
+    // Layers 1 and 3 are the MoE layers of a Qwen-style config: complete.
+    let plan =
+        plan_with(r#"{"num_hidden_layers":4,"decoder_sparse_step":2,"num_experts":2}"#).unwrap();
+    assert_eq!(plan.layers().len(), 2);
+
+    for json in [
+        r#"{"num_hidden_layers":1e30,"num_experts":2}"#,
+        r#"{"num_hidden_layers":18446744073709551615,"first_k_dense_replace":18446744073709551615,"num_experts":2}"#,
+        r#"{"num_hidden_layers":"4","num_experts":"2"}"#,
+        r#"{"num_hidden_layers":4,"num_experts":2,"moe_layer_freq":0}"#,
+        r#"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["#,
+        "\u{0}not json",
+    ] {
+        let (plan, largest) = largest_allocation_during(|| plan_with(json));
+        assert_eq!(plan.unwrap().layers().len(), 2, "{json}");
+        assert!(largest < 1 << 20, "{json}: {largest} bytes at once");
+    }
+    // Valid but huge: the walk stops at the first missing layer.
+    let (plan, largest) = largest_allocation_during(|| {
+        plan_with(
+            r#"{"num_hidden_layers":18446744073709551615,"decoder_sparse_step":2,"num_experts":2}"#,
+        )
+    });
+    let (kind, e) = checkpoint_fault(plan);
+    assert_eq!(kind, CheckpointFault::Missing, "{e}");
+    assert!(e.to_string().contains("layer 5 is a MoE layer"), "{e}");
+    assert!(largest < 1 << 20, "{largest} bytes at once");
+    // A 1 TiB sparse config.json: not read at all.
+    write_sparse(&config, b"{", 1 << 40);
+    let (plan, largest) = largest_allocation_during(|| Checkpoint::open(&dir)?.expert_plan());
+    assert_eq!(plan.unwrap().layers().len(), 2);
+    assert!(largest < 1 << 20, "{largest} bytes at once");
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Allocation bounded by bytes read, not by numbers a file claims
+
+/// A 1 TiB sparse GGUF whose header claims 2^36 key/values (then 2^35 tensor infos, then
+/// one array of 2^36 strings) used to reserve a terabyte and abort. The first entry is
+/// bad, so each is a quick error; nothing large was allocated.
+#[test]
+fn sparse_gguf_claiming_2_36_entries_reserves_nothing_for_them() {
+    const NAME: &str = "sparse_gguf_claiming_2_36_entries_reserves_nothing_for_them";
+    if !child(NAME) {
+        return;
+    }
+    let path = scratch(NAME).join("huge.gguf");
+    let header = |tensors: u64, kvs: u64, rest: &[u8]| {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&tensors.to_le_bytes());
+        out.extend_from_slice(&kvs.to_le_bytes());
+        out.extend_from_slice(rest);
+        out
+    };
+    let mut bad_kv = gstr("k");
+    bad_kv.extend_from_slice(&99u32.to_le_bytes()); // no such value type
+    let mut bad_tensor = gstr("t");
+    bad_tensor.extend_from_slice(&99u32.to_le_bytes()); // 99 dimensions
+    let mut strings = gstr("k");
+    strings.extend_from_slice(&9u32.to_le_bytes()); // array
+    strings.extend_from_slice(&8u32.to_le_bytes()); // of strings
+    strings.extend_from_slice(&(1u64 << 36).to_le_bytes());
+    strings.extend_from_slice(&u64::MAX.to_le_bytes()); // the first one absurdly long
+    let mut arrays = gstr("k");
+    arrays.extend_from_slice(&9u32.to_le_bytes());
+    arrays.extend_from_slice(&9u32.to_le_bytes()); // of arrays
+    arrays.extend_from_slice(&(1u64 << 36).to_le_bytes());
+    arrays.extend_from_slice(&99u32.to_le_bytes()); // the first of an unknown type
+    for (what, head) in [
+        ("2^36 key/values", header(0, 1 << 36, &bad_kv)),
+        ("2^35 tensors", header(1 << 35, 0, &bad_tensor)),
+        ("2^36 strings", header(0, 1, &strings)),
+        ("2^36 arrays", header(0, 1, &arrays)),
+    ] {
+        write_sparse(&path, &head, 1 << 40);
+        let (result, largest) = largest_allocation_during(|| Checkpoint::open(&path));
+        let (kind, e) = checkpoint_fault(result);
+        assert!(
+            matches!(kind, CheckpointFault::Header | CheckpointFault::Truncated),
+            "{what}: {e}"
+        );
+        assert!(largest <= 1 << 20, "{what}: {largest} bytes at once");
+    }
+}
+
+/// Merged GGUF expert tensors whose shape says 2^40 experts (a 3 TiB sparse file) used to
+/// abort while planning; 65,537 experts is one over the ceiling (a real, small file);
+/// 65,536 plans.
+#[test]
+fn merged_gguf_experts_beyond_the_ceiling_are_refused() {
+    const NAME: &str = "merged_gguf_experts_beyond_the_ceiling_are_refused";
+    if !child(NAME) {
+        return;
+    }
+    let path = scratch(NAME).join("experts.gguf");
+    let tensors = |n: u64| {
+        let (head, len) = gguf(
+            &[],
+            &[
+                ("blk.1.ffn_gate_exps.weight", vec![1, 1, n], I8, n),
+                ("blk.1.ffn_up_exps.weight", vec![1, 1, n], I8, n),
+                ("blk.1.ffn_down_exps.weight", vec![1, 1, n], I8, n),
+            ],
+        );
+        write_sparse(&path, &head, len);
+        let checkpoint = Checkpoint::open(&path).unwrap();
+        largest_allocation_during(|| checkpoint.expert_plan())
+    };
+    for n in [1u64 << 40, 65_537] {
+        let (plan, largest) = tensors(n);
+        let (kind, e) = checkpoint_fault(plan);
+        assert_eq!(kind, CheckpointFault::Shape, "{e}");
+        let Error::Checkpoint { tensor, reason, .. } = &e else {
+            unreachable!()
+        };
+        assert!(
+            tensor
+                .as_deref()
+                .is_some_and(|t| t.ends_with("_exps.weight")),
+            "{e}"
+        );
+        assert!(reason.contains(&format!("{n} experts")), "{e}");
+        assert!(reason.contains("at most 65536"), "{e}");
+        assert!(largest < 1 << 20, "{n}: {largest} bytes at once");
+    }
+    let (plan, _) = tensors(65_536);
+    let plan = plan.unwrap();
+    assert_eq!(plan.layers()[0].experts().len(), 65_536);
+    assert_eq!(plan.layers()[0].weight_bytes(), 3);
+}
+
+/// A fused safetensors expert tensor `[2^40, 1]` of U8 (a 2 TiB sparse file) used to
+/// abort while planning.
+#[test]
+fn fused_safetensors_experts_beyond_the_ceiling_are_refused() {
+    const NAME: &str = "fused_safetensors_experts_beyond_the_ceiling_are_refused";
+    if !child(NAME) {
+        return;
+    }
+    let path = scratch(NAME).join("fused.safetensors");
+    let n = 1u64 << 40;
+    write_st(
+        &path,
+        &[
+            (
+                "model.layers.0.mlp.experts.gate_up_proj",
+                "U8",
+                vec![n, 1],
+                n,
+            ),
+            ("model.layers.0.mlp.experts.down_proj", "U8", vec![n, 1], n),
+        ],
+    );
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let (plan, largest) = largest_allocation_during(|| checkpoint.expert_plan());
+    let (kind, e) = checkpoint_fault(plan);
+    assert_eq!(kind, CheckpointFault::Shape, "{e}");
+    assert!(e.to_string().contains("1099511627776 experts"), "{e}");
+    assert!(largest < 1 << 20, "{largest} bytes at once");
+}
+
+// ---------------------------------------------------------------------------------------
+// 3a. A custom naming that lies
+
+/// Expert `usize::MAX` overflowed `e + 1` (a panic in debug; in release, `Ok` with no
+/// experts). Now an error naming the tensor; so is one expert past the ceiling. Layer
+/// `usize::MAX` plans, and the store refuses to pack it, with an error.
+#[test]
+fn custom_naming_expert_usize_max_is_an_error_naming_the_tensor() {
+    const NAME: &str = "custom_naming_expert_usize_max_is_an_error_naming_the_tensor";
+    if !child(NAME) {
+        return;
+    }
+    let path = scratch(NAME).join("m.safetensors");
+    write_f16(&path, &per_expert(&[0], 2, &["gate", "up", "down"]));
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let lying = |expert: usize| {
+        Naming::Custom(CustomNaming::new("liar", move |name| {
+            let r = Naming::PerExpert.classify(name)?;
+            Some(TensorRef {
+                expert: Some(if r.expert == Some(1) { expert } else { 0 }),
+                ..r
+            })
+        }))
+    };
+    for bad in [usize::MAX, 65_536] {
+        let (kind, e) = checkpoint_fault(checkpoint.expert_plan_with(&lying(bad)));
+        assert_eq!(kind, CheckpointFault::Shape, "{e}");
+        let Error::Checkpoint { tensor, reason, .. } = &e else {
+            unreachable!()
+        };
+        assert!(
+            tensor.as_deref().is_some_and(|t| t.contains(".experts.1.")),
+            "{e}"
+        );
+        assert!(reason.contains(&format!("expert {bad}")), "{e}");
+    }
+    let top_layer = Naming::Custom(CustomNaming::new("top", |name| {
+        let r = Naming::PerExpert.classify(name)?;
+        Some(TensorRef {
+            layer: usize::MAX,
+            ..r
+        })
+    }));
+    let plan = checkpoint.expert_plan_with(&top_layer).unwrap();
+    assert_eq!(plan.layers()[0].layer(), usize::MAX);
+    assert!(checkpoint.pack_with(&store(), &top_layer).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Bounded error messages
+
+/// Every quoted file-chosen string is clipped (with its length), every list short (with
+/// its count): a 4 MiB name, dtype, key, shard or value, 10 names of 1 MiB, a shape of a
+/// million dimensions.
+#[test]
+fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
+    const NAME: &str = "errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    let big = "x".repeat(4 << 20);
+    let st = dir.join("m.safetensors");
+    let bounded = |what: &str, e: Error| {
+        let msg = e.to_string();
+        assert!(msg.len() < 3000, "{what}: a {} byte message", msg.len());
+        msg
+    };
+    let st_err = |header: String| {
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        out.resize(out.len() + 64, 0);
+        std::fs::write(&st, out).unwrap();
+        Checkpoint::open(&st).and_then(|c| c.expert_plan())
+    };
+    let cases = [
+        (
+            "name",
+            format!(r#"{{"{big}":{{"dtype":"XX","shape":[1],"data_offsets":[0,1]}}}}"#),
+        ),
+        (
+            "dtype",
+            format!(r#"{{"t":{{"dtype":"{big}","shape":[1],"data_offsets":[0,1]}}}}"#),
+        ),
+        (
+            "value",
+            format!(r#"{{"t":{{"dtype":"U8","shape":"{big}","data_offsets":[0,1]}}}}"#),
+        ),
+        ("shape", {
+            let dims = vec!["1"; 1 << 20].join(",");
+            format!(r#"{{"t":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,2]}}}}"#)
+        }),
+        ("lookalikes", {
+            let names: Vec<String> = (0..10)
+                .map(|i| {
+                    format!(
+                        r#""expert{i}{}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#,
+                        &big[..1 << 20],
+                        i + 1
+                    )
+                })
+                .collect();
+            format!("{{{}}}", names.join(","))
+        }),
+    ];
+    for (what, header) in cases {
+        let (_, e) = checkpoint_fault(st_err(header));
+        let msg = bounded(what, e);
+        assert!(msg.contains(" bytes)") || what == "shape", "{what}: {msg}");
+    }
+    // The index names a shard with a 4 MiB name.
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(&index, format!(r#"{{"weight_map":{{"t":"{big}"}}}}"#)).unwrap();
+    bounded("shard", checkpoint_fault(Checkpoint::open(&index)).1);
+    // GGUF: a 4 MiB key of an unknown type; general.alignment a 4 MiB string.
+    let gg = dir.join("m.gguf");
+    let (head, len) = gguf(&[(&big, 99, Vec::new())], &[]);
+    write_sparse(&gg, &head, len);
+    bounded("key", checkpoint_fault(Checkpoint::open(&gg)).1);
+    let (head, len) = gguf(&[("general.alignment", 8, gstr(&big))], &[]);
+    write_sparse(&gg, &head, len);
+    bounded("alignment", checkpoint_fault(Checkpoint::open(&gg)).1);
+}
