@@ -230,7 +230,7 @@ fn migrate_pages_support() -> Result<MempolicySupport> {
 fn with_probe_page(
     probe: impl FnOnce(*mut std::ffi::c_void, usize) -> std::result::Result<(), Errno>,
 ) -> std::result::Result<(), Errno> {
-    let page = crate::page_size();
+    let page = crate::page::page_size();
     // SAFETY: a fresh private page, unmapped below; nothing else refers to it.
     let ptr = unsafe {
         rustix::mm::mmap_anonymous(

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::nodeset::{Node, NodeSet};
+
 pub use rustix::io::Errno;
 
 /// Everything numapin can fail with.
@@ -123,7 +125,7 @@ pub enum Error {
         /// Bytes it needs on each node.
         needed: u64,
         /// Bytes available on each node it needs, by the figure below.
-        available: Vec<(crate::Node, u64)>,
+        available: Vec<(Node, u64)>,
         /// Which per-node figure `available` is (and why that one).
         figure: &'static str,
     },
@@ -173,7 +175,7 @@ pub enum Error {
         /// The expert asked for.
         expert: usize,
         /// The node whose slots are all held.
-        node: crate::Node,
+        node: Node,
         /// Slots per node.
         capacity: usize,
     },
@@ -197,10 +199,10 @@ pub enum Error {
         /// The operation.
         op: &'static str,
         /// The first node that is not allowed.
-        node: crate::Node,
+        node: Node,
         /// The nodes that are (boxed: a `NodeSet` is 128 bytes, and every `Result` of
         /// this crate would carry them).
-        allowed: Box<crate::NodeSet>,
+        allowed: Box<NodeSet>,
     },
     /// A kernel file (procfs, sysfs) held something this crate cannot read.
     #[error("{path}: cannot parse {what}: {found:?}")]
@@ -256,12 +258,12 @@ pub enum Error {
     },
 }
 
-fn nodes_of(available: &[(crate::Node, u64)]) -> String {
+fn nodes_of(available: &[(Node, u64)]) -> String {
     let nodes: Vec<String> = available.iter().map(|(n, _)| n.to_string()).collect();
     nodes.join(",")
 }
 
-fn short_of(available: &[(crate::Node, u64)], needed: u64) -> String {
+fn short_of(available: &[(Node, u64)], needed: u64) -> String {
     let short: Vec<String> = available
         .iter()
         .filter(|(_, free)| *free < needed)

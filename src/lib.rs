@@ -15,6 +15,8 @@ pub mod jemalloc;
 #[cfg(feature = "model")]
 pub mod model;
 mod node;
+mod nodeset;
+mod page;
 pub mod policy;
 mod probe;
 mod region;
@@ -23,9 +25,9 @@ pub mod store;
 pub mod topology;
 
 pub use error::{CheckpointFault, Errno, Error, Result};
-pub use node::{
-    KernelMask, MAX_NODES, Node, NodeContext, NodeSet, NodeSetIter, possible_node_count,
-};
+pub use node::{KernelMask, NodeContext, possible_node_count};
+pub use nodeset::{MAX_NODES, Node, NodeSet, NodeSetIter};
+pub use page::page_size;
 pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{
     MempolicySupport, Support, SyscallGroup, ThpMode, group_support, mempolicy_support,
@@ -48,9 +50,4 @@ mod docs {
     pub struct CacheDoctests;
     #[doc = include_str!("../docs/checkpoints.md")]
     pub struct CheckpointsDoctests;
-}
-
-/// The base page size, read once.
-pub fn page_size() -> usize {
-    rustix::param::page_size()
 }

@@ -41,10 +41,11 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
+use crate::page::page_size;
 use crate::policy::{MbindFlags, MemPolicy, Placement};
 use crate::region::{Advice, Region, resident_pages};
 use crate::source::{ExpertSource, Kind};
-use crate::{diag, page_size, topology};
+use crate::{diag, topology};
 
 /// The key of an entry: `(layer, expert)`.
 pub type Key = (usize, usize);

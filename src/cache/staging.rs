@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
-use crate::page_size;
+use crate::page::page_size;
 use crate::policy::{MbindFlags, MemPolicy, Placement};
 use crate::region::Region;
 

@@ -6,7 +6,7 @@ use numapin_sys as sys;
 
 use crate::calls::{MempolicySupport, NumaCall};
 use crate::error::{Errno, Error, Result};
-use crate::page_size;
+use crate::page::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
 
 /// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
@@ -246,7 +246,7 @@ mod tests {
             None => println!("NOT RUN: PROCMAP_QUERY needs Linux 6.11; the maps file served"),
         }
         // Anonymous memory has no shared file mapping.
-        let anon = crate::Region::anonymous(page_size()).unwrap();
+        let anon = crate::region::Region::anonymous(page_size()).unwrap();
         let a = anon.as_ptr() as usize;
         assert!(shared_file_mappings(a, a + page_size()).unwrap().is_empty());
         // SAFETY: unmapping the mapping made above.

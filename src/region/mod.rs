@@ -40,9 +40,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use numapin_sys as sys;
 use rustix::mm::{MapFlags, ProtFlags};
 
+use crate::diag;
 use crate::error::{Errno, Error, Result};
+use crate::page::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
-use crate::{diag, page_size};
 
 /// What backs a region.
 #[derive(Debug)]
@@ -413,7 +414,7 @@ impl Region {
         policy: &MemPolicy,
         flags: MbindFlags,
     ) -> Result<Placement> {
-        let page = crate::page_size();
+        let page = crate::page::page_size();
         if range.start > range.end
             || range.end > self.len
             || !range.start.is_multiple_of(page)
@@ -624,7 +625,7 @@ impl Region {
     /// # Errors
     /// An empty set, or `mbind`/`move_pages` fail with an errno other than
     /// `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
-    pub fn migrate(&self, to: &crate::NodeSet) -> Result<Observed<MoveReport>> {
+    pub fn migrate(&self, to: &crate::node::NodeSet) -> Result<Observed<MoveReport>> {
         let before = match self.placement()? {
             Observed::Known(h) => h,
             Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
@@ -645,7 +646,7 @@ impl Region {
     /// # Errors
     /// `move_pages` fails as a whole (`ENODEV`: the node is offline or has no memory).
     #[doc(alias = "move_pages")]
-    pub fn move_pages_to(&self, node: crate::Node) -> Result<Observed<MoveReport>> {
+    pub fn move_pages_to(&self, node: crate::node::Node) -> Result<Observed<MoveReport>> {
         // SAFETY: the whole range is our own mapping; moving keeps contents.
         unsafe { pages::move_range_to(self.as_ptr(), self.map_len(), node) }
     }

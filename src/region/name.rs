@@ -41,7 +41,7 @@ pub(crate) fn invalid_name_reason(name: &str) -> Option<String> {
 pub fn anon_vma_names_supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| {
-        Region::anonymous(crate::page_size())
+        Region::anonymous(crate::page::page_size())
             .and_then(|scratch| scratch.set_name("numapin probe"))
             .unwrap_or(false)
     })
@@ -129,7 +129,7 @@ mod tests {
             let why = invalid_name_reason(bad);
             assert!(why.is_some(), "{bad:?}");
         }
-        let region = Region::anonymous(crate::page_size()).unwrap();
+        let region = Region::anonymous(crate::page::page_size()).unwrap();
         for bad in ["[anon]".to_string(), "x".repeat(80), "x".repeat(4 << 20)] {
             let e = region.set_name(&bad).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
@@ -139,7 +139,7 @@ mod tests {
 
     #[test]
     fn the_answer_matches_the_probe_and_the_kernel_config() {
-        let region = Region::anonymous(crate::page_size()).unwrap();
+        let region = Region::anonymous(crate::page::page_size()).unwrap();
         let named = region.set_name("numapin unit test").unwrap();
         assert_eq!(named, anon_vma_names_supported());
         let (start, end) = (region.as_ptr() as usize, region.as_ptr() as usize + 4096);

@@ -10,7 +10,7 @@ use crate::calls::degrade_or_error;
 use crate::calls::{MempolicySupport, NumaCall};
 use crate::diag;
 use crate::error::{Errno, Error, Result};
-use crate::page_size;
+use crate::page::page_size;
 use crate::policy::{DegradeReason, Observed};
 
 /// Where the counts of a [`NodeHistogram`] come from.
@@ -55,7 +55,7 @@ impl std::fmt::Display for PagesSource {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeHistogram {
     /// Present pages per node.
-    pub pages: BTreeMap<crate::Node, usize>,
+    pub pages: BTreeMap<crate::node::Node, usize>,
     /// Pages never touched or released (`-ENOENT`; `-EFAULT` for a page without a page
     /// table or backed by the shared zero page, as older kernels report them; from
     /// `numa_maps`: the range's pages not counted on any node).
@@ -77,7 +77,7 @@ impl NodeHistogram {
     }
 
     /// Present pages on `node`.
-    pub fn on(&self, node: crate::Node) -> usize {
+    pub fn on(&self, node: crate::node::Node) -> usize {
         self.pages.get(&node).copied().unwrap_or(0)
     }
 }
@@ -108,7 +108,12 @@ pub(crate) unsafe fn page_histogram_sampled(
     // SAFETY: forwarded from the caller; a query moves nothing.
     let outcome = unsafe {
         for_each_page_status(start, len, step, None, |s| match s {
-            s if s >= 0 => *histogram.pages.entry(crate::Node(s as u16)).or_default() += 1,
+            s if s >= 0 => {
+                *histogram
+                    .pages
+                    .entry(crate::node::Node(s as u16))
+                    .or_default() += 1
+            }
             s if is_not_present(s) => histogram.not_present += 1,
             _ => histogram.other += 1,
         })?
@@ -265,7 +270,7 @@ unsafe fn for_each_page_status(
     start: *mut u8,
     len: usize,
     step: usize,
-    target: Option<crate::Node>,
+    target: Option<crate::node::Node>,
     mut per_page: impl FnMut(i32),
 ) -> Result<Option<DegradeReason>> {
     const CHUNK: usize = 1024;
@@ -323,7 +328,7 @@ unsafe fn for_each_page_status(
 /// `start` is not page-aligned (`EINVAL`) or part of the range is unmapped (`ENOMEM`);
 /// the error names the whole range and the window that failed.
 pub fn resident_pages(start: usize, len: usize) -> Result<usize> {
-    let page = crate::page_size();
+    let page = crate::page::page_size();
     let end = start
         .checked_add(len)
         .and_then(|end| end.checked_next_multiple_of(page));
@@ -403,7 +408,7 @@ impl MoveReport {
 pub(crate) unsafe fn move_range_to(
     start: *mut u8,
     len: usize,
-    node: crate::Node,
+    node: crate::node::Node,
 ) -> Result<Observed<MoveReport>> {
     // SAFETY: forwarded from the caller.
     let before = match unsafe { page_histogram(start, len)? } {
@@ -432,7 +437,7 @@ pub(crate) unsafe fn move_range_to(
 pub(crate) fn report_against(
     before: &NodeHistogram,
     after: &NodeHistogram,
-    to: &crate::NodeSet,
+    to: &crate::node::NodeSet,
 ) -> MoveReport {
     let on = |h: &NodeHistogram| {
         h.pages
@@ -468,8 +473,8 @@ pub(crate) fn report_against(
 #[doc(alias = "migrate_pages")]
 pub fn migrate_process(
     pid: i32,
-    from: &crate::NodeSet,
-    to: &crate::NodeSet,
+    from: &crate::node::NodeSet,
+    to: &crate::node::NodeSet,
 ) -> Result<Observed<usize>> {
     const OP: &str = "migrate_pages";
     if from.is_empty() || to.is_empty() {
@@ -489,12 +494,12 @@ pub fn migrate_process(
         ));
     }
     // Both masks sized alike: the kernel reads the same maxnode for both.
-    let possible = crate::possible_node_count()
+    let possible = crate::node::possible_node_count()
         .max(from.last().map_or(0, |n| n.index() + 1))
         .max(to.last().map_or(0, |n| n.index() + 1));
     let (old, new) = (
-        crate::KernelMask::new(from, possible),
-        crate::KernelMask::new(to, possible),
+        crate::node::KernelMask::new(from, possible),
+        crate::node::KernelMask::new(to, possible),
     );
     // SAFETY: both masks hold `maxnode / 64` words.
     let result = unsafe {
@@ -552,7 +557,7 @@ fn same_user(pid: i32) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Region;
+    use crate::region::Region;
 
     #[test]
     fn numa_maps_never_attributes_a_mapping_that_reaches_past_the_range() {

@@ -9,7 +9,7 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use super::{Backing, Region, round_len};
 use crate::error::{Errno, Error, Result};
-use crate::page_size;
+use crate::page::page_size;
 
 /// A hugetlbfs page size for [`Region::memfd_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -170,7 +170,7 @@ impl<'a> Reader<'a> {
             });
         match align {
             None => Scratch::default(),
-            Some((mem, offset)) => Scratch::new(mem.max(crate::page_size()), offset),
+            Some((mem, offset)) => Scratch::new(mem.max(crate::page::page_size()), offset),
         }
     }
 

@@ -71,7 +71,7 @@ impl SlotAlign {
     /// # Errors
     /// [`SlotAlign::Bytes`] that is not a power of two at least the page size.
     pub fn bytes(self) -> Result<usize> {
-        let page = crate::page_size();
+        let page = crate::page::page_size();
         match self {
             SlotAlign::Page => Ok(page),
             SlotAlign::HugePage => Ok(arena::HUGE_PAGE),

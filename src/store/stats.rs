@@ -95,7 +95,7 @@ impl PinStore {
             .collect();
         let total_pages: usize = spans
             .iter()
-            .map(|(a, b)| (b - a) / crate::page_size())
+            .map(|(a, b)| (b - a) / crate::page::page_size())
             .sum();
         let mut sample_step = total_pages.div_ceil(PAGE_SAMPLE).max(1);
         let mut pages_per_node = BTreeMap::new();

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 
 /// The modules of `src/`, bottom up. A module may name the modules of lower layers only.
 pub const LAYERS: &[&[&str]] = &[
-    &["error", "page"],
+    &["nodeset", "page"],
+    &["error"],
     &["node", "capability", "jemalloc"],
     &["calls", "diag", "topology"],
     &["policy"],
@@ -119,34 +120,45 @@ fn module_of(rel: &Path) -> Option<String> {
     (name != "lib").then_some(name)
 }
 
-/// The root holds modules and re-exports only.
+/// The root holds modules and re-exports only (a `#[cfg(doctest)]` item, with whatever
+/// its braces hold, aside).
 fn check_root(shown: &str, code: &str) -> Vec<String> {
+    const ITEMS: [&str; 13] = [
+        "fn ",
+        "pub fn ",
+        "pub(crate) fn ",
+        "struct ",
+        "pub struct ",
+        "enum ",
+        "pub enum ",
+        "static ",
+        "pub static ",
+        "impl ",
+        "impl<",
+        "const ",
+        "pub const ",
+    ];
     let mut problems = Vec::new();
-    let mut doctest = false;
+    let (mut doctest, mut depth) = (false, 0i64);
     for (i, line) in code.lines().enumerate() {
         let t = line.trim_start();
+        if depth > 0 {
+            depth += brace_balance(t);
+            continue;
+        }
         if t.starts_with("#[cfg(doctest)]") {
             doctest = true;
             continue;
         }
-        let item = [
-            "fn ",
-            "pub fn ",
-            "pub(crate) fn ",
-            "struct ",
-            "pub struct ",
-            "enum ",
-            "pub enum ",
-            "static ",
-            "pub static ",
-            "impl ",
-            "impl<",
-            "const ",
-            "pub const ",
-        ]
-        .iter()
-        .any(|k| t.starts_with(k));
-        if item && !doctest {
+        if t.starts_with("#[") || t.is_empty() {
+            continue;
+        }
+        if doctest {
+            depth = brace_balance(t).max(0);
+            doctest = false;
+            continue;
+        }
+        if ITEMS.iter().any(|k| t.starts_with(k)) {
             problems.push(format!(
                 "{shown}:{}: the root defines an item (`{}`): lib.rs holds modules and \
                  re-exports only",
@@ -154,11 +166,18 @@ fn check_root(shown: &str, code: &str) -> Vec<String> {
                 t.chars().take(40).collect::<String>()
             ));
         }
-        if !t.starts_with("#[") && !t.is_empty() {
-            doctest = false;
-        }
     }
     problems
+}
+
+fn brace_balance(line: &str) -> i64 {
+    line.bytes()
+        .map(|b| match b {
+            b'{' => 1,
+            b'}' => -1,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The source with comments and the contents of string and char literals blanked (line
@@ -396,5 +415,15 @@ mod tests {
         let paths: Vec<String> = crate_paths(&code).into_iter().map(|(_, p)| p).collect();
         assert_eq!(paths, ["diag", "page", "region", "Node"]);
         assert_eq!(libc_calls(&code), [(6, "ioctl".to_string())]);
+    }
+
+    #[test]
+    fn the_root_may_hold_modules_re_exports_and_doctest_items_only() {
+        let root = "mod a;\npub use a::B;\n#[cfg(doctest)]\nmod docs {\n    pub struct D;\n}\n\
+                    pub fn page_size() -> usize {\n    4096\n}\nstruct S;\n";
+        let problems = check_root("src/lib.rs", root);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].starts_with("src/lib.rs:7:"), "{problems:?}");
+        assert!(problems[1].starts_with("src/lib.rs:10:"), "{problems:?}");
     }
 }

@@ -1,7 +1,9 @@
 //! `cargo xtask <task>`: the project's build and test tasks, in plain Rust.
 //!
-//! - `test`: the checkpoint fixtures, the host suite, then `test-container`, then
-//!   `test-numa`.
+//! - `test`: `check-layers`, the checkpoint fixtures, the host suite, then
+//!   `test-container`, then `test-numa`.
+//! - `check-layers`: the import graph points down a declared list of layers; every
+//!   syscall is in `sys/`.
 //! - `fixtures`: checkpoint fixtures written by the official safetensors and gguf-py
 //!   writers into `target/fixtures` (tests read them through `NUMAPIN_FIXTURES`).
 //! - `test-container`: every test binary in unshared user/mount/pid namespaces, plain and
@@ -31,7 +33,8 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask <task>
-  test              fixtures, host tests, then test-container, then test-numa
+  test              check-layers, fixtures, host tests, then test-container, then
+                    test-numa
   fixtures          checkpoint fixtures (safetensors, GGUF) into target/fixtures, written
                     by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
@@ -48,6 +51,7 @@ fn try_main() -> Result<(), String> {
     let rest = args.get(1..).unwrap_or(&[]);
     match args.first().map(String::as_str) {
         Some("test") => {
+            layering::run()?;
             fixtures::run_fixtures()?;
             test_host()?;
             container::run(&[])?;
