@@ -171,7 +171,8 @@ pub(crate) unsafe fn mbind_checked(
     mode_flags: ModeFlags,
     flags: MbindFlags,
 ) -> Result<Placement> {
-    policy.validate_here()?;
+    crate::policy::check_policy_call("mbind", policy, mode_flags)?;
+    crate::policy::check_mbind_flags(flags)?;
     // Only where the call can run: a profile's denial or a kernel without NUMA degrades
     // whatever the capabilities.
     if flags.contains(MbindFlags::MOVE_ALL)

@@ -568,11 +568,15 @@ impl Region {
     /// An empty set, or `mbind`/`move_pages` fail with an errno other than
     /// `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
     pub fn migrate(&self, to: &crate::NodeSet) -> Result<Observed<MoveReport>> {
+        // Checked before the placement query, which degrades where the page calls are
+        // denied: an invalid target is an error in every environment.
+        let policy = MemPolicy::Bind(*to);
+        crate::policy::check_policy_call("mbind", &policy, ModeFlags::empty())?;
         let before = match self.placement()? {
             Observed::Known(h) => h,
             Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
         };
-        if let Placement::Degraded(reason) = self.bind(&MemPolicy::Bind(*to), MbindFlags::MOVE)? {
+        if let Placement::Degraded(reason) = self.bind(&policy, MbindFlags::MOVE)? {
             return Ok(Observed::Degraded(reason));
         }
         Ok(match self.placement()? {
@@ -586,7 +590,10 @@ impl Region {
     /// counted by the kernel's reason.
     ///
     /// # Errors
-    /// `move_pages` fails as a whole (`ENODEV`: the node is offline or has no memory).
+    /// A node id this machine cannot have, or [`Error::NodeNotAllowed`] for a node this
+    /// process may not allocate on (offline, no memory, outside its cpuset: the kernel's
+    /// `ENODEV`/`EACCES`), checked before the call in every environment; or `move_pages`
+    /// fails as a whole.
     #[doc(alias = "move_pages")]
     pub fn move_pages_to(&self, node: crate::Node) -> Result<Observed<MoveReport>> {
         // SAFETY: the whole range is our own mapping; moving keeps contents.
