@@ -240,6 +240,26 @@ fn migrate_process_with_nodes_that_do_not_exist_is_an_error_everywhere() {
     }
 }
 
+/// `StagingPool::bound` to a node that does not exist: refused naming it. Before, an id
+/// past `MAX_NODES` (4096) fell out of the one-node set, which was then refused as an
+/// empty `bind` policy; 5 and 1023 came back `Degraded` where `mbind` is denied.
+#[test]
+fn staging_bound_to_a_node_that_does_not_exist_is_an_error_everywhere() {
+    for node in missing_nodes().into_iter().chain([Node(4096)]) {
+        let want = (
+            "StagingPool::new",
+            format!(
+                "node: node {node} does not exist on this machine, whose kernel has {}",
+                machine()
+            ),
+        );
+        assert_eq!(
+            invalid(numapin::cache::StagingPool::bound(2, 4096, node)),
+            want
+        );
+    }
+}
+
 /// A node that exists but that this process may not allocate on (the VM's memoryless
 /// node 3; a node outside the cpuset): `NodeNotAllowed` before the call, for a policy
 /// naming only such nodes, `move_pages_to` it, and `migrate_process` to it alone. Where

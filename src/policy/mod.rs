@@ -17,7 +17,8 @@ use crate::calls::{NumaCall, degrade_or_error};
 use crate::error::{Errno, Error, Result};
 use crate::node::{KernelMask, Node, NodeContext, NodeSet, possible_node_count};
 pub(crate) use check::{
-    check_mbind_flags, check_migrate_nodes, check_move_target, check_policy_call, not_allowed,
+    check_exist, check_mbind_flags, check_migrate_nodes, check_move_target, check_policy_call,
+    not_allowed,
 };
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
@@ -306,7 +307,9 @@ unsafe fn get_policy(
 /// page faults in memory without a range policy.
 ///
 /// # Errors
-/// An empty set for a node-set policy (checked first), or any errno but `EPERM`/`ENOSYS`
+/// Checked first, in every environment: an empty set for a node-set policy, a node this
+/// machine cannot have, mode flags the kernel refuses, a policy with no node this process
+/// may allocate on ([`Error::NodeNotAllowed`]). Then any errno but `EPERM`/`ENOSYS`
 /// (which give [`Placement::Degraded`]).
 #[doc(alias = "set_mempolicy")]
 pub fn set_thread_policy(policy: &MemPolicy) -> Result<Placement> {

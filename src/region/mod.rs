@@ -314,7 +314,11 @@ impl Region {
     /// # Errors
     /// The region is a shared file mapping (the page cache ignores VMA policy), the policy
     /// has an empty node set, `MOVE_ALL` without `CAP_SYS_NICE` (`EPERM`), or any errno
-    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]). Checked before the call,
+    /// so in every environment (never `Degraded`): `flags` or mode flags with bits the
+    /// kernel refuses, a node this machine cannot have (the error names it and the
+    /// machine's nodes), or a policy with no node this process may allocate on
+    /// ([`Error::NodeNotAllowed`]).
     #[doc(alias = "mbind")]
     pub fn bind(&self, policy: &MemPolicy, flags: MbindFlags) -> Result<Placement> {
         self.bind_with(policy, ModeFlags::empty(), flags)
@@ -565,8 +569,9 @@ impl Region {
     /// `numa_maps` where the page calls are denied: `mbind` still moves there).
     ///
     /// # Errors
-    /// An empty set, or `mbind`/`move_pages` fail with an errno other than
-    /// `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+    /// An empty set, or a target [`Region::bind`] refuses before the call (in every
+    /// environment, before placement is asked), or `mbind`/`move_pages` fail with an
+    /// errno other than `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
     pub fn migrate(&self, to: &crate::NodeSet) -> Result<Observed<MoveReport>> {
         // Checked before the placement query, which degrades where the page calls are
         // denied: an invalid target is an error in every environment.
