@@ -167,11 +167,15 @@ fn migrate_and_move_pages_report_what_moved() {
         (e, other) => panic!("{e:?}: {other:?}"),
     }
     assert!(r.as_slice()[..32 * page()].iter().all(|&b| b == 5));
-    // An invalid target node is an error everywhere the call runs.
-    if expect_pages() == Expect::Full {
-        let missing = numapin::Node(numapin::possible_node_count() as u16 + 5);
-        assert!(r.move_pages_to(missing).is_err());
-    }
+    // An invalid target node is an error in every environment (checked before the call).
+    let missing = numapin::Node(numapin::possible_node_count() as u16 + 5);
+    assert!(matches!(
+        r.move_pages_to(missing),
+        Err(Error::InvalidArgument {
+            op: "move_pages",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -205,29 +209,42 @@ fn capability_checks_name_cap_sys_nice() {
             Observed::Known(left) => assert_eq!((expect_pages(), left), (Expect::Full, 0)),
             Observed::Degraded(reason) => assert_eq!(Some(reason), degrade_pages_here()),
         }
-        // Nodes outside the cpuset do: the kernel's EPERM where the probe passed is that
-        // capability, named; where a profile denies the call it degrades.
-        let outside: NodeSet = std::iter::once(numapin::Node(
-            nodes
-                .last()
-                .map_or(0, |n| n.0 + 1)
-                .max(numapin::possible_node_count() as u16),
-        ))
-        .collect();
-        match (
-            expect_pages(),
-            numapin::migrate_process(0, &nodes, &outside),
-        ) {
-            (
-                Expect::Full,
-                Err(Error::MissingCapability {
-                    op: "migrate_pages",
-                    cap: "CAP_SYS_NICE",
-                    ..
-                }),
-            ) => {}
-            (Expect::Full, other) => panic!("{other:?}"),
-            (_, other) => assert_eq!(other.ok(), degrade_pages_here().map(Observed::Degraded)),
+        // A node that does not exist is no missing capability (CAP_SYS_NICE would not
+        // make it exist): refused naming it, before the call, in every environment.
+        let missing = numapin::Node(numapin::possible_node_count() as u16);
+        let outside: NodeSet = std::iter::once(missing).collect();
+        match numapin::migrate_process(0, &nodes, &outside) {
+            Err(Error::InvalidArgument {
+                op: "migrate_pages",
+                reason,
+            }) => assert!(
+                reason.contains(&format!("node {missing} does not exist")),
+                "{reason}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Target nodes outside the cpuset but with some inside do need it: the kernel's
+        // EPERM where the probe passed is that capability, named; where a profile denies
+        // the call it degrades. Only where such a node exists (an allowed set smaller
+        // than the nodes with memory).
+        let support = numapin::probe().unwrap();
+        if let Some(other) = support.nodes_with_memory.difference(&nodes).iter().next() {
+            let mut wider = nodes;
+            wider.insert(other);
+            match (expect_pages(), numapin::migrate_process(0, &nodes, &wider)) {
+                (
+                    Expect::Full,
+                    Err(Error::MissingCapability {
+                        op: "migrate_pages",
+                        cap: "CAP_SYS_NICE",
+                        ..
+                    }),
+                ) => {}
+                (Expect::Full, other) => panic!("{other:?}"),
+                (_, other) => {
+                    assert_eq!(other.ok(), degrade_pages_here().map(Observed::Degraded))
+                }
+            }
         }
         // Nor does a nonexistent process get past the checks.
         assert!(numapin::migrate_process(i32::MAX, &nodes, &nodes).is_err());

@@ -205,3 +205,64 @@ fn a_slow_hook_does_not_stop_the_load() {
     }
     assert_eq!(store.weights(0, 0).unwrap().len(), WEIGHTS);
 }
+
+/// A panic payload whose `Drop` panics in turn, with a payload of the same kind one
+/// level shallower: dropping `Bomb(2)` panics with `Bomb(1)`, whose drop panics with
+/// `Bomb(0)`, which drops quietly. Every drop is counted.
+struct Bomb {
+    depth: u32,
+    drops: Arc<AtomicUsize>,
+}
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        self.drops.fetch_add(1, Ordering::Relaxed);
+        if self.depth > 0 {
+            std::panic::panic_any(Bomb {
+                depth: self.depth - 1,
+                drops: self.drops.clone(),
+            });
+        }
+    }
+}
+
+/// Issue 19 §3b: a hook that panics with a payload whose drop panics. Before the fix the
+/// payload was dropped outside `catch_unwind`, so its panic escaped `pack_layer` (from the
+/// caller's thread with one loader, through the thread scope with three), and `panicked()`
+/// stayed false, so the next pack called the hook (and panicked) again.
+#[test]
+fn a_hook_whose_panic_payload_panics_on_drop_is_contained() {
+    for (threads, depth) in [(1, 1), (3, 1), (1, 2), (3, 2)] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (counter, payload_drops) = (calls.clone(), drops.clone());
+        let hook = ProgressHook::new(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            std::panic::panic_any(Bomb {
+                depth,
+                drops: payload_drops.clone(),
+            });
+        });
+        let store = store(hook.clone(), threads);
+        let data0 = data(0);
+        let report = store.pack_layer(0, &spec(), &sources(&data0)).unwrap();
+        assert_eq!(report.experts, EXPERTS);
+        assert!(hook.panicked(), "threads {threads} depth {depth}");
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        // The payload was dropped once; the payload its drop panicked with is forgotten.
+        assert_eq!(drops.load(Ordering::Relaxed), 1, "depth {depth}");
+        // The next pack, in this store or another, does not call the hook again.
+        let data1 = data(1);
+        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        let other = self::store(hook.clone(), threads);
+        other.pack_layer(0, &spec(), &sources(&data1)).unwrap();
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
+        for (layer, data) in [(0, &data0), (1, &data1)] {
+            for (e, (w, s)) in data.iter().enumerate() {
+                assert_eq!(store.weights(layer, e).unwrap(), &w[..]);
+                assert_eq!(store.scales(layer, e).unwrap(), &s[..]);
+            }
+        }
+    }
+}

@@ -66,8 +66,9 @@ impl StagingPool {
     /// unplaced).
     ///
     /// # Errors
-    /// As [`StagingPool::new`], or `mbind` fails with an errno other than
-    /// `EPERM`/`ENOSYS`.
+    /// As [`StagingPool::new`]; a node this machine cannot have, or one this process may
+    /// not allocate on ([`Error::NodeNotAllowed`]), checked before the call in every
+    /// environment; or `mbind` fails with an errno other than `EPERM`/`ENOSYS`.
     pub fn bound(buffers: usize, buffer_bytes: usize, node: Node) -> Result<StagingPool> {
         Self::build(buffers, buffer_bytes, Some(node))
     }
@@ -89,6 +90,9 @@ impl StagingPool {
         let region = Region::anonymous(len)?;
         let placement = match node {
             Some(node) => {
+                // The node itself first: a `NodeSet` cannot hold an id past MAX_NODES, and
+                // the empty set left would be refused as an empty policy.
+                crate::policy::check_exist(OP, "node", [node])?;
                 let mut set = NodeSet::new();
                 set.insert(node);
                 Some(region.bind(&MemPolicy::Bind(set), MbindFlags::empty())?)

@@ -21,6 +21,8 @@ use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
 /// # Errors
 /// `ptr` is not page-aligned, `len` overflows, the range is a shared mapping of a regular
 /// file (placed by the page cache, which ignores the policy), the policy has an empty set,
+/// anything [`crate::Region::bind`] refuses before the call (unknown flag bits, nodes that
+/// cannot exist or that this process may not use; in every environment),
 /// [`Error::MissingCapability`] for `MOVE_ALL` without `CAP_SYS_NICE`, or `mbind` fails
 /// with an errno other than `EPERM`/`ENOSYS` where the probe found the policy calls
 /// denied or unsupported (those give [`Placement::Degraded`]).
@@ -169,7 +171,8 @@ pub(crate) unsafe fn mbind_checked(
     mode_flags: ModeFlags,
     flags: MbindFlags,
 ) -> Result<Placement> {
-    policy.validate_here()?;
+    crate::policy::check_policy_call("mbind", policy, mode_flags)?;
+    crate::policy::check_mbind_flags(flags)?;
     // Only where the call can run: a profile's denial or a kernel without NUMA degrades
     // whatever the capabilities.
     if flags.contains(MbindFlags::MOVE_ALL)

@@ -372,7 +372,11 @@ impl Region {
     /// # Errors
     /// The region is a shared file mapping (the page cache ignores VMA policy), the policy
     /// has an empty node set, `MOVE_ALL` without `CAP_SYS_NICE` (`EPERM`), or any errno
-    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]).
+    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]). Checked before the call,
+    /// so in every environment (never `Degraded`): `flags` or mode flags with bits the
+    /// kernel refuses, a node this machine cannot have (the error names it and the
+    /// machine's nodes), or a policy with no node this process may allocate on
+    /// ([`Error::NodeNotAllowed`]).
     #[doc(alias = "mbind")]
     pub fn bind(&self, policy: &MemPolicy, flags: MbindFlags) -> Result<Placement> {
         self.bind_with(policy, ModeFlags::empty(), flags)
@@ -623,14 +627,19 @@ impl Region {
     /// `numa_maps` where the page calls are denied: `mbind` still moves there).
     ///
     /// # Errors
-    /// An empty set, or `mbind`/`move_pages` fail with an errno other than
-    /// `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
+    /// An empty set, or a target [`Region::bind`] refuses before the call (in every
+    /// environment, before placement is asked), or `mbind`/`move_pages` fail with an
+    /// errno other than `EPERM`/`ENOSYS` (which give [`Observed::Degraded`]).
     pub fn migrate(&self, to: &crate::node::NodeSet) -> Result<Observed<MoveReport>> {
+        // Checked before the placement query, which degrades where the page calls are
+        // denied: an invalid target is an error in every environment.
+        let policy = MemPolicy::Bind(*to);
+        crate::policy::check_policy_call("mbind", &policy, ModeFlags::empty())?;
         let before = match self.placement()? {
             Observed::Known(h) => h,
             Observed::Degraded(reason) => return Ok(Observed::Degraded(reason)),
         };
-        if let Placement::Degraded(reason) = self.bind(&MemPolicy::Bind(*to), MbindFlags::MOVE)? {
+        if let Placement::Degraded(reason) = self.bind(&policy, MbindFlags::MOVE)? {
             return Ok(Observed::Degraded(reason));
         }
         Ok(match self.placement()? {
@@ -644,7 +653,10 @@ impl Region {
     /// counted by the kernel's reason.
     ///
     /// # Errors
-    /// `move_pages` fails as a whole (`ENODEV`: the node is offline or has no memory).
+    /// A node id this machine cannot have, or [`Error::NodeNotAllowed`] for a node this
+    /// process may not allocate on (offline, no memory, outside its cpuset: the kernel's
+    /// `ENODEV`/`EACCES`), checked before the call in every environment; or `move_pages`
+    /// fails as a whole.
     #[doc(alias = "move_pages")]
     pub fn move_pages_to(&self, node: crate::node::Node) -> Result<Observed<MoveReport>> {
         // SAFETY: the whole range is our own mapping; moving keeps contents.

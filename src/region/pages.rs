@@ -410,6 +410,9 @@ pub(crate) unsafe fn move_range_to(
     len: usize,
     node: crate::node::Node,
 ) -> Result<Observed<MoveReport>> {
+    // Before anything is asked: a target the kernel would refuse (`ENODEV`, `EACCES`) is
+    // an error here too where the call is denied or unsupported.
+    crate::policy::check_move_target("move_pages", node)?;
     // SAFETY: forwarded from the caller.
     let before = match unsafe { page_histogram(start, len)? } {
         Observed::Known(h) => h.on(node),
@@ -463,10 +466,14 @@ pub(crate) fn report_against(
 ///
 /// Moving another process's pages needs `CAP_SYS_NICE` unless its user ids match ours;
 /// that is checked first and named in the error. So do target nodes outside the
-/// process's cpuset (the kernel's check, answered with `EPERM`).
+/// process's cpuset (the kernel's check, answered with `EPERM`), when some of them are
+/// nodes this process may allocate on (the kernel keeps only those).
 ///
 /// # Errors
-/// Empty node sets, [`Error::MissingCapability`], no such process (`ESRCH`), or any errno
+/// Empty node sets; a node id this machine cannot have (an error naming it and the
+/// machine's nodes); a target set with no node this process may allocate on
+/// ([`Error::NodeNotAllowed`]) — both checked before the call, in every environment;
+/// [`Error::MissingCapability`], no such process (`ESRCH`), or any errno
 /// but `EPERM`/`ENOSYS` where the probe found `migrate_pages` denied or unsupported
 /// (those give [`Observed::Degraded`]: Docker's default profile denies it even with
 /// `--cap-add SYS_NICE`).
@@ -483,6 +490,11 @@ pub fn migrate_process(
             format!("from {{{from}}} and to {{{to}}} must both name nodes"),
         ));
     }
+    // Nodes that cannot exist, or a target set with no node this process may allocate
+    // on, are errors before the call: in every environment, and never a missing
+    // capability (with CAP_SYS_NICE the kernel still keeps only the caller's allowed
+    // nodes, and refuses an empty remainder with EINVAL).
+    crate::policy::check_migrate_nodes(OP, from, to)?;
     let own = pid == 0 || pid == rustix::process::getpid().as_raw_nonzero().get();
     let available = NumaCall::MigratePages.support()? == MempolicySupport::Available;
     // Read the target's ids first: a missing process is ESRCH in every environment.

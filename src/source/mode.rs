@@ -39,7 +39,9 @@ pub enum ReadMode {
     /// in aligned windows into a per-thread bounce buffer and copied. Falls back to
     /// [`ReadMode::Buffered`], with a [`ReadFallback`], where the file system reports no
     /// direct-I/O alignment (tmpfs, ramfs), the `O_DIRECT` open answers `EINVAL`, or
-    /// `/proc/self/fd` is missing.
+    /// `/proc/self/fd` is missing. A descriptor that cannot be read through (opened
+    /// write-only, or `O_PATH`) is not reopened: its reads fail with the same `EBADF`
+    /// error as in the other modes.
     Direct,
     /// `pread` through the page cache, then `POSIX_FADV_DONTNEED` on what was read so far
     /// (rounded out to 2 MiB) after every [`DROP_BEHIND_EVERY`] bytes read from a file,

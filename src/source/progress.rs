@@ -6,8 +6,10 @@
 //! other one's next report covers its bytes. A slow hook therefore holds up at most the
 //! one loader that is calling it (all of the load when there is one loader thread), never
 //! the others. Each call runs under `catch_unwind`; after a panic the hook is not called
-//! again (it is marked in the hook, so no store calls it) and loading goes on.
+//! again (it is marked in the hook, so no store calls it) and loading goes on. The panic's
+//! payload is dropped under `catch_unwind` too (its `Drop` is the caller's code).
 
+use std::any::Any;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -187,8 +189,19 @@ impl<'h> Meter<'h> {
             slots_total: self.slots_total,
         };
         // The hook sees only `&Progress`; a panic leaves nothing of ours half-updated.
-        if catch_unwind(AssertUnwindSafe(|| (self.hook.0.call)(&progress))).is_err() {
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| (self.hook.0.call)(&progress))) {
             self.hook.0.panicked.store(true, Ordering::Relaxed);
+            drop_payload(payload);
         }
+    }
+}
+
+/// Drops a caught panic's payload without letting it unwind into the loader: the payload
+/// is the caller's value, and its `Drop` is the caller's code, which may panic too. That
+/// second panic is caught here, and its payload is forgotten rather than dropped (it could
+/// panic again, without end): a leak of one box, once per hook.
+fn drop_payload(payload: Box<dyn Any + Send>) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
     }
 }

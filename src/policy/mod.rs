@@ -5,6 +5,8 @@
 //! The thread-policy calls pass a mask this module sized itself; they change no memory.
 #![allow(unsafe_code)]
 
+mod check;
+
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -13,7 +15,11 @@ use numapin_sys as sys;
 pub use crate::calls::DegradeReason;
 use crate::calls::{NumaCall, degrade_or_error};
 use crate::error::{Errno, Error, Result};
-use crate::node::{KernelMask, MAX_NODES, Node, NodeContext, NodeSet, possible_node_count};
+use crate::node::{KernelMask, Node, NodeContext, NodeSet, possible_node_count};
+pub(crate) use check::{
+    check_exist, check_mbind_flags, check_migrate_nodes, check_move_target, check_policy_call,
+    not_allowed,
+};
 
 /// A memory policy: where future page faults of a range (or a thread) allocate.
 ///
@@ -78,32 +84,6 @@ bitflags::bitflags! {
         const MOVE_ALL = sys::MPOL_MF_MOVE_ALL;
         const _ = !0;
     }
-}
-
-/// What an `EINVAL` from `mbind`/`set_mempolicy` meant, when it is this: a node-set
-/// policy none of whose nodes this process may allocate on (outside `mems_allowed`, or
-/// without memory, like the VM's memoryless node 3). Mode flags that reinterpret the set
-/// (`STATIC_NODES`, `RELATIVE_NODES`) are left to the kernel's answer.
-pub(crate) fn not_allowed(op: &'static str, policy: &MemPolicy, flags: ModeFlags) -> Option<Error> {
-    if flags.intersects(ModeFlags::STATIC_NODES | ModeFlags::RELATIVE_NODES) {
-        return None;
-    }
-    let (MemPolicy::Bind(set)
-    | MemPolicy::Interleave(set)
-    | MemPolicy::WeightedInterleave(set)
-    | MemPolicy::PreferredMany(set)) = policy
-    else {
-        return None;
-    };
-    let allowed = NodeSet::allowed().ok()?;
-    if !set.intersection(&allowed).is_empty() {
-        return None;
-    }
-    Some(Error::NodeNotAllowed {
-        op,
-        node: set.iter().next()?,
-        allowed: Box::new(allowed),
-    })
 }
 
 /// The outcome of setting a policy.
@@ -193,73 +173,6 @@ impl MemPolicy {
             | MemPolicy::Interleave(s)
             | MemPolicy::WeightedInterleave(s) => *s,
         }
-    }
-
-    /// Checks the policy's shape, whatever machine it runs on: what the kernel would
-    /// reject with a bare `EINVAL` (or, worse, silently reinterpret), naming the node.
-    /// [`MemPolicy::validate_here`] also checks the node ids against this machine.
-    ///
-    /// # Errors
-    /// A node-set policy with an empty set, or a node id at or beyond [`MAX_NODES`]
-    /// (`Preferred(Node(1024))` would otherwise become an empty mask, which the kernel
-    /// reads as local allocation).
-    ///
-    /// # Example
-    /// ```
-    /// use numapin::{MemPolicy, Node};
-    /// assert!(MemPolicy::Preferred(Node(4096)).validate().is_err());
-    /// assert!(MemPolicy::Preferred(Node(0)).validate().is_ok());
-    /// ```
-    pub fn validate(&self) -> Result<()> {
-        match self {
-            MemPolicy::PreferredMany(s)
-            | MemPolicy::Bind(s)
-            | MemPolicy::Interleave(s)
-            | MemPolicy::WeightedInterleave(s)
-                if s.is_empty() =>
-            {
-                return Err(Error::invalid(
-                    "MemPolicy",
-                    format!("{} needs at least one node; the set is empty", self.name()),
-                ));
-            }
-            _ => {}
-        }
-        if let MemPolicy::Preferred(node) = self
-            && node.index() >= MAX_NODES
-        {
-            return Err(Error::invalid(
-                "MemPolicy",
-                format!(
-                    "{}: node {node} is beyond the {MAX_NODES} node ids a kernel mask holds",
-                    self.name()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// [`MemPolicy::validate`], then every node id against this machine's possible nodes
-    /// ([`possible_node_count`]): `Bind({7})` on a one-node machine is refused naming node
-    /// 7, instead of the kernel's `EINVAL` with four possible causes. Every call that
-    /// hands a policy to the kernel checks this first.
-    ///
-    /// # Errors
-    /// As [`MemPolicy::validate`], or a node this machine cannot have.
-    pub fn validate_here(&self) -> Result<()> {
-        self.validate()?;
-        let possible = possible_node_count();
-        if let Some(node) = self.nodes().iter().find(|n| n.index() >= possible) {
-            return Err(Error::invalid(
-                "MemPolicy",
-                format!(
-                    "{self}: node {node} does not exist on this machine, whose kernel has \
-                     {possible} possible node id(s) (0-{})",
-                    possible - 1
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// The name numa_maps uses for the mode.
@@ -394,7 +307,9 @@ unsafe fn get_policy(
 /// page faults in memory without a range policy.
 ///
 /// # Errors
-/// An empty set for a node-set policy (checked first), or any errno but `EPERM`/`ENOSYS`
+/// Checked first, in every environment: an empty set for a node-set policy, a node this
+/// machine cannot have, mode flags the kernel refuses, a policy with no node this process
+/// may allocate on ([`Error::NodeNotAllowed`]). Then any errno but `EPERM`/`ENOSYS`
 /// (which give [`Placement::Degraded`]).
 #[doc(alias = "set_mempolicy")]
 pub fn set_thread_policy(policy: &MemPolicy) -> Result<Placement> {
@@ -406,7 +321,7 @@ pub fn set_thread_policy(policy: &MemPolicy) -> Result<Placement> {
 /// # Errors
 /// As [`set_thread_policy`].
 pub fn set_thread_policy_with(policy: &MemPolicy, flags: ModeFlags) -> Result<Placement> {
-    policy.validate_here()?;
+    check_policy_call("set_mempolicy", policy, flags)?;
     let mask = policy.kernel_mask();
     let mode = policy.mode() | flags.bits();
     // SAFETY: `mask` holds `maxnode / 64` words, more than the kernel reads.

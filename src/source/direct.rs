@@ -1,0 +1,409 @@
+//! Direct reads: a source file opened again with `O_DIRECT` through `/proc/self/fd`
+//! (the caller's descriptor is never changed), read at the file system's `STATX_DIOALIGN`
+//! alignment, straight into a slot where it is aligned and through a loader thread's
+//! [`Scratch`] bounce buffer elsewhere.
+//!
+//! The reopen is a new open file description, with access checked against the file's
+//! permissions, not against the caller's descriptor: so the caller's descriptor is checked
+//! first ([`readable`]), and one that could not be read through (write-only, `O_PATH`) is
+//! not reopened.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+
+use rustix::fs::{AtFlags, OFlags, StatxFlags};
+use rustix::io::Errno;
+
+use super::mode::ReadFallback;
+use super::read::Segment;
+use crate::error::{Error, Result};
+
+/// The bounce buffer of one loader thread for direct reads (at least two alignment
+/// units): an unaligned 1 MiB expert takes one read, and a batch of small unaligned
+/// slots one window.
+const BOUNCE: usize = 8 << 20;
+
+/// Segments per `preadv` (`IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+/// The longest single direct read into a slot.
+const MAX_DIRECT: usize = 64 << 20;
+
+/// A file opened again with `O_DIRECT`, and its alignment.
+pub(crate) struct Direct {
+    file: File,
+    /// `stx_dio_mem_align`: buffer addresses.
+    pub(crate) mem_align: usize,
+    /// `stx_dio_offset_align`: file offsets and lengths.
+    pub(crate) offset_align: usize,
+}
+
+/// Opens `file` again with `O_DIRECT` through `/proc/self/fd`, with its alignment; or
+/// the reason to read it buffered.
+pub(crate) fn open_direct(file: &File) -> Result<std::result::Result<Direct, ReadFallback>> {
+    open_direct_in(file, "/proc/self/fd")
+}
+
+/// Whether `file` can be read through: its access mode (`F_GETFL & O_ACCMODE`) is
+/// `O_RDONLY` or `O_RDWR`, and it is not an `O_PATH` descriptor (which `F_GETFL` reports
+/// with access mode 0, `O_RDONLY`, so the bit is tested on its own). A descriptor that
+/// cannot be read through is not reopened for direct reads: the reopen would read what
+/// the caller's descriptor refuses.
+///
+/// # Errors
+/// `fcntl(F_GETFL)` fails.
+pub(crate) fn readable(file: &File) -> Result<bool> {
+    let flags = rustix::fs::fcntl_getfl(file).map_err(|errno| {
+        Error::os(
+            "fcntl",
+            errno,
+            format_args!("fd={} F_GETFL", file.as_raw_fd()),
+        )
+    })?;
+    let access = flags & OFlags::ACCMODE;
+    Ok(!flags.contains(OFlags::PATH) && (access == OFlags::RDONLY || access == OFlags::RDWR))
+}
+
+/// [`open_direct`] through `fd_dir` (`/proc/self/fd`; another directory in tests).
+fn open_direct_in(file: &File, fd_dir: &str) -> Result<std::result::Result<Direct, ReadFallback>> {
+    let fd = file.as_raw_fd();
+    let stat = match rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+        Ok(stat) => stat,
+        Err(Errno::NOSYS) => return Ok(Err(ReadFallback::NoDirectIoAlignment)),
+        Err(errno) => {
+            return Err(Error::os(
+                "statx",
+                errno,
+                format_args!("fd={fd} AT_EMPTY_PATH mask=STATX_DIOALIGN"),
+            ));
+        }
+    };
+    let (mem, offset) = (stat.stx_dio_mem_align, stat.stx_dio_offset_align);
+    if stat.stx_mask & StatxFlags::DIOALIGN.bits() == 0 || mem == 0 || offset == 0 {
+        return Ok(Err(ReadFallback::NoDirectIoAlignment));
+    }
+    if !mem.is_power_of_two() || !offset.is_power_of_two() {
+        return Err(Error::invalid(
+            "O_DIRECT read",
+            format!(
+                "fd {fd}: statx reports direct-I/O alignments that are not powers of two \
+                 (memory {mem}, offset {offset})"
+            ),
+        ));
+    }
+    let path = format!("{fd_dir}/{fd}");
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+    {
+        Ok(file) => Ok(Ok(Direct {
+            file,
+            mem_align: mem as usize,
+            offset_align: offset as usize,
+        })),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::EINVAL) => Ok(Err(ReadFallback::DirectOpenRefused)),
+            Some(libc::ENOENT) | Some(libc::ENOTDIR) => Ok(Err(ReadFallback::NoProcFs)),
+            _ => Err(Error::io("open O_DIRECT", path, e)),
+        },
+    }
+}
+
+/// A loader thread's bounce buffer: `len` bytes aligned for direct I/O inside `buf`.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Scratch {
+    pub(crate) fn new(mem_align: usize, offset_align: usize) -> Self {
+        let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
+        let buf = vec![0u8; len + mem_align];
+        let start = buf.as_ptr().align_offset(mem_align);
+        Scratch { buf, start, len }
+    }
+
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl Direct {
+    fn eof(&self, offset: u64, len: usize, what: &dyn Fn() -> String) -> Error {
+        Error::io(
+            "pread",
+            format!(
+                "{}: O_DIRECT read of {len} bytes at file offset {offset} ended at the end of the file",
+                what()
+            ),
+            std::io::ErrorKind::UnexpectedEof.into(),
+        )
+    }
+
+    fn failed(
+        &self,
+        op: &'static str,
+        errno: Errno,
+        offset: u64,
+        len: usize,
+        what: &dyn Fn() -> String,
+    ) -> Error {
+        Error::os(
+            op,
+            errno,
+            format_args!(
+                "{}: O_DIRECT fd={} offset={offset} len={len} alignment: offset and length {}, memory {}",
+                what(),
+                self.file.as_raw_fd(),
+                self.offset_align,
+                self.mem_align,
+            ),
+        )
+    }
+
+    /// Reads a run of segments that continue each other in the file.
+    pub(crate) fn read_run(
+        &self,
+        run: &mut [Segment<'_, '_>],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let (mem, align) = (self.mem_align, self.offset_align);
+        let aligned = run.iter().all(|s| {
+            s.offset.is_multiple_of(align as u64)
+                && s.dest.len().is_multiple_of(align)
+                && (s.dest.as_ptr() as usize).is_multiple_of(mem)
+        });
+        if aligned {
+            for group in run.chunks_mut(IOV_MAX) {
+                self.read_vectored(group, scratch, what)?;
+            }
+            return Ok(());
+        }
+        if scratch.len == 0 {
+            return Err(no_scratch(what));
+        }
+        // Aligned windows over the run, each copied out to the segments it covers.
+        let start = run[0].offset - run[0].offset % align as u64;
+        let end = run.last().map_or(start, |s| s.offset + s.dest.len() as u64);
+        let mut window_start = start;
+        let mut next = 0; // the first segment not yet fully copied
+        while window_start < end {
+            let want = ((end - window_start) as usize)
+                .next_multiple_of(align)
+                .min(scratch.len);
+            let bounce = scratch.get();
+            let got = pread(&self.file, &mut bounce[..want], window_start)
+                .map_err(|e| self.failed("pread", e, window_start, want, what))?;
+            let window_end = window_start + got as u64;
+            while next < run.len() {
+                let s = &mut run[next];
+                let (s_start, s_end) = (s.offset, s.offset + s.dest.len() as u64);
+                let from = s_start.max(window_start);
+                let to = s_end.min(window_end);
+                if from < to {
+                    let (a, b) = ((from - window_start) as usize, (to - window_start) as usize);
+                    let at = (from - s_start) as usize;
+                    s.dest[at..at + (b - a)].copy_from_slice(&bounce[a..b]);
+                }
+                if s_end <= window_end {
+                    next += 1;
+                } else {
+                    break;
+                }
+            }
+            if got < want && window_end < end {
+                return Err(self.eof(window_end, (end - window_end) as usize, what));
+            }
+            window_start = window_end;
+        }
+        Ok(())
+    }
+
+    /// One `preadv` straight into aligned segments; a short read finishes segment by
+    /// segment.
+    fn read_vectored(
+        &self,
+        group: &mut [Segment<'_, '_>],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let offset = group[0].offset;
+        let total: usize = group.iter().map(|s| s.dest.len()).sum();
+        let got = {
+            let mut iovecs: Vec<std::io::IoSliceMut<'_>> = group
+                .iter_mut()
+                .map(|s| std::io::IoSliceMut::new(&mut *s.dest))
+                .collect();
+            loop {
+                match rustix::io::preadv(&self.file, &mut iovecs, offset) {
+                    Err(Errno::INTR) => continue,
+                    other => break other,
+                }
+            }
+            .map_err(|e| self.failed("preadv", e, offset, total, what))?
+        };
+        if got == total {
+            return Ok(());
+        }
+        let mut skip = got;
+        for s in group.iter_mut() {
+            let len = s.dest.len();
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            self.read(s.offset + skip as u64, &mut s.dest[skip..], scratch, what)?;
+            skip = 0;
+        }
+        Ok(())
+    }
+
+    /// Reads `dest.len()` bytes at `offset`: straight into `dest` where the address, the
+    /// offset and the length are aligned, through `scratch` in aligned windows elsewhere.
+    pub(crate) fn read(
+        &self,
+        mut offset: u64,
+        mut dest: &mut [u8],
+        scratch: &mut Scratch,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let (mem, align) = (self.mem_align, self.offset_align);
+        let eof = |offset: u64, len: usize| self.eof(offset, len, what);
+        let failed =
+            |errno: Errno, offset: u64, len: usize| self.failed("pread", errno, offset, len, what);
+        while !dest.is_empty() {
+            let address = dest.as_ptr() as usize;
+            let head = (offset % align as u64) as usize;
+            if head == 0 && address.is_multiple_of(mem) && dest.len() >= align {
+                // Aligned: straight into the slot.
+                let len = (dest.len() / align * align).min(MAX_DIRECT);
+                let got = pread(&self.file, &mut dest[..len], offset)
+                    .map_err(|e| failed(e, offset, len))?;
+                if got == 0 {
+                    return Err(eof(offset, len));
+                }
+                dest = &mut dest[got..];
+                offset += got as u64;
+                continue;
+            }
+            if scratch.len == 0 {
+                return Err(no_scratch(what));
+            }
+            // Through the bounce buffer. Copy only the head when the slot is aligned
+            // after it, so that the rest goes straight in.
+            let to_boundary = (align - head) % align;
+            let copy = if head != 0
+                && (address + to_boundary).is_multiple_of(mem)
+                && dest.len() >= to_boundary + align
+            {
+                to_boundary
+            } else {
+                dest.len().min(scratch.len - head)
+            };
+            let window = (head + copy).next_multiple_of(align);
+            let start = offset - head as u64;
+            let bounce = scratch.get();
+            let got = pread(&self.file, &mut bounce[..window], start)
+                .map_err(|e| failed(e, start, window))?;
+            // The last window of a file whose size is not a multiple of the alignment
+            // comes back short.
+            if got <= head {
+                return Err(eof(offset, dest.len()));
+            }
+            let n = (got - head).min(copy);
+            dest[..n].copy_from_slice(&bounce[head..head + n]);
+            dest = &mut dest[n..];
+            offset += n as u64;
+        }
+        Ok(())
+    }
+}
+
+fn no_scratch(what: &dyn Fn() -> String) -> Error {
+    Error::invalid(
+        "O_DIRECT read",
+        format!("{}: the loader thread has no bounce buffer", what()),
+    )
+}
+
+/// `pread`, again after `EINTR`.
+fn pread(file: &File, buf: &mut [u8], offset: u64) -> std::result::Result<usize, Errno> {
+    loop {
+        match rustix::io::pread(file, &mut *buf, offset) {
+            Err(Errno::INTR) => continue,
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::mode::ReadMode;
+    use crate::source::read::Reader;
+
+    fn target_file(name: &str, len: usize) -> (std::path::PathBuf, File) {
+        // The crate's target directory: a disk file system here, not tmpfs.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target")
+            .join(format!("read-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, vec![5u8; len]).unwrap();
+        (dir, File::open(&path).unwrap())
+    }
+
+    fn has_dio(file: &File) -> bool {
+        rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).is_ok_and(|s| {
+            s.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
+        })
+    }
+
+    #[test]
+    fn without_proc_fd_direct_reads_fall_back_with_the_reason() {
+        let (dir, file) = target_file("noproc", 1000);
+        if !has_dio(&file) {
+            println!("NOT RUN: the target directory's file system reports no STATX_DIOALIGN");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        let missing = dir.join("no-such-proc").display().to_string();
+        assert!(matches!(
+            open_direct_in(&file, &missing),
+            Ok(Err(ReadFallback::NoProcFs))
+        ));
+        let direct = open_direct_in(&file, "/proc/self/fd").unwrap().unwrap();
+        assert!(direct.offset_align.is_power_of_two() && direct.mem_align.is_power_of_two());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_direct_reader_reads_short_files_and_reports_the_end() {
+        let (dir, file) = target_file("short", 1000);
+        if !has_dio(&file) {
+            println!("NOT RUN: the target directory's file system reports no STATX_DIOALIGN");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
+        assert_eq!(reader.outcome(), (ReadMode::Direct, None));
+        let mut scratch = reader.scratch();
+        let mut dest = vec![0u8; 1000];
+        reader
+            .read(&file, 0, &mut dest, &mut scratch, &|| "t".into())
+            .unwrap();
+        assert!(dest.iter().all(|&b| b == 5));
+        // Past the end: an error naming the read, not a silent short slot.
+        let mut dest = vec![0u8; 10];
+        let e = reader
+            .read(&file, 995, &mut dest, &mut scratch, &|| "t".into())
+            .unwrap_err();
+        assert!(e.to_string().contains("at file offset 1000"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
