@@ -193,10 +193,7 @@ fn main() {
     // SAFETY: the benchmark's own temp file; nothing writes or truncates it while mapped.
     let mapped = unsafe { Region::map_file(&file, 0, source.len()) }.expect("map file");
 
-    let options = StoreOptions {
-        loader_threads: 2,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().loader_threads(2);
     let cases: Vec<(&str, Case<'_>)> = vec![
         (
             "PinStore (2 loader threads)",

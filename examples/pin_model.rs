@@ -230,11 +230,9 @@ fn layer_list(layers: &BTreeMap<usize, usize>) -> String {
 }
 
 fn store_options(args: &PinModelArgs, bar: &Option<ProgressBar>) -> StoreOptions {
-    let mut options = StoreOptions {
-        huge_pages: !args.no_huge_pages,
-        read_mode: args.read,
-        ..StoreOptions::default()
-    };
+    let mut options = StoreOptions::default()
+        .huge_pages(!args.no_huge_pages)
+        .read_mode(args.read);
     if let Some(t) = args.threads {
         options.loader_threads = t;
     }

@@ -572,10 +572,7 @@ fn a_cache_without_scales_has_one_region_per_node() {
         3,
         5000,
         0,
-        CacheOptions {
-            populate: true,
-            huge_pages: false,
-        },
+        CacheOptions::default().populate(true).huge_pages(false),
     )
     .unwrap();
     assert_eq!(cache.spans().len(), 1);

@@ -14,10 +14,7 @@ fn page() -> usize {
 }
 
 fn pack(weight_bytes: usize, slot_align: SlotAlign) -> (PinStore, numapin::LayerReport) {
-    let options = StoreOptions {
-        slot_align,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().slot_align(slot_align);
     let layout = Layout::Interleave(numapin::NodeSet::allowed().unwrap());
     let store = PinStore::new(layout, options).unwrap();
     let weights: Vec<Vec<u8>> = (0..EXPERTS)
@@ -99,10 +96,7 @@ fn huge_page_aligned_slots_pay_padding_and_other_alignments_are_checked() {
     let (_, report) = pack(10_000, SlotAlign::Bytes(64 << 10));
     assert_eq!(report.weight_stride, 64 << 10);
     for bad in [0, 3, 100, page() / 2] {
-        let options = StoreOptions {
-            slot_align: SlotAlign::Bytes(bad),
-            ..StoreOptions::default()
-        };
+        let options = StoreOptions::default().slot_align(SlotAlign::Bytes(bad));
         match PinStore::new(Layout::Unplaced, options) {
             Err(Error::InvalidArgument { .. }) => {}
             other => panic!("{bad}: {other:?}"),

@@ -234,10 +234,7 @@ fn pin_model_json_from_a_real_load() {
     model.write(&path).unwrap();
     let file = std::fs::File::open(&path).unwrap();
     let layout = Layout::Interleave(nodes());
-    let options = StoreOptions {
-        loader_threads: 2,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().loader_threads(2);
     let (run, store) = run_store(&model, &file, layout, options, true).unwrap();
     drop(store);
     let baseline = run_baseline(&model, &file, layout).map(|(run, _slabs)| run);

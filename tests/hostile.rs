@@ -200,11 +200,7 @@ fn resident_pages_counts_exactly_across_windows() {
 fn small_store() -> PinStore {
     PinStore::new(
         Layout::Unplaced,
-        StoreOptions {
-            huge_pages: false,
-            loader_threads: 1,
-            ..StoreOptions::default()
-        },
+        StoreOptions::default().huge_pages(false).loader_threads(1),
     )
     .unwrap()
 }
@@ -426,12 +422,10 @@ fn outcome(result: &numapin::Result<numapin::store::LayerReport>) -> &'static st
 fn loader_store() -> PinStore {
     PinStore::new(
         Layout::Interleave(NodeSet::allowed().unwrap()),
-        StoreOptions {
-            huge_pages: false,
+        StoreOptions::default()
+            .huge_pages(false)
             // One helper beside the caller, as on a two-core host by default.
-            loader_threads: 2,
-            ..StoreOptions::default()
-        },
+            .loader_threads(2),
     )
     .unwrap()
 }

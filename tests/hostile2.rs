@@ -99,11 +99,7 @@ fn write_moe(path: &Path) -> u64 {
 fn store(mode: ReadMode) -> PinStore {
     PinStore::new(
         Layout::Unplaced,
-        StoreOptions {
-            read_mode: mode,
-            loader_threads: 2,
-            ..StoreOptions::default()
-        },
+        StoreOptions::default().read_mode(mode).loader_threads(2),
     )
     .unwrap()
 }
@@ -503,10 +499,7 @@ fn store_piece_align_edges() {
         1 << 40,
         usize::MAX,
     ] {
-        let result = pack_with(StoreOptions {
-            piece_align: align,
-            ..StoreOptions::default()
-        });
+        let result = pack_with(StoreOptions::default().piece_align(align));
         println!("piece_align {align}: {result:?}");
         if align == 1 || align == 2 {
             result.unwrap();
@@ -550,13 +543,8 @@ fn store_piece_align_huge_with_file_pieces() {
         }];
         let result = (|| {
             let spec = LayerSpec::fitting(&sources)?;
-            let store = PinStore::new(
-                Layout::Unplaced,
-                StoreOptions {
-                    piece_align: align,
-                    ..StoreOptions::default()
-                },
-            )?;
+            let store =
+                PinStore::new(Layout::Unplaced, StoreOptions::default().piece_align(align))?;
             store.pack_layer(0, &spec, &sources)?;
             Ok::<_, Error>(store.weights(0, 0)?.len())
         })();
@@ -581,10 +569,7 @@ fn store_slot_align_edges() {
         SlotAlign::Bytes(usize::MAX),
         SlotAlign::Bytes(4096 * 3),
     ] {
-        let result = pack_with(StoreOptions {
-            slot_align: align,
-            ..StoreOptions::default()
-        });
+        let result = pack_with(StoreOptions::default().slot_align(align));
         println!("{align:?}: {result:?}");
         // Refused before any mapping: not a power of two, or beyond MAX_ALIGN (1 GiB).
         assert!(
@@ -793,14 +778,7 @@ fn attach_with_files_out_of_order() {
     if !child(NAME) {
         return;
     }
-    let mut store = PinStore::new(
-        Layout::Unplaced,
-        StoreOptions {
-            shared: true,
-            ..StoreOptions::default()
-        },
-    )
-    .unwrap();
+    let mut store = PinStore::new(Layout::Unplaced, StoreOptions::default().shared(true)).unwrap();
     let (w0, w1) = (vec![10u8; 5000], vec![11u8; 5000]);
     for (layer, w) in [(0, &w0), (1, &w1)] {
         let sources = [ExpertSource::Memory {

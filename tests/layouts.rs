@@ -47,11 +47,9 @@ fn spec() -> LayerSpec {
 }
 
 fn options(threads: usize) -> StoreOptions {
-    StoreOptions {
-        huge_pages: false,
-        loader_threads: threads,
-        ..StoreOptions::default()
-    }
+    StoreOptions::default()
+        .huge_pages(false)
+        .loader_threads(threads)
 }
 
 fn model_bytes() -> u64 {
@@ -286,10 +284,7 @@ fn replicas_that_cannot_fit_are_refused_up_front_with_each_nodes_figure() {
 #[test]
 fn replicated_stores_cannot_be_shared_and_empty_sets_are_refused() {
     let set = common::nodes();
-    let shared = StoreOptions {
-        shared: true,
-        ..StoreOptions::default()
-    };
+    let shared = StoreOptions::default().shared(true);
     assert!(matches!(
         PinStore::new(Layout::Replicate(set), shared),
         Err(Error::InvalidArgument { .. })

@@ -95,10 +95,7 @@ fn budget_refuses_a_model_that_cannot_fit_up_front() {
     };
     let store = PinStore::new(
         Layout::Interleave(nodes),
-        StoreOptions {
-            huge_pages: false,
-            ..StoreOptions::default()
-        },
+        StoreOptions::default().huge_pages(false),
     )
     .unwrap();
     match store.check_model_budget(limit / 2 + 1, &spec) {
@@ -119,12 +116,10 @@ fn budget_refuses_a_model_that_cannot_fit_up_front() {
     let budget = (limit > 8192).then(|| diag::map_count().unwrap() + 16);
     let store = PinStore::new(
         Layout::Interleave(nodes),
-        StoreOptions {
-            huge_pages: false,
-            vma_budget: budget,
-            loader_threads: 2,
-            ..StoreOptions::default()
-        },
+        StoreOptions::default()
+            .huge_pages(false)
+            .vma_budget(budget)
+            .loader_threads(2),
     )
     .unwrap();
     let data = [vec![1u8; 4096], vec![2u8; 4096]];

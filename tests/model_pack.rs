@@ -39,10 +39,7 @@ fn fixtures(test: &str) -> Option<PathBuf> {
 }
 
 fn store(piece_align: usize) -> PinStore {
-    let options = StoreOptions {
-        piece_align,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().piece_align(piece_align);
     PinStore::new(Layout::Interleave(common::nodes()), options).unwrap()
 }
 
@@ -484,10 +481,7 @@ fn piece_align_must_be_a_power_of_two() {
         (2, true),
         (1 << 21, true),
     ] {
-        let options = StoreOptions {
-            piece_align: align,
-            ..StoreOptions::default()
-        };
+        let options = StoreOptions::default().piece_align(align);
         match PinStore::new(Layout::Unplaced, options) {
             Ok(_) => assert!(ok, "{align}"),
             Err(Error::InvalidArgument { reason, .. }) => {

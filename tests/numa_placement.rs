@@ -214,10 +214,7 @@ fn pinstore_interleave_spreads_every_layer() {
         return;
     };
     let set = first_three(&nodes);
-    let options = StoreOptions {
-        huge_pages: false,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().huge_pages(false);
     let store = PinStore::new(Layout::Interleave(set), options).unwrap();
     let (experts, w) = (48, 64 * 1024);
     let spec = LayerSpec {
@@ -244,10 +241,7 @@ fn pinstore_layer_per_node_and_release_ensure_keep_placement() {
         return;
     };
     let set = first_three(&nodes);
-    let options = StoreOptions {
-        huge_pages: false,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().huge_pages(false);
     let mut store = PinStore::new(Layout::LayerPerNode(set), options).unwrap();
     let (experts, w) = (8, 64 * 1024);
     let spec = LayerSpec {
@@ -329,11 +323,9 @@ fn node_of(ptr: *const u8) -> Node {
 }
 
 fn replica_options(threads: usize) -> StoreOptions {
-    StoreOptions {
-        huge_pages: false,
-        loader_threads: threads,
-        ..StoreOptions::default()
-    }
+    StoreOptions::default()
+        .huge_pages(false)
+        .loader_threads(threads)
 }
 
 #[test]
@@ -540,10 +532,7 @@ fn replicas_and_blocks_are_refused_by_memory_and_map_budget_with_their_figures()
     store.check_model_memory(1, &small).unwrap();
     // Map budget: 2 regions × 3 copies (Replicate) or × 3 blocks (SplitExperts) per layer.
     for layout in [Layout::Replicate(set), Layout::SplitExperts(set)] {
-        let options = StoreOptions {
-            vma_budget: Some(diag::map_count().unwrap() + 50),
-            ..replica_options(1)
-        };
+        let options = replica_options(1).vma_budget(Some(diag::map_count().unwrap() + 50));
         let store = PinStore::new(layout, options).unwrap();
         match store.check_model_budget(20, &small) {
             Err(Error::MapBudget { needed, .. }) => assert_eq!(needed, 20 * 2 * 3 + 2),

@@ -43,11 +43,9 @@ fn spec() -> LayerSpec {
 }
 
 fn store(hook: ProgressHook, threads: usize) -> PinStore {
-    let options = StoreOptions {
-        progress: Some(hook),
-        loader_threads: threads,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default()
+        .progress(Some(hook))
+        .loader_threads(threads);
     PinStore::new(Layout::Unplaced, options).unwrap()
 }
 
@@ -130,12 +128,10 @@ fn file_loads_report_in_every_read_mode() {
     let file = File::open(&path).unwrap();
     for mode in ReadMode::ALL {
         let (hook, seen) = recorder();
-        let options = StoreOptions {
-            progress: Some(hook),
-            read_mode: mode,
-            loader_threads: 2,
-            ..StoreOptions::default()
-        };
+        let options = StoreOptions::default()
+            .progress(Some(hook))
+            .read_mode(mode)
+            .loader_threads(2);
         let store = PinStore::new(Layout::Unplaced, options).unwrap();
         let report = store
             .pack_layer(0, &model.spec(), &model.sources(&file, 0))

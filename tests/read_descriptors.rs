@@ -105,11 +105,9 @@ fn pack(file: &File, mode: ReadMode, threads: usize) -> Result<(), Error> {
         })
         .collect();
     let spec = LayerSpec::fitting(&sources).unwrap();
-    let options = StoreOptions {
-        read_mode: mode,
-        loader_threads: threads,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default()
+        .read_mode(mode)
+        .loader_threads(threads);
     let store = PinStore::new(Layout::Unplaced, options).unwrap();
     let report = store.pack_layer(0, &spec, &sources)?;
     let outcome = match mode {

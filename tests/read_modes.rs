@@ -63,11 +63,9 @@ fn expected_outcome(mode: ReadMode, file: &File) -> (ReadMode, Option<ReadFallba
 }
 
 fn options(mode: ReadMode, threads: usize) -> StoreOptions {
-    StoreOptions {
-        read_mode: mode,
-        loader_threads: threads,
-        ..StoreOptions::default()
-    }
+    StoreOptions::default()
+        .read_mode(mode)
+        .loader_threads(threads)
 }
 
 /// Size of file A: 10 MiB + 333, not a multiple of 512.
@@ -196,14 +194,7 @@ fn cold_load(mode: ReadMode, dir: &Path) -> ((usize, usize), usize) {
             *p = (*p).max(resident);
         })
     };
-    let store = PinStore::new(
-        Layout::Unplaced,
-        StoreOptions {
-            progress: Some(sampler),
-            ..options(mode, 2)
-        },
-    )
-    .unwrap();
+    let store = PinStore::new(Layout::Unplaced, options(mode, 2).progress(Some(sampler))).unwrap();
     for layer in 0..model.layers {
         let report = store
             .pack_layer(layer, &model.spec(), &model.sources(&file, layer))

@@ -21,10 +21,7 @@ fn tensor(layer: usize, expert: usize, kind: Kind, len: usize) -> Vec<u8> {
 }
 
 fn shared_store(layers: usize) -> PinStore {
-    let options = StoreOptions {
-        shared: true,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().shared(true);
     let store = PinStore::new(Layout::Interleave(NodeSet::allowed().unwrap()), options).unwrap();
     for layer in 0..layers {
         let data: Vec<(Vec<u8>, Vec<u8>)> = (0..EXPERTS)

@@ -23,10 +23,7 @@ fn tensor(layer: usize, expert: usize, kind: Kind, len: usize) -> Vec<u8> {
 #[test]
 fn shares_a_loaded_store_with_a_child_process() {
     let nodes = NodeSet::allowed().unwrap();
-    let options = StoreOptions {
-        shared: true,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().shared(true);
     let mut store = PinStore::new(Layout::Interleave(nodes), options).unwrap();
     let spec = LayerSpec {
         experts: EXPERTS,

@@ -129,14 +129,7 @@ fn file_sources_load_exactly_with_and_without_coalescing() {
     let (experts, w, s) = (16, 3 * 4096 + 100, 999);
     let path = write_model_file(&dir, 0, experts, w, s);
     let file = std::fs::File::open(&path).unwrap();
-    let store = PinStore::new(
-        interleave(),
-        StoreOptions {
-            loader_threads: 2,
-            ..StoreOptions::default()
-        },
-    )
-    .unwrap();
+    let store = PinStore::new(interleave(), StoreOptions::default().loader_threads(2)).unwrap();
     let spec = LayerSpec {
         experts,
         weight_bytes: w,
@@ -198,10 +191,7 @@ fn slot_rss(ptr: *const u8, stride: usize) -> usize {
 #[test]
 fn release_drops_the_slot_keeps_the_policy_and_ensure_restores() {
     let (experts, w, s) = (8, 5 * 4096, 4096);
-    let options = StoreOptions {
-        huge_pages: false,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().huge_pages(false);
     let mut store = PinStore::new(interleave(), options).unwrap();
     let spec = LayerSpec {
         experts,
@@ -290,13 +280,11 @@ fn release_drops_the_slot_keeps_the_policy_and_ensure_restores() {
 #[test]
 fn the_map_budget_refuses_up_front_and_names_the_figures() {
     let current = diag::map_count().unwrap();
-    let options = StoreOptions {
+    let options = StoreOptions::default()
         // Room for one region and the margin of 2 the store keeps for its own heap
         // allocations: a layer with scales (2 regions) does not fit, one without does.
-        vma_budget: Some(current + 3),
-        loader_threads: 1,
-        ..StoreOptions::default()
-    };
+        .vma_budget(Some(current + 3))
+        .loader_threads(1);
     let store = PinStore::new(interleave(), options).unwrap();
     let data = layer_data(0, 4, 4096, 4096);
     let spec = LayerSpec {
@@ -346,11 +334,9 @@ fn the_map_budget_refuses_up_front_and_names_the_figures() {
     // figure is the regions and the margin.
     let threaded = PinStore::new(
         interleave(),
-        StoreOptions {
-            vma_budget: Some(0),
-            loader_threads: 3,
-            ..StoreOptions::default()
-        },
+        StoreOptions::default()
+            .vma_budget(Some(0))
+            .loader_threads(3),
     )
     .unwrap();
     let spec = LayerSpec {
@@ -494,16 +480,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     store.ensure(0, 1, &good[1]).unwrap();
     assert_eq!(store.weights(0, 1).unwrap(), &data[1].0[..]);
     assert!(PinStore::new(Layout::Interleave(NodeSet::new()), StoreOptions::default()).is_err());
-    assert!(
-        PinStore::new(
-            interleave(),
-            StoreOptions {
-                loader_threads: 0,
-                ..StoreOptions::default()
-            }
-        )
-        .is_err()
-    );
+    assert!(PinStore::new(interleave(), StoreOptions::default().loader_threads(0)).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -298,10 +298,7 @@ pub fn sharing_rows(model: &SyntheticModel, path: &Path, runs: usize) {
     println!("a second process: attach the exported store vs load its own copy");
     let file = File::open(path).expect("model");
     let nodes = NodeSet::allowed().expect("nodes");
-    let options = StoreOptions {
-        shared: true,
-        ..StoreOptions::default()
-    };
+    let options = StoreOptions::default().shared(true);
     let mut store = PinStore::new(Layout::Interleave(nodes), options).expect("store");
     for layer in 0..model.layers {
         store

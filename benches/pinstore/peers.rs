@@ -141,11 +141,9 @@ fn load(
             let read_mode: ReadMode = mode["pin-".len()..]
                 .parse()
                 .map_err(|e: numapin::Error| e.to_string())?;
-            let options = StoreOptions {
-                loader_threads: 2,
-                read_mode,
-                ..StoreOptions::default()
-            };
+            let options = StoreOptions::default()
+                .loader_threads(2)
+                .read_mode(read_mode);
             let store =
                 PinStore::new(Layout::Interleave(nodes), options).map_err(|e| e.to_string())?;
             for layer in 0..model.layers {

@@ -19,10 +19,7 @@ use numapin::store::{Layout, PinStore, StoreOptions};
 use numapin_testkit::synthetic::SyntheticModel;
 
 fn options() -> StoreOptions {
-    StoreOptions {
-        loader_threads: 2,
-        ..StoreOptions::default()
-    }
+    StoreOptions::default().loader_threads(2)
 }
 
 /// Seconds to pack every layer of `model` from `file` into a new store.

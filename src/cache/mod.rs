@@ -53,8 +53,10 @@ pub type Key = (usize, usize);
 const NONE: u32 = u32::MAX;
 const HUGE_PAGE: usize = 2 << 20;
 
-/// How an [`ExpertCache`] is built.
+/// How an [`ExpertCache`] is built: [`CacheOptions::default`] (both off), then a setter
+/// per option. `#[non_exhaustive]`, as [`StoreOptions`](crate::store::StoreOptions).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CacheOptions {
     /// Fault every slot's pages in at creation (`MADV_POPULATE_WRITE`), under the bind:
     /// the first loads then copy into pages that exist.
@@ -62,6 +64,22 @@ pub struct CacheOptions {
     /// Align regions of 2 MiB or more to 2 MiB and advise `MADV_HUGEPAGE`: transparent
     /// huge pages back the region (never rounding a slot up to 2 MiB).
     pub huge_pages: bool,
+}
+
+impl CacheOptions {
+    /// [`CacheOptions::populate`].
+    #[must_use]
+    pub fn populate(mut self, on: bool) -> Self {
+        self.populate = on;
+        self
+    }
+
+    /// [`CacheOptions::huge_pages`].
+    #[must_use]
+    pub fn huge_pages(mut self, on: bool) -> Self {
+        self.huge_pages = on;
+        self
+    }
 }
 
 /// What a slot holds.

@@ -10,8 +10,10 @@ use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
 use crate::policy::MemPolicy;
 
-/// How layers are placed.
+/// How layers are placed. `#[non_exhaustive]`: layouts are added (a match on one needs
+/// a `_` arm outside the crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Layout {
     /// Every region interleaved page by page over the set: every core reads every
     /// layer, so spread the bandwidth.

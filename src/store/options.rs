@@ -6,8 +6,23 @@ use super::{LayerReport, PinStore, Progress};
 use super::{ProgressHook, ReadMode, arena};
 use crate::error::{Error, Result};
 
-/// Options of a [`PinStore`].
+/// Options of a [`PinStore`]: [`StoreOptions::default`], then a setter per option to
+/// change (memmap2's `MmapOptions` is the model). `#[non_exhaustive]`: options can be
+/// added without breaking callers, so they are read as fields but set through the
+/// setters (struct-literal syntax is refused outside the crate, E0639).
+///
+/// # Example
+/// ```
+/// use numapin::store::{ReadMode, SlotAlign, StoreOptions};
+/// let options = StoreOptions::default()
+///     .huge_pages(false)
+///     .loader_threads(2)
+///     .read_mode(ReadMode::DropBehind)
+///     .slot_align(SlotAlign::HugePage);
+/// assert_eq!((options.huge_pages, options.loader_threads), (false, 2));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoreOptions {
     /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
     /// so that even with THP `always` interleaving stays page by page.
@@ -17,6 +32,7 @@ pub struct StoreOptions {
     /// Threads that fill slots (default: the available parallelism).
     pub loader_threads: usize,
     /// Replace `vm.max_map_count` in the budget check (tests).
+    #[doc(hidden)]
     pub vma_budget: Option<usize>,
     /// Back the arenas with memfds (shmem, placed by their shared policy) so that
     /// [`PinStore::export`] can hand them to other processes (default off). Huge pages
@@ -85,6 +101,72 @@ impl SlotAlign {
                 ),
             )),
         }
+    }
+}
+
+impl StoreOptions {
+    /// [`StoreOptions::huge_pages`].
+    #[must_use]
+    pub fn huge_pages(mut self, on: bool) -> Self {
+        self.huge_pages = on;
+        self
+    }
+
+    /// [`StoreOptions::populate`].
+    #[must_use]
+    pub fn populate(mut self, on: bool) -> Self {
+        self.populate = on;
+        self
+    }
+
+    /// [`StoreOptions::loader_threads`] (0 is refused by [`PinStore::new`]).
+    #[must_use]
+    pub fn loader_threads(mut self, threads: usize) -> Self {
+        self.loader_threads = threads;
+        self
+    }
+
+    /// Replaces `vm.max_map_count` in the budget check (tests).
+    #[doc(hidden)]
+    #[must_use]
+    pub fn vma_budget(mut self, budget: Option<usize>) -> Self {
+        self.vma_budget = budget;
+        self
+    }
+
+    /// [`StoreOptions::shared`].
+    #[must_use]
+    pub fn shared(mut self, on: bool) -> Self {
+        self.shared = on;
+        self
+    }
+
+    /// [`StoreOptions::slot_align`].
+    #[must_use]
+    pub fn slot_align(mut self, align: SlotAlign) -> Self {
+        self.slot_align = align;
+        self
+    }
+
+    /// [`StoreOptions::read_mode`].
+    #[must_use]
+    pub fn read_mode(mut self, mode: ReadMode) -> Self {
+        self.read_mode = mode;
+        self
+    }
+
+    /// [`StoreOptions::progress`].
+    #[must_use]
+    pub fn progress(mut self, hook: Option<ProgressHook>) -> Self {
+        self.progress = hook;
+        self
+    }
+
+    /// [`StoreOptions::piece_align`].
+    #[must_use]
+    pub fn piece_align(mut self, align: usize) -> Self {
+        self.piece_align = align;
+        self
     }
 }
 
