@@ -14,7 +14,9 @@ use std::time::Instant;
 
 use numapin::cache::{CacheOptions, ExpertCache};
 use numapin::store::ExpertSource;
-use numapin::{MbindFlags, MemPolicy, Node, NodeSet, diag};
+use numapin::{Node, NodeSet, diag};
+
+use numapin::policy::{MbindFlags, MemPolicy};
 
 const LAYERS: usize = 64;
 const EXPERTS: usize = 256;

@@ -29,7 +29,9 @@ use std::fs::File;
 use std::time::Instant;
 
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{Advice, MbindFlags, MemPolicy, NodeSet, Region, diag};
+use numapin::{Advice, NodeSet, Region, diag};
+
+use numapin::policy::{MbindFlags, MemPolicy};
 use numapin_testkit::synthetic::SyntheticModel;
 use support::{Run, minor_faults, run_baseline, run_store};
 

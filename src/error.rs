@@ -12,7 +12,7 @@ pub use rustix::io::Errno;
 /// arguments that explain them; checks done in Rust before any call are
 /// [`Error::InvalidArgument`] and carry no errno. `EPERM` and `ENOSYS` from the policy
 /// calls are not errors at all: they come back as a
-/// [`Placement::Degraded`](crate::Placement::Degraded) value.
+/// [`Placement::Degraded`](crate::policy::Placement::Degraded) value.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -46,7 +46,7 @@ pub enum Error {
     },
     /// The kernel's capability check refused a call the probe found allowed here: a
     /// missing capability, not a container's denial (which is
-    /// [`Placement::Degraded`](crate::Placement::Degraded)).
+    /// [`Placement::Degraded`](crate::policy::Placement::Degraded)).
     #[error(
         "{op}: needs {cap}, which this process lacks here: {why}. Run as root outside a user \
          namespace, grant the capability (`setcap cap_sys_nice+ep`, or `--cap-add SYS_NICE` \

@@ -28,7 +28,6 @@ pub use error::{CheckpointFault, Errno, Error, Result};
 pub use node::{KernelMask, NodeContext, possible_node_count};
 pub use nodeset::{MAX_NODES, Node, NodeSet, NodeSetIter};
 pub use page::page_size;
-pub use policy::{DegradeReason, MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 pub use probe::{
     MempolicySupport, Support, SyscallGroup, ThpMode, group_support, mempolicy_support,
     page_calls_support, probe,
@@ -36,9 +35,6 @@ pub use probe::{
 pub use region::{
     Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals,
     anon_vma_names_supported, bind_range, migrate_process, range_placement, resident_pages,
-};
-pub use store::{
-    ExpertSource, LayerReport, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions, StoreStats,
 };
 
 // The pages in docs/ that the README links to: their Rust snippets are doc tests too.

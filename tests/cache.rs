@@ -15,7 +15,9 @@ use std::sync::{Arc, Barrier};
 use common::{Expect, expect, need_nodes, nodes};
 use numapin::cache::{CacheOptions, ExpertCache, StagingPool};
 use numapin::store::ExpertSource;
-use numapin::{DegradeReason, Error, Node, NodeSet, Observed, Placement, diag};
+use numapin::{Error, Node, NodeSet, diag};
+
+use numapin::policy::{DegradeReason, Observed, Placement};
 
 const LAYERS: usize = 64;
 const EXPERTS: usize = 256;

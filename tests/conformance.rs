@@ -8,9 +8,9 @@ use std::ffi::c_void;
 use std::ptr;
 
 use common::{Expect, errno_here, expect, ok_here};
-use numapin::{
-    Errno, Error, MbindFlags, MemPolicy, ModeFlags, NodeSet, Observed, Placement, Region,
-};
+use numapin::{Errno, Error, NodeSet, Region};
+
+use numapin::policy::{MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 use numapin_sys as sys;
 
 fn page() -> usize {
@@ -231,10 +231,16 @@ fn expect_bind(result: numapin::Result<Placement>, full: Errno) {
     match (expect(), result) {
         (Expect::Full, Err(e)) => assert_eq!(e.errno(), Some(full), "{e}"),
         (Expect::Denied, Ok(p)) => {
-            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Denied))
+            assert_eq!(
+                p,
+                Placement::Degraded(numapin::policy::DegradeReason::Denied)
+            )
         }
         (Expect::Unsupported, Ok(p)) => {
-            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Unsupported))
+            assert_eq!(
+                p,
+                Placement::Degraded(numapin::policy::DegradeReason::Unsupported)
+            )
         }
         (e, other) => panic!("{e:?}: {other:?}"),
     }
@@ -369,10 +375,16 @@ fn move_all_needs_cap_sys_nice_in_the_initial_user_namespace() {
             }),
         ) => assert!(!capable, "{why}"),
         (Expect::Denied, Ok(p)) => {
-            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Denied))
+            assert_eq!(
+                p,
+                Placement::Degraded(numapin::policy::DegradeReason::Denied)
+            )
         }
         (Expect::Unsupported, Ok(p)) => {
-            assert_eq!(p, Placement::Degraded(numapin::DegradeReason::Unsupported))
+            assert_eq!(
+                p,
+                Placement::Degraded(numapin::policy::DegradeReason::Unsupported)
+            )
         }
         (e, other) => panic!("{e:?}: {other:?}"),
     }

@@ -13,7 +13,7 @@ fn page() -> usize {
     numapin::page_size()
 }
 
-fn pack(weight_bytes: usize, slot_align: SlotAlign) -> (PinStore, numapin::LayerReport) {
+fn pack(weight_bytes: usize, slot_align: SlotAlign) -> (PinStore, numapin::store::LayerReport) {
     let options = StoreOptions::default().slot_align(slot_align);
     let layout = Layout::Interleave(numapin::NodeSet::allowed().unwrap());
     let store = PinStore::new(layout, options).unwrap();

@@ -15,7 +15,9 @@ use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use common::{degrade_here, expect, nodes};
 use numapin::store::{Layout, StoreOptions};
-use numapin::{MempolicySupport, Node, NodeSet, Placement, Support, ThpMode};
+use numapin::{MempolicySupport, Node, NodeSet, Support, ThpMode};
+
+use numapin::policy::Placement;
 use numapin_testkit::synthetic::SyntheticModel;
 use serde_json::Value;
 use support::args::{LayoutArg, PinModelArgs, ProbeArgs};

@@ -14,9 +14,10 @@ use std::time::Duration;
 
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::{
-    Advice, Errno, Error, KernelMask, MAX_NODES, NodeContext, NodeSet, Observed, Region, diag,
-    page_size,
+    Advice, Errno, Error, KernelMask, MAX_NODES, NodeContext, NodeSet, Region, diag, page_size,
 };
+
+use numapin::policy::Observed;
 
 const ROLE: &str = "NUMAPIN_HOSTILE_ROLE";
 

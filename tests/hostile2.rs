@@ -18,11 +18,9 @@ use std::process::Command;
 
 use numapin::cache::{CacheOptions, ExpertCache, StagingPool};
 use numapin::model::Checkpoint;
+use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, SlotAlign, StoreOptions};
 use numapin::store::{Manifest, Piece, ReadMode};
-use numapin::{
-    CheckpointFault, Error, ExpertSource, LayerSpec, Layout, NodeSet, PinStore, SlotAlign,
-    StoreOptions,
-};
+use numapin::{CheckpointFault, Error, NodeSet};
 
 const ROLE: &str = "NUMAPIN_HOSTILE2_ROLE";
 

@@ -12,10 +12,9 @@
 mod common;
 
 use numapin::policy::set_thread_policy_with;
-use numapin::{
-    Error, MbindFlags, MemPolicy, ModeFlags, Node, NodeSet, Region, migrate_process,
-    possible_node_count,
-};
+use numapin::{Error, Node, NodeSet, Region, migrate_process, possible_node_count};
+
+use numapin::policy::{MbindFlags, MemPolicy, ModeFlags};
 
 fn page() -> usize {
     numapin::page_size()

@@ -11,7 +11,9 @@ mod common;
 
 use common::{Expect, expect};
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{Advice, Errno, Error, MemPolicy, NodeSet, Region, diag};
+use numapin::{Advice, Errno, Error, NodeSet, Region, diag};
+
+use numapin::policy::MemPolicy;
 use numapin_testkit::baseline::SlabPerExpert;
 
 fn limit() -> usize {

@@ -3,7 +3,9 @@
 mod common;
 
 use common::{Expect, degrade_here, degrade_pages_here, expect, expect_pages, pages_source_here};
-use numapin::{Error, HugePageSize, MbindFlags, MemPolicy, NodeSet, Observed, Region, Seals, diag};
+use numapin::{Error, HugePageSize, NodeSet, Region, Seals, diag};
+
+use numapin::policy::{MbindFlags, MemPolicy, Observed};
 
 fn page() -> usize {
     numapin::page_size()
@@ -160,7 +162,7 @@ fn migrate_and_move_pages_report_what_moved() {
             );
             assert_eq!(
                 r.policy_at(0).unwrap(),
-                Observed::Known((MemPolicy::Bind(to), numapin::ModeFlags::empty()))
+                Observed::Known((MemPolicy::Bind(to), numapin::policy::ModeFlags::empty()))
             );
         }
         (_, Observed::Degraded(reason)) => assert_eq!(Some(reason), degrade_here()),
@@ -200,7 +202,10 @@ fn capability_checks_name_cap_sys_nice() {
                 }),
             ) => assert!(why.contains("MOVE_ALL"), "{why}"),
             (Expect::Full, other) => panic!("{other:?}"),
-            (_, other) => assert_eq!(other.ok(), degrade_here().map(numapin::Placement::Degraded)),
+            (_, other) => assert_eq!(
+                other.ok(),
+                degrade_here().map(numapin::policy::Placement::Degraded)
+            ),
         }
         // migrate_pages of this very process to nodes of its own cpuset needs no
         // capability.

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 
 use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, Piece, TensorRef};
 use numapin::store::{ExpertSource, Kind, Layout, PinStore, StoreOptions};
-use numapin::{CheckpointFault, Error, Placement};
+use numapin::{CheckpointFault, Error};
+
+use numapin::policy::Placement;
 
 const FIXTURES: [&str; 6] = [
     "st-sharded",

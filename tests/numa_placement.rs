@@ -10,10 +10,9 @@ mod common;
 
 use common::need_nodes;
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{
-    Advice, Error, MbindFlags, MemPolicy, Node, NodeHistogram, NodeSet, Observed, Region, diag,
-    policy,
-};
+use numapin::{Advice, Error, Node, NodeHistogram, NodeSet, Region, diag, policy};
+
+use numapin::policy::{MbindFlags, MemPolicy, Observed};
 
 const PAGES: usize = 3 * 1024;
 
@@ -149,7 +148,7 @@ fn scoped_thread_policy_places_first_touch_and_restores() {
         assert_eq!(agreeing_histogram(&r).on(node), 256);
         assert_eq!(
             policy::thread_policy().unwrap(),
-            Observed::Known((MemPolicy::Default, numapin::ModeFlags::empty()))
+            Observed::Known((MemPolicy::Default, numapin::policy::ModeFlags::empty()))
         );
     })
     .join()
@@ -257,7 +256,7 @@ fn pinstore_layer_per_node_and_release_ensure_keep_placement() {
             store.slot_policy(layer, 0, Kind::Weights).unwrap(),
             Observed::Known((
                 MemPolicy::Bind(std::iter::once(want).collect()),
-                numapin::ModeFlags::empty()
+                numapin::policy::ModeFlags::empty()
             ))
         );
     }

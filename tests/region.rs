@@ -5,7 +5,9 @@ mod common;
 use std::io::Write;
 
 use common::{Expect, degrade_here, expect, placement_here, whole};
-use numapin::{Advice, Error, MbindFlags, MemPolicy, NodeSet, Observed, Placement, Region, diag};
+use numapin::{Advice, Error, NodeSet, Region, diag};
+
+use numapin::policy::{MbindFlags, MemPolicy, Observed, Placement};
 
 fn page() -> usize {
     numapin::page_size()

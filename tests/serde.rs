@@ -9,7 +9,9 @@ use numapin::store::{
     ExpertSource, Kind, LayerReport, LayerSpec, Layout, Manifest, ManifestRegion, PinStore,
     ReadFallback, ReadMode, StoreOptions, StoreStats,
 };
-use numapin::{DegradeReason, MemPolicy, Node, NodeSet, Placement};
+use numapin::{Node, NodeSet};
+
+use numapin::policy::{DegradeReason, MemPolicy, Placement};
 use proptest::prelude::*;
 
 fn set(ids: &[usize]) -> NodeSet {

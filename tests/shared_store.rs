@@ -6,8 +6,10 @@ mod common;
 use std::os::fd::{AsRawFd, FromRawFd};
 
 use common::{degrade_here, expect};
+use numapin::NodeSet;
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, Manifest, PinStore, StoreOptions};
-use numapin::{NodeSet, Placement};
+
+use numapin::policy::Placement;
 
 const LAYERS: usize = 3;
 const EXPERTS: usize = 16;

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::degrade_here;
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{Error, MemPolicy, NodeSet, Observed, Placement, diag};
+use numapin::{Error, NodeSet, diag};
+
+use numapin::policy::{MemPolicy, Observed, Placement};
 
 fn byte(layer: usize, expert: usize, kind: usize, i: usize) -> u8 {
     ((layer * 131 + expert * 31 + kind * 17 + i * 7 + i / 4096) % 251) as u8
@@ -368,7 +370,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     let good = memory_sources(&data);
     let big = vec![0u8; 4097];
 
-    let invalid = |r: numapin::Result<numapin::LayerReport>, needle: &str| match r {
+    let invalid = |r: numapin::Result<numapin::store::LayerReport>, needle: &str| match r {
         Err(Error::InvalidArgument { reason, .. }) => {
             assert!(reason.contains(needle), "{reason} lacks {needle:?}")
         }

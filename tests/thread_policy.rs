@@ -6,7 +6,9 @@ mod common;
 use std::panic::AssertUnwindSafe;
 
 use common::{Expect, degrade_here, expect};
-use numapin::{MemPolicy, ModeFlags, NodeSet, Observed, Placement, policy};
+use numapin::{NodeSet, policy};
+
+use numapin::policy::{MemPolicy, ModeFlags, Observed, Placement};
 
 fn in_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     std::thread::spawn(f).join().expect("test thread")

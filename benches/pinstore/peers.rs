@@ -11,7 +11,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use numapin::store::{Kind, Layout, PinStore, ReadMode, StoreOptions};
-use numapin::{Advice, MbindFlags, MemPolicy, NodeSet, Region, diag, policy};
+use numapin::{Advice, NodeSet, Region, diag, policy};
+
+use numapin::policy::{MbindFlags, MemPolicy};
 use numapin_testkit::baseline::SlabPerExpert;
 use numapin_testkit::cache::{cached_pages, evict};
 use numapin_testkit::synthetic::SyntheticModel;

@@ -10,7 +10,9 @@ use std::fs::File;
 use std::time::Instant;
 
 use numapin::store::{Kind, LayerReport, Layout, PinStore, StoreOptions};
-use numapin::{Node, Observed, PagesSource, Placement, diag};
+use numapin::{Node, PagesSource, diag};
+
+use numapin::policy::{Observed, Placement};
 use numapin_testkit::baseline::SlabPerExpert;
 use numapin_testkit::synthetic::SyntheticModel;
 

@@ -1,4 +1,4 @@
-//! The strategy [`PinStore`](numapin::PinStore) replaces, kept to measure against: every
+//! The strategy [`PinStore`](numapin::store::PinStore) replaces, kept to measure against: every
 //! expert tensor in its own `posix_memalign` allocation, bound on its own with `mbind`.
 //!
 //! Each bound slab is a mapping of its own that cannot merge with its unbound
@@ -15,7 +15,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use numapin::store::{ExpertSource, Kind, LayerSpec};
-use numapin::{Errno, Error, MbindFlags, MemPolicy, Node, Observed, Placement, Result};
+use numapin::{Errno, Error, Node, Result};
+
+use numapin::policy::{MbindFlags, MemPolicy, Observed, Placement};
 
 /// One `posix_memalign` block.
 struct Slab {

@@ -10,7 +10,9 @@
 //! `NUMAPIN_TEST_NODES` says how many memory nodes a multi-node test may count on.
 #![allow(dead_code)]
 
-use numapin::{DegradeReason, Errno, MempolicySupport, NodeHistogram, NodeSet, PagesSource};
+use numapin::{Errno, MempolicySupport, NodeHistogram, NodeSet, PagesSource};
+
+use numapin::policy::DegradeReason;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expect {
@@ -75,13 +77,13 @@ pub fn pages_source_here() -> Option<PagesSource> {
 
 /// `Region::placement`'s answer checked against this environment: a histogram from the
 /// expected source, or the expected degradation where there is none.
-pub fn placement_here(observed: numapin::Observed<NodeHistogram>) -> Option<NodeHistogram> {
+pub fn placement_here(observed: numapin::policy::Observed<NodeHistogram>) -> Option<NodeHistogram> {
     match observed {
-        numapin::Observed::Known(h) => {
+        numapin::policy::Observed::Known(h) => {
             assert_eq!(Some(h.source), pages_source_here(), "{h:?}");
             Some(h)
         }
-        numapin::Observed::Degraded(reason) => {
+        numapin::policy::Observed::Degraded(reason) => {
             assert_eq!(pages_source_here(), None, "degraded: {reason}");
             assert_eq!(Some(reason), degrade_pages_here());
             None
@@ -116,11 +118,11 @@ pub fn ok_here() -> Result<(), Errno> {
     }
 }
 
-pub fn degrade_here() -> Option<numapin::DegradeReason> {
+pub fn degrade_here() -> Option<numapin::policy::DegradeReason> {
     match expect() {
         Expect::Full => None,
-        Expect::Denied => Some(numapin::DegradeReason::Denied),
-        Expect::Unsupported => Some(numapin::DegradeReason::Unsupported),
+        Expect::Denied => Some(numapin::policy::DegradeReason::Denied),
+        Expect::Unsupported => Some(numapin::policy::DegradeReason::Unsupported),
     }
 }
 

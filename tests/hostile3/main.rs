@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use numapin::model::{Checkpoint, CustomNaming, Naming, TensorRef};
-use numapin::{CheckpointFault, Error, Layout as StoreLayout, PinStore, StoreOptions};
+use numapin::store::{Layout as StoreLayout, PinStore, StoreOptions};
+use numapin::{CheckpointFault, Error};
 
 // ---------------------------------------------------------------------------------------
 // Harness
