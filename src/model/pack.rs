@@ -190,20 +190,25 @@ impl Checkpoint {
     /// As [`Checkpoint::pack`].
     pub fn pack_with(&self, store: &PinStore, naming: &Naming) -> Result<ModelReport> {
         let plan = naming.plan(self)?;
-        let specs = plan
-            .layers()
-            .iter()
-            .map(|l| LayerSpec::fitting(&self.sources(l)?))
-            .collect::<Result<Vec<LayerSpec>>>()?;
-        if let Some(first) = specs.first() {
-            let mut widest = *first;
-            widest.scale_bytes = specs.iter().map(|s| s.scale_bytes).max().unwrap_or(0);
-            store.check_model_budget(specs.len(), &widest)?;
-        }
-        let mut layer_reports = Vec::with_capacity(plan.layers().len());
-        for (layer, spec) in plan.layers().iter().zip(&specs) {
+        // Each layer's sources, built once: sized here, packed below.
+        let mut layers = Vec::with_capacity(plan.layers().len());
+        for layer in plan.layers() {
             let sources = self.sources(layer)?;
-            layer_reports.push(store.pack_layer(layer.layer(), spec, &sources)?);
+            let spec = LayerSpec::fitting(&sources)?;
+            layers.push((layer.layer(), spec, sources));
+        }
+        if let Some((_, first, _)) = layers.first() {
+            let mut widest = *first;
+            widest.scale_bytes = layers
+                .iter()
+                .map(|(_, s, _)| s.scale_bytes)
+                .max()
+                .unwrap_or(0);
+            store.check_model_budget(layers.len(), &widest)?;
+        }
+        let mut layer_reports = Vec::with_capacity(layers.len());
+        for (layer, spec, sources) in &layers {
+            layer_reports.push(store.pack_layer(*layer, spec, sources)?);
         }
         Ok(self.report(&plan, layer_reports))
     }

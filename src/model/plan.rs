@@ -9,11 +9,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::files::shape_text;
 use super::naming::{
     ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, Piece, PieceRole,
     no_experts,
 };
-use super::{Checkpoint, TensorInfo, shape_text};
+use super::{Checkpoint, TensorInfo};
 use crate::error::{CheckpointFault, Error, Result, quote};
 
 /// `(scale, piece)`: a role of an expert, in slot order (weights first, each by piece).

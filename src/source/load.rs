@@ -1,17 +1,21 @@
 //! The parallel loader: fills slots from their sources with the calling thread and a few
 //! helper threads, reading adjacent file pieces with one `pread`.
 
+use std::collections::BTreeSet;
 use std::fs::File;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
+use std::thread::Scope;
 
 pub(crate) use super::progress::Meter;
 pub(crate) use super::read::{DIRECT_BATCH, Reader, Scratch, Segment};
 use super::{Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 use crate::node::Node;
-use crate::topology::{self, Topology};
-use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+
+mod on_node;
+
+pub(crate) use on_node::{OnNode, running_on};
 
 /// The longest single `pread` the loader issues.
 pub const MAX_READ: usize = 1 << 30;
@@ -121,77 +125,6 @@ pub(crate) struct Filled {
     pub(crate) loader_nodes: Vec<Node>,
 }
 
-/// The calling thread moved onto the CPUs of one node that it may use (its
-/// `sched_getaffinity` set, which cpusets shrink, intersected with the node's CPUs); the
-/// affinity it had comes back on drop. A thread that cannot move (an empty intersection,
-/// a refused call, an unknown topology) stays where it is: [`OnNode::moved`] says so.
-#[derive(Debug)]
-pub(crate) struct OnNode {
-    /// The affinity to restore; `None`: nothing was changed.
-    previous: Option<CpuSet>,
-    /// The thread runs on the node's CPUs only (moved there, or every CPU is on it).
-    on_node: bool,
-}
-
-impl OnNode {
-    /// Moves the calling thread onto `node`'s CPUs.
-    #[doc(alias = "sched_setaffinity")]
-    pub(crate) fn enter(node: Node) -> OnNode {
-        let stay = OnNode {
-            previous: None,
-            on_node: false,
-        };
-        let (Ok(topology), Ok(allowed)) = (Topology::get(), sched_getaffinity(None)) else {
-            return stay;
-        };
-        let cpus = topology.cpus_of(node);
-        if cpus.is_empty() && running_on(node) {
-            // No CPU list at all (a kernel without NUMA: every CPU is on node 0).
-            return OnNode {
-                previous: None,
-                on_node: true,
-            };
-        }
-        let mut set = CpuSet::new();
-        let mut any = false;
-        for cpu in cpus {
-            if cpu < CpuSet::MAX_CPU && allowed.is_set(cpu) {
-                set.set(cpu);
-                any = true;
-            }
-        }
-        if !any || sched_setaffinity(None, &set).is_err() {
-            return stay;
-        }
-        OnNode {
-            previous: Some(allowed),
-            on_node: true,
-        }
-    }
-
-    /// Whether the thread now runs only on the node's CPUs.
-    pub(crate) fn moved(&self) -> bool {
-        self.on_node
-    }
-}
-
-impl Drop for OnNode {
-    fn drop(&mut self) {
-        if let Some(previous) = &self.previous {
-            // The set was this thread's own a moment ago; should the kernel refuse it now
-            // (a cpuset shrank meanwhile), the thread keeps the node's CPUs, which it was
-            // allowed to run on: nothing to report from a destructor.
-            let _ = sched_setaffinity(None, previous);
-        }
-    }
-}
-
-/// Whether the calling thread runs on `node` now (`sched_getcpu` through the CPU → node
-/// table).
-pub(crate) fn running_on(node: Node) -> bool {
-    topology::current_node().is_ok_and(|n| n == node)
-}
-
 /// Fills every job's slot with the calling thread and up to `threads - 1` helpers,
 /// each on the CPUs of the node its slots are bound to ([`Loading::target`]) (see [`OnNode`]); returns the `pread`
 /// count (planned reads, after coalescing) and the bytes written on the node. Stops at
@@ -210,58 +143,128 @@ pub(crate) fn fill<P>(
     loading: Loading<'_, '_>,
     permit: impl Fn(usize) -> Option<P>,
 ) -> Result<Filled> {
-    let Loading {
-        reader,
-        scratch,
-        meter,
-        target,
-        spread,
-    } = loading;
-    let loader_nodes: Mutex<std::collections::BTreeSet<Node>> = Mutex::new(Default::default());
-    let reads = AtomicUsize::new(0);
-    let local_bytes = std::sync::atomic::AtomicU64::new(0);
-    let off_node = AtomicUsize::new(0);
     let helpers = helpers(threads, jobs.len());
-    // Jobs are taken from the end: reversed, they are taken in the order given (file
-    // order, usually, which the kernel's readahead rewards on a cold file).
-    let mut jobs = jobs;
-    jobs.reverse();
-    let queue = Mutex::new(jobs);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    let started = (Mutex::new(0usize), Condvar::new());
-    let batches = reader.batches();
-    let work = |worker: usize, mut scratch: Scratch| {
+    let (fill, scratch) = Fill::new(jobs, loading);
+    std::thread::scope(|scope| {
+        fill.spawn_helpers(scope, helpers, permit);
+        fill.work(0, scratch);
+    });
+    fill.finish()
+}
+
+/// What the loader threads of one [`fill`] share: the queue of jobs, how to read, and
+/// what they did.
+struct Fill<'j, 'r, 'a> {
+    reader: &'r Reader<'a>,
+    meter: Option<&'r Meter<'r>>,
+    target: &'r (dyn Fn(usize) -> Option<Node> + Sync),
+    spread: &'r [Node],
+    /// Whether a loader takes runs of consecutive slots at once ([`take`]).
+    batches: bool,
+    /// The jobs, reversed: taken from the end in the order given.
+    queue: Mutex<Vec<Job<'j>>>,
+    first_error: Mutex<Option<Error>>,
+    /// Helpers that have started (made their first allocation), and the signal for it.
+    started: (Mutex<usize>, Condvar),
+    reads: AtomicUsize,
+    local_bytes: AtomicU64,
+    off_node: AtomicUsize,
+    loader_nodes: Mutex<BTreeSet<Node>>,
+}
+
+impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
+    /// The shared state of a fill of `jobs`, and the calling thread's bounce buffer.
+    fn new(mut jobs: Vec<Job<'j>>, loading: Loading<'r, 'a>) -> (Self, Scratch) {
+        let Loading {
+            reader,
+            scratch,
+            meter,
+            target,
+            spread,
+        } = loading;
+        // Jobs are taken from the end: reversed, they are taken in the order given (file
+        // order, usually, which the kernel's readahead rewards on a cold file).
+        jobs.reverse();
+        let fill = Fill {
+            reader,
+            meter,
+            target,
+            spread,
+            batches: reader.batches(),
+            queue: Mutex::new(jobs),
+            first_error: Mutex::new(None),
+            started: (Mutex::new(0), Condvar::new()),
+            reads: AtomicUsize::new(0),
+            local_bytes: AtomicU64::new(0),
+            off_node: AtomicUsize::new(0),
+            loader_nodes: Mutex::new(BTreeSet::new()),
+        };
+        (fill, scratch)
+    }
+
+    /// Spawns up to `helpers` helper threads in `scope`, each under its permit, held
+    /// until the helper has started; stops at the first permit refused or spawn failed.
+    fn spawn_helpers<'scope, P>(
+        &'scope self,
+        scope: &'scope Scope<'scope, '_>,
+        helpers: usize,
+        permit: impl Fn(usize) -> Option<P>,
+    ) {
+        for spawned in 0..helpers {
+            let Some(permit) = permit(spawned) else {
+                break;
+            };
+            if std::thread::Builder::new()
+                .name("numapin-loader".into())
+                .spawn_scoped(scope, move || self.helper(spawned + 1))
+                .is_err()
+            {
+                break;
+            }
+            let (count, ready) = &self.started;
+            let mut count = count.lock().unwrap_or_else(|e| e.into_inner());
+            while *count <= spawned {
+                count = ready.wait(count).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(permit);
+        }
+    }
+
+    /// A helper thread: says it has started once its mappings exist, then works.
+    fn helper(&self, worker: usize) {
+        // The first allocation gives this thread its malloc arena now, under the
+        // spawner's permit, not later outside it; so does the bounce buffer.
+        drop(std::hint::black_box(Box::new(0u8)));
+        let scratch = self.reader.scratch();
+        let (count, ready) = &self.started;
+        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        ready.notify_all();
+        self.work(worker, scratch);
+    }
+
+    /// Loader `worker`: takes batches until the queue is empty or a loader has failed.
+    fn work(&self, worker: usize, mut scratch: Scratch) {
         // Spread over the nodes of interleaved memory: each loader stays on one node's
         // CPUs for the whole fill (its affinity comes back when `_spread` drops).
-        let _spread = spread.get(worker % spread.len().max(1)).map(|&node| {
-            let entered = OnNode::enter(node);
-            if entered.moved()
-                && let Ok(mut nodes) = loader_nodes.lock()
-            {
-                nodes.insert(node);
-            }
-            entered
-        });
+        let _spread = self.enter_spread(worker);
         // The node this thread was moved to (or tried to be), and the guard that moves it
         // back.
         let mut on_node: Option<(Node, OnNode)> = None;
         let mut counted_off_node = false;
         loop {
-            if first_error.lock().is_ok_and(|e| e.is_some()) {
+            if self.first_error.lock().is_ok_and(|e| e.is_some()) {
                 return;
             }
-            let batch = match queue.lock() {
-                Ok(mut q) => take(&mut q, batches),
+            let batch = match self.queue.lock() {
+                Ok(mut q) => take(&mut q, self.batches),
                 Err(_) => Vec::new(),
             };
             if batch.is_empty() {
                 return;
             }
-            let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
-            let batch_bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
             // A batch is consecutive slots of one file; it may cross a block boundary of
             // a split layer, and is then loaded from its first slot's node.
-            let node = target(batch[0].what.1);
+            let node = (self.target)(batch[0].what.1);
             if let Some(node) = node
                 && on_node.as_ref().is_none_or(|(n, _)| *n != node)
             {
@@ -269,85 +272,80 @@ pub(crate) fn fill<P>(
                 let entered = OnNode::enter(node);
                 if !entered.moved() && !counted_off_node {
                     counted_off_node = true;
-                    off_node.fetch_add(1, Ordering::Relaxed);
+                    self.off_node.fetch_add(1, Ordering::Relaxed);
                 }
                 on_node = Some((node, entered));
             }
-            let result = if batch.len() == 1 {
-                batch
-                    .into_iter()
-                    .try_for_each(|job| fill_one(job, &reads, reader, &mut scratch))
-            } else {
-                fill_batch(batch, &reads, reader, &mut scratch)
-            };
-            match result {
-                Ok(()) => {
-                    if node.is_some_and(running_on) {
-                        local_bytes.fetch_add(batch_bytes, Ordering::Relaxed);
-                    }
-                    if let Some(meter) = meter {
-                        for bytes in sizes {
-                            meter.slot_done(bytes as u64);
-                        }
-                    }
-                }
-                Err(e) => {
-                    if let Ok(mut slot) = first_error.lock() {
-                        slot.get_or_insert(e);
-                    }
-                }
-            }
+            self.load(batch, node, &mut scratch);
         }
-    };
-    let helper = |worker: usize| {
-        // The first allocation gives this thread its malloc arena now, under the
-        // spawner's permit, not later outside it; so does the bounce buffer.
-        drop(std::hint::black_box(Box::new(0u8)));
-        let scratch = reader.scratch();
-        let (count, ready) = &started;
-        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        ready.notify_all();
-        work(worker, scratch);
-    };
-    std::thread::scope(|scope| {
-        for spawned in 0..helpers {
-            let Some(permit) = permit(spawned) else {
-                break;
-            };
-            if std::thread::Builder::new()
-                .name("numapin-loader".into())
-                .spawn_scoped(scope, move || helper(spawned + 1))
-                .is_err()
+    }
+
+    /// Moves loader `worker` onto its node of [`Loading::spread`], if there is one.
+    fn enter_spread(&self, worker: usize) -> Option<OnNode> {
+        let spread = self.spread;
+        spread.get(worker % spread.len().max(1)).map(|&node| {
+            let entered = OnNode::enter(node);
+            if entered.moved()
+                && let Ok(mut nodes) = self.loader_nodes.lock()
             {
-                break;
+                nodes.insert(node);
             }
-            let (count, ready) = &started;
-            let mut count = count.lock().unwrap_or_else(|e| e.into_inner());
-            while *count <= spawned {
-                count = ready.wait(count).unwrap_or_else(|e| e.into_inner());
+            entered
+        })
+    }
+
+    /// Fills one batch (its first slot bound to `node`, if any) and accounts for it: the
+    /// bytes written on the node and the progress, or the first error.
+    fn load(&self, batch: Vec<Job<'_>>, node: Option<Node>, scratch: &mut Scratch) {
+        let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
+        let batch_bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
+        let result = if batch.len() == 1 {
+            batch
+                .into_iter()
+                .try_for_each(|job| fill_one(job, &self.reads, self.reader, scratch))
+        } else {
+            fill_batch(batch, &self.reads, self.reader, scratch)
+        };
+        match result {
+            Ok(()) => {
+                if node.is_some_and(running_on) {
+                    self.local_bytes.fetch_add(batch_bytes, Ordering::Relaxed);
+                }
+                if let Some(meter) = self.meter {
+                    for bytes in sizes {
+                        meter.slot_done(bytes as u64);
+                    }
+                }
             }
-            drop(permit);
+            Err(e) => {
+                if let Ok(mut slot) = self.first_error.lock() {
+                    slot.get_or_insert(e);
+                }
+            }
         }
-        work(0, scratch);
-    });
-    let finished = reader.finish();
-    match first_error.into_inner().ok().flatten() {
-        Some(e) => Err(e),
-        None => {
-            finished?;
-            if let Some(meter) = meter {
-                meter.finish();
-            }
-            Ok(Filled {
-                reads: reads.into_inner(),
-                local_bytes: local_bytes.into_inner(),
-                off_node_loaders: off_node.into_inner(),
-                loader_nodes: loader_nodes
-                    .into_inner()
-                    .map(|n| n.into_iter().collect())
-                    .unwrap_or_default(),
-            })
+    }
+
+    /// After every loader has returned: the reader's end-of-fill advice, then the first
+    /// error, or the final progress report and what the fill did.
+    fn finish(self) -> Result<Filled> {
+        let finished = self.reader.finish();
+        if let Some(e) = self.first_error.into_inner().ok().flatten() {
+            return Err(e);
         }
+        finished?;
+        if let Some(meter) = self.meter {
+            meter.finish();
+        }
+        Ok(Filled {
+            reads: self.reads.into_inner(),
+            local_bytes: self.local_bytes.into_inner(),
+            off_node_loaders: self.off_node.into_inner(),
+            loader_nodes: self
+                .loader_nodes
+                .into_inner()
+                .map(|n| n.into_iter().collect())
+                .unwrap_or_default(),
+        })
     }
 }
 

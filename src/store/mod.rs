@@ -178,31 +178,10 @@ impl PinStore {
         let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
         let copies = self.layout.copies();
-        if !self.layout.replica_set().is_empty() {
-            let align = self.options.slot_align.bytes()?;
-            let needed = replica::copy_bytes(spec, align)?;
-            self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
-        }
-        let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
-        let maps = per_copy.checked_mul(copies).ok_or_else(|| {
-            Error::invalid(PACK, format!("layer {layer}: {copies} copies overflow"))
-        })?;
-        if maps > spec.kinds().count() {
-            self.check_budget(format!("layer {layer} ({copies} copies)"), maps)?;
-        }
+        self.check_copies(layer, spec)?;
         let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
-        let (placement, mut mbind_calls) = match (&policy, self.layout.blocks()) {
-            (_, Some(set)) => {
-                let (p, calls) = self.bind_blocks(&set, &arenas, spec.experts)?;
-                (Some(p), calls)
-            }
-            (Some(policy), _) => (
-                Some(self.bind(&arenas, policy)?),
-                arenas.iter().flatten().count(),
-            ),
-            (None, _) => (None, 0),
-        };
+        let (placement, mut mbind_calls) = self.place(policy.as_ref(), &arenas, spec.experts)?;
         if self.options.populate {
             for arena in arenas.iter_mut().flatten() {
                 arena.populate()?;
@@ -258,6 +237,48 @@ impl PinStore {
         Ok(report)
     }
 
+    /// Before anything is mapped: every node of a replicated layout has the memory for
+    /// this layer's copy, and the mappings of all copies (and split blocks) fit the map
+    /// budget.
+    fn check_copies(&self, layer: usize, spec: &LayerSpec) -> Result<()> {
+        let copies = self.layout.copies();
+        if !self.layout.replica_set().is_empty() {
+            let align = self.options.slot_align.bytes()?;
+            let needed = replica::copy_bytes(spec, align)?;
+            self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
+        }
+        let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
+        let maps = per_copy.checked_mul(copies).ok_or_else(|| {
+            Error::invalid(PACK, format!("layer {layer}: {copies} copies overflow"))
+        })?;
+        if maps > spec.kinds().count() {
+            self.check_budget(format!("layer {layer} ({copies} copies)"), maps)?;
+        }
+        Ok(())
+    }
+
+    /// Step 2: binds the layer's regions, block by block for a split layout, or each
+    /// region once under `policy`; unplaced, nothing. The placement and the `mbind`
+    /// calls made.
+    fn place(
+        &self,
+        policy: Option<&MemPolicy>,
+        arenas: &[Option<Arena>; 2],
+        experts: usize,
+    ) -> Result<(Option<Placement>, usize)> {
+        Ok(match (policy, self.layout.blocks()) {
+            (_, Some(set)) => {
+                let (p, calls) = self.bind_blocks(&set, arenas, experts)?;
+                (Some(p), calls)
+            }
+            (Some(policy), _) => (
+                Some(self.bind(arenas, policy)?),
+                arenas.iter().flatten().count(),
+            ),
+            (None, _) => (None, 0),
+        })
+    }
+
     /// Step 1: maps one region per tensor kind of the layer, each under the store's map
     /// lock right after its own budget check (see the `budget` module), so that
     /// concurrent packs see each other's regions. Nothing is touched yet.
@@ -291,7 +312,7 @@ impl PinStore {
         Ok(())
     }
 
-    /// Step 2: binds each region once, before anything touches it.
+    /// Binds each region once, before anything touches it.
     fn bind(&self, arenas: &[Option<Arena>; 2], policy: &MemPolicy) -> Result<Placement> {
         let mut placement = Placement::Bound;
         for arena in arenas.iter().flatten() {

@@ -2,11 +2,12 @@
 //! arenas, exports their fds and a manifest, and worker processes attach them read-only,
 //! serving the same pages without copying or re-reading the file.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 
 use super::arena::Arena;
 use super::layer::Layer;
-use super::manifest::Manifest;
+use super::manifest::{Manifest, ManifestRegion};
 use super::{Kind, LayerSpec, Layout, PinStore, State, StoreOptions};
 use crate::error::{Error, Result};
 
@@ -105,10 +106,9 @@ impl PinStore {
     /// The manifest and files disagree (count, lengths, slots that do not fit), a layer
     /// has no weights region, a file is not sealed or too short, or mapping fails.
     pub fn attach(manifest: &Manifest, files: Vec<File>) -> Result<PinStore> {
-        const OP: &str = "PinStore::attach";
         if manifest.regions.len() != files.len() {
             return Err(Error::invalid(
-                OP,
+                ATTACH,
                 format!(
                     "{} regions in the manifest but {} files",
                     manifest.regions.len(),
@@ -124,83 +124,107 @@ impl PinStore {
             },
         )?;
         store.state = State::Frozen;
-        let mut pending: std::collections::BTreeMap<usize, [Option<Arena>; 2]> = Default::default();
-        for (r, file) in manifest.regions.iter().zip(files) {
-            let slots = r.loaded.len();
-            let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
-                && r.slot_bytes <= r.stride
-                && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
-            if r.layer >= super::table::MAX_INDEX {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "layer {} is beyond the {} layers a store holds",
-                        r.layer,
-                        super::table::MAX_INDEX
-                    ),
-                ));
-            }
-            if !fits {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "layer {} {}: slots do not fit the region",
-                        r.layer,
-                        r.kind.name()
-                    ),
-                ));
-            }
-            // Regions of one shape are told apart only by the memfd names export gave
-            // them: a file out of the manifest's order would serve another layer's bytes.
-            let expected = format!("numapin-layer{}-{}", r.layer, r.kind.name());
-            if let Some(name) = memfd_name(&file)
-                && name.starts_with("numapin-layer")
-                && name != expected
-            {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "the file for layer {} {} is the memfd {name:?}: the files are not in \
-                         the manifest's order",
-                        r.layer,
-                        r.kind.name()
-                    ),
-                ));
-            }
-            let arena = Arena::attach(r, file)?;
-            let place = &mut pending.entry(r.layer).or_default()[r.kind.index()];
-            if place.replace(arena).is_some() {
-                return Err(Error::invalid(
-                    OP,
-                    format!("layer {} {} appears twice", r.layer, r.kind.name()),
-                ));
-            }
-        }
-        for (layer, arenas) in pending {
-            let weights = arenas[Kind::Weights.index()].as_ref().ok_or_else(|| {
-                Error::invalid(OP, format!("layer {layer} has no weights region"))
-            })?;
-            let experts = weights.slots();
-            if arenas.iter().flatten().any(|a| a.slots() != experts) {
-                return Err(Error::invalid(
-                    OP,
-                    format!("layer {layer}: its regions differ in slots"),
-                ));
-            }
-            let spec = LayerSpec {
-                experts,
-                weight_bytes: weights.slot_bytes(),
-                scale_bytes: arenas[Kind::Scales.index()]
-                    .as_ref()
-                    .map_or(0, Arena::slot_bytes),
-            };
+        for (layer, arenas) in attach_regions(manifest, files)? {
+            let attached = attached_layer(layer, arenas)?;
             store
                 .layers
-                .set(layer, Box::new(Layer::new(spec, arenas)))
-                .map_err(|_| Error::invalid(OP, format!("layer {layer} appears twice")))?;
+                .set(layer, Box::new(attached))
+                .map_err(|_| Error::invalid(ATTACH, format!("layer {layer} appears twice")))?;
         }
         Ok(store)
     }
+}
+
+const ATTACH: &str = "PinStore::attach";
+
+/// Each region of the manifest checked ([`check_region`]) and mapped from its file,
+/// gathered by layer as `[weights, scales]`; a region twice is refused.
+fn attach_regions(
+    manifest: &Manifest,
+    files: Vec<File>,
+) -> Result<BTreeMap<usize, [Option<Arena>; 2]>> {
+    let mut pending: BTreeMap<usize, [Option<Arena>; 2]> = BTreeMap::new();
+    for (r, file) in manifest.regions.iter().zip(files) {
+        check_region(r, &file)?;
+        let arena = Arena::attach(r, file)?;
+        let place = &mut pending.entry(r.layer).or_default()[r.kind.index()];
+        if place.replace(arena).is_some() {
+            return Err(Error::invalid(
+                ATTACH,
+                format!("layer {} {} appears twice", r.layer, r.kind.name()),
+            ));
+        }
+    }
+    Ok(pending)
+}
+
+/// A manifest region before its file is mapped: a layer a store can hold, slots that fit
+/// the region, and the memfd export named for this region.
+fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
+    let slots = r.loaded.len();
+    let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
+        && r.slot_bytes <= r.stride
+        && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
+    if r.layer >= super::table::MAX_INDEX {
+        return Err(Error::invalid(
+            ATTACH,
+            format!(
+                "layer {} is beyond the {} layers a store holds",
+                r.layer,
+                super::table::MAX_INDEX
+            ),
+        ));
+    }
+    if !fits {
+        return Err(Error::invalid(
+            ATTACH,
+            format!(
+                "layer {} {}: slots do not fit the region",
+                r.layer,
+                r.kind.name()
+            ),
+        ));
+    }
+    // Regions of one shape are told apart only by the memfd names export gave
+    // them: a file out of the manifest's order would serve another layer's bytes.
+    let expected = format!("numapin-layer{}-{}", r.layer, r.kind.name());
+    if let Some(name) = memfd_name(file)
+        && name.starts_with("numapin-layer")
+        && name != expected
+    {
+        return Err(Error::invalid(
+            ATTACH,
+            format!(
+                "the file for layer {} {} is the memfd {name:?}: the files are not in \
+                 the manifest's order",
+                r.layer,
+                r.kind.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A layer of attached regions: it has weights, and all its regions the same slots.
+fn attached_layer(layer: usize, arenas: [Option<Arena>; 2]) -> Result<Layer> {
+    let weights = arenas[Kind::Weights.index()]
+        .as_ref()
+        .ok_or_else(|| Error::invalid(ATTACH, format!("layer {layer} has no weights region")))?;
+    let experts = weights.slots();
+    if arenas.iter().flatten().any(|a| a.slots() != experts) {
+        return Err(Error::invalid(
+            ATTACH,
+            format!("layer {layer}: its regions differ in slots"),
+        ));
+    }
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: weights.slot_bytes(),
+        scale_bytes: arenas[Kind::Scales.index()]
+            .as_ref()
+            .map_or(0, Arena::slot_bytes),
+    };
+    Ok(Layer::new(spec, arenas))
 }
 
 /// The name a memfd was created with (`/proc/self/fd/N` reads `/memfd:NAME (deleted)`);

@@ -18,9 +18,13 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::{MapAccess, Visitor};
 
-use super::{ReadAt, TensorInfo, read_grown, shape_text};
 use crate::error::{CheckpointFault, Error, Result, clip, quote};
-use crate::model::gguf::check_layout;
+use crate::model::files::{ReadAt, check_layout, read_grown, shape_text};
+use crate::model::{self, TensorInfo};
+
+mod open;
+
+pub(super) use open::{open_dir, open_index, open_single};
 
 /// The largest JSON header (or index) read: 100 MiB.
 pub const MAX_HEADER: u64 = 100 << 20;
@@ -137,11 +141,28 @@ impl<'de> Deserialize<'de> for Header {
 /// that is not dtype × shape ([`CheckpointFault::Size`]); a name twice.
 /// [`Error::Io`] when a read fails.
 pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
-    let fault =
-        |tensor: Option<&str>, kind, why: String| Error::checkpoint(file, tensor, kind, why);
     let len = src.size().map_err(|e| Error::io("fstat", file, e))?;
+    let (header_len, Header(entries)) = read_header(src, file, len)?;
+    let data_start = 8 + header_len;
+    let data_len = len - data_start;
+    let mut tensors = Vec::with_capacity(entries.len());
+    for (name, entry) in entries {
+        tensors.push(tensor_info(name, entry, data_start, data_len, file)?);
+    }
+    check_layout(&mut tensors, file)?;
+    Ok(tensors)
+}
+
+fn fault(file: &str, tensor: Option<&str>, kind: CheckpointFault, why: String) -> Error {
+    Error::checkpoint(file, tensor, kind, why)
+}
+
+/// The header's length (from the 8-byte prefix) and its JSON, parsed; the JSON bytes are
+/// dropped once parsed.
+fn read_header(src: &dyn ReadAt, file: &str, len: u64) -> Result<(u64, Header)> {
     if len < 8 {
         return Err(fault(
+            file,
             None,
             CheckpointFault::Truncated,
             format!("{len} bytes: no room for the 8-byte header length"),
@@ -153,6 +174,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
     let header_len = u64::from_le_bytes(prefix);
     if header_len > len - 8 {
         return Err(fault(
+            file,
             None,
             CheckpointFault::Truncated,
             format!("header length {header_len} reaches past the end of the {len} byte file"),
@@ -160,6 +182,7 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
     }
     if header_len > MAX_HEADER {
         return Err(fault(
+            file,
             None,
             CheckpointFault::Header,
             format!("header length {header_len} is over the {MAX_HEADER} byte cap"),
@@ -168,13 +191,15 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
     let json = read_grown(src, 8, header_len).map_err(|e| Error::io("pread", file, e))?;
     let text = std::str::from_utf8(&json).map_err(|e| {
         fault(
+            file,
             None,
             CheckpointFault::Header,
             format!("the header is not UTF-8: {e}"),
         )
     })?;
-    let Header(entries) = serde_json::from_str(text).map_err(|e| {
+    let header = serde_json::from_str(text).map_err(|e| {
         fault(
+            file,
             None,
             CheckpointFault::Header,
             format!(
@@ -183,88 +208,86 @@ pub fn parse(src: &dyn ReadAt, file: &str) -> Result<Vec<TensorInfo>> {
             ),
         )
     })?;
-    drop(json);
+    Ok((header_len, header))
+}
 
-    let data_start = 8 + header_len;
-    let data_len = len - data_start;
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, entry) in entries {
-        let Some(dtype) = Dtype::from_name(&entry.dtype) else {
-            return Err(fault(
-                Some(&name),
-                CheckpointFault::UnknownType,
-                format!("dtype {} is not a safetensors dtype", quote(&entry.dtype)),
-            ));
-        };
-        let (begin, end) = entry.data_offsets;
-        if end < begin {
-            return Err(fault(
-                Some(&name),
-                CheckpointFault::Range,
-                format!("data_offsets [{begin}, {end}] are reversed"),
-            ));
-        }
-        if end > data_len {
-            return Err(fault(
-                Some(&name),
-                CheckpointFault::Range,
-                format!(
-                    "data_offsets [{begin}, {end}] reach past the {data_len} byte data section"
-                ),
-            ));
-        }
-        let bits = entry
-            .shape
-            .iter()
-            .try_fold(dtype.bits(), |acc, &d| acc.checked_mul(d));
-        let bytes = match bits {
-            Some(bits) if bits % 8 == 0 => bits / 8,
-            Some(bits) => {
-                return Err(fault(
-                    Some(&name),
-                    CheckpointFault::Size,
-                    format!(
-                        "{} × {} is {bits} bits, not whole bytes",
-                        dtype.name(),
-                        shape_text(&entry.shape)
-                    ),
-                ));
-            }
-            None => {
-                return Err(fault(
-                    Some(&name),
-                    CheckpointFault::Size,
-                    format!(
-                        "{} × {} overflows 64 bits",
-                        dtype.name(),
-                        shape_text(&entry.shape)
-                    ),
-                ));
-            }
-        };
-        if end - begin != bytes {
-            return Err(fault(
-                Some(&name),
-                CheckpointFault::Size,
-                format!(
-                    "data_offsets [{begin}, {end}] hold {} bytes but {} × {} is {bytes}",
-                    end - begin,
-                    dtype.name(),
-                    shape_text(&entry.shape)
-                ),
-            ));
-        }
-        tensors.push(TensorInfo {
-            name,
-            dtype: super::Dtype::Safetensors(dtype),
-            shape: entry.shape,
-            file: 0,
-            offset: data_start + begin,
-            len: bytes,
-        });
+/// One header entry checked against the data section (`data_len` bytes from
+/// `data_start`): a known dtype, offsets in order and inside, a length of dtype × shape.
+fn tensor_info(
+    name: String,
+    entry: Entry,
+    data_start: u64,
+    data_len: u64,
+    file: &str,
+) -> Result<TensorInfo> {
+    let Some(dtype) = Dtype::from_name(&entry.dtype) else {
+        return Err(fault(
+            file,
+            Some(&name),
+            CheckpointFault::UnknownType,
+            format!("dtype {} is not a safetensors dtype", quote(&entry.dtype)),
+        ));
+    };
+    let (begin, end) = entry.data_offsets;
+    if end < begin {
+        return Err(fault(
+            file,
+            Some(&name),
+            CheckpointFault::Range,
+            format!("data_offsets [{begin}, {end}] are reversed"),
+        ));
     }
-    check_layout(&mut tensors, file)?;
-    Ok(tensors)
+    if end > data_len {
+        return Err(fault(
+            file,
+            Some(&name),
+            CheckpointFault::Range,
+            format!("data_offsets [{begin}, {end}] reach past the {data_len} byte data section"),
+        ));
+    }
+    let bytes = tensor_bytes(dtype, &entry.shape)
+        .map_err(|why| fault(file, Some(&name), CheckpointFault::Size, why))?;
+    if end - begin != bytes {
+        return Err(fault(
+            file,
+            Some(&name),
+            CheckpointFault::Size,
+            format!(
+                "data_offsets [{begin}, {end}] hold {} bytes but {} × {} is {bytes}",
+                end - begin,
+                dtype.name(),
+                shape_text(&entry.shape)
+            ),
+        ));
+    }
+    Ok(TensorInfo {
+        name,
+        dtype: model::Dtype::Safetensors(dtype),
+        shape: entry.shape,
+        file: 0,
+        offset: data_start + begin,
+        len: bytes,
+    })
+}
+
+/// dtype × shape in bytes; the reason when that is not whole bytes or overflows.
+fn tensor_bytes(dtype: Dtype, shape: &[u64]) -> std::result::Result<u64, String> {
+    let bits = shape
+        .iter()
+        .try_fold(dtype.bits(), |acc, &d| acc.checked_mul(d));
+    match bits {
+        Some(bits) if bits % 8 == 0 => Ok(bits / 8),
+        Some(bits) => Err(format!(
+            "{} × {} is {bits} bits, not whole bytes",
+            dtype.name(),
+            shape_text(shape)
+        )),
+        None => Err(format!(
+            "{} × {} overflows 64 bits",
+            dtype.name(),
+            shape_text(shape)
+        )),
+    }
 }
 
 #[derive(Deserialize)]
