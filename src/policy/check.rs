@@ -28,7 +28,8 @@ impl MemPolicy {
     ///
     /// # Example
     /// ```
-    /// use numapin::{MemPolicy, Node};
+    /// use numapin::Node;
+    /// use numapin::policy::MemPolicy;
     /// assert!(MemPolicy::Preferred(Node(4096)).validate().is_err());
     /// assert!(MemPolicy::Preferred(Node(0)).validate().is_ok());
     /// ```

@@ -25,7 +25,8 @@ pub(crate) use check::{
 ///
 /// # Example
 /// ```
-/// use numapin::{MemPolicy, NodeSet};
+/// use numapin::NodeSet;
+/// use numapin::policy::MemPolicy;
 /// let p = MemPolicy::Interleave(NodeSet::from_nodes([0, 1, 2]).unwrap());
 /// assert_eq!(p.to_string(), "interleave:0-2");
 /// assert!(MemPolicy::Bind(NodeSet::new()).validate().is_err());
@@ -241,7 +242,7 @@ impl fmt::Display for MemPolicy {
 ///
 /// # Example
 /// ```
-/// use numapin::{policy, Observed};
+/// use numapin::policy::{self, Observed};
 /// match policy::thread_policy().unwrap() {
 ///     Observed::Known((p, _flags)) => println!("this thread: {p}"),
 ///     Observed::Degraded(why) => println!("no NUMA here: {why}"),
@@ -344,7 +345,8 @@ pub fn set_thread_policy_with(policy: &MemPolicy, flags: ModeFlags) -> Result<Pl
 ///
 /// # Example
 /// ```
-/// use numapin::{policy, MemPolicy, NodeSet};
+/// use numapin::NodeSet;
+/// use numapin::policy::{self, MemPolicy};
 /// let nodes = NodeSet::allowed().unwrap();
 /// {
 ///     let guard = policy::scoped(&MemPolicy::Interleave(nodes)).unwrap();

@@ -68,7 +68,8 @@ enum Backing {
 ///
 /// # Example
 /// ```
-/// use numapin::{MbindFlags, MemPolicy, NodeSet, Placement, Region};
+/// use numapin::policy::{MbindFlags, MemPolicy, Placement};
+/// use numapin::{NodeSet, Region};
 /// let mut region = Region::anonymous(1 << 20).unwrap();
 /// let nodes = NodeSet::allowed().unwrap();
 /// // Bind before the first touch: the policy steers the page faults to come.

@@ -61,10 +61,8 @@ impl Progress {
 ///
 /// let last = Arc::new(AtomicU64::new(0));
 /// let seen = last.clone();
-/// let options = StoreOptions {
-///     progress: Some(ProgressHook::new(move |p| seen.store(p.bytes_done, Ordering::Relaxed))),
-///     ..StoreOptions::default()
-/// };
+/// let options = StoreOptions::default()
+///     .progress(Some(ProgressHook::new(move |p| seen.store(p.bytes_done, Ordering::Relaxed))));
 /// let store = PinStore::new(Layout::Unplaced, options)?;
 /// let w = vec![1u8; 5000];
 /// let sources = [ExpertSource::Memory { weights: &w, scales: &[] }];

@@ -37,7 +37,7 @@ impl PinStore {
     /// `export` takes `&mut self`, so no slice of the store is live while it re-maps:
     /// ```compile_fail,E0502
     /// # use numapin::store::{Layout, PinStore, StoreOptions};
-    /// let mut store = PinStore::new(Layout::Unplaced, StoreOptions { shared: true, ..Default::default() })?;
+    /// let mut store = PinStore::new(Layout::Unplaced, StoreOptions::default().shared(true))?;
     /// let weights = store.weights(0, 0)?;
     /// let export = store.export()?;
     /// println!("{}", weights.len());

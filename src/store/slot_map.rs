@@ -45,7 +45,7 @@ type Places = [Box<[SlotPiece]>; Kind::ALL.len()];
 /// ```
 /// use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, SlotPiece, StoreOptions};
 ///
-/// let options = StoreOptions { piece_align: 64, ..StoreOptions::default() };
+/// let options = StoreOptions::default().piece_align(64);
 /// let store = PinStore::new(Layout::Unplaced, options)?;
 /// let file = std::fs::File::open("/proc/self/exe").unwrap();
 /// // Gate, up and down: 100, 100 and 50 bytes of the file.
