@@ -24,6 +24,7 @@ pub fn map_count() -> Result<usize> {
 ///
 /// # Errors
 /// `/proc/self/maps` cannot be read.
+#[doc(hidden)]
 pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
     maps_overlapping(&[(start, end)])
 }
@@ -33,6 +34,7 @@ pub fn maps_in_range(start: usize, end: usize) -> Result<usize> {
 ///
 /// # Errors
 /// `/proc/self/maps` cannot be read.
+#[doc(hidden)]
 pub fn maps_overlapping(spans: &[(usize, usize)]) -> Result<usize> {
     let mut sorted = spans.to_vec();
     sorted.sort_unstable();
@@ -87,7 +89,7 @@ impl MapsEntry {
 }
 
 /// Parses `/proc/<pid>/maps` text; lines that do not parse are skipped.
-pub fn parse_maps(text: &str) -> Vec<MapsEntry> {
+pub(crate) fn parse_maps(text: &str) -> Vec<MapsEntry> {
     text.lines()
         .filter_map(|line| {
             let mut words = line.splitn(6, ' ');
@@ -145,7 +147,7 @@ pub fn maps_entries_in(start: usize, end: usize) -> Result<Vec<MapsEntry>> {
 ///
 /// # Errors
 /// The directory cannot be read (Linux before 4.3 required `CAP_SYS_ADMIN`).
-pub fn file_backed_ranges() -> Result<Vec<(usize, usize)>> {
+pub(crate) fn file_backed_ranges() -> Result<Vec<(usize, usize)>> {
     const PATH: &str = "/proc/self/map_files";
     let dir = std::fs::read_dir(PATH).map_err(|e| Error::io("read_dir", PATH, e))?;
     let mut ranges = Vec::new();
@@ -186,7 +188,7 @@ pub fn max_map_count() -> Result<usize> {
 ///
 /// # Errors
 /// `/proc/self/status` cannot be read.
-pub fn status_kib(field: &str) -> Result<Option<u64>> {
+pub(crate) fn status_kib(field: &str) -> Result<Option<u64>> {
     Ok(kib_field(&read("/proc/self/status")?, field))
 }
 
@@ -298,6 +300,7 @@ pub fn smaps_in_range(start: usize, end: usize) -> Result<Vec<SmapsEntry>> {
 ///
 /// # Errors
 /// `/proc/self/smaps` cannot be read.
+#[doc(hidden)]
 pub fn smaps_overlapping(spans: &[(usize, usize)]) -> Result<Vec<SmapsEntry>> {
     Ok(parse_smaps(&read("/proc/self/smaps")?)
         .into_iter()
@@ -388,7 +391,7 @@ impl NumaMapsEntry {
 }
 
 /// Parses `numa_maps` text.
-pub fn parse_numa_maps(text: &str) -> Vec<NumaMapsEntry> {
+pub(crate) fn parse_numa_maps(text: &str) -> Vec<NumaMapsEntry> {
     text.lines().filter_map(parse_numa_maps_line).collect()
 }
 
@@ -451,14 +454,14 @@ fn parse_numa_maps_line(line: &str) -> Option<NumaMapsEntry> {
 ///
 /// # Errors
 /// `/proc/self/numa_maps` cannot be read (kernels without NUMA have no such file).
-pub fn numa_maps() -> Result<Vec<NumaMapsEntry>> {
+pub(crate) fn numa_maps() -> Result<Vec<NumaMapsEntry>> {
     Ok(parse_numa_maps(&read("/proc/self/numa_maps")?))
 }
 
 /// The `numa_maps` entry of the mapping that starts at `addr`.
 ///
 /// # Errors
-/// As [`numa_maps`].
+/// `/proc/self/numa_maps` cannot be read.
 pub fn numa_maps_at(addr: *const u8) -> Result<Option<NumaMapsEntry>> {
     Ok(numa_maps()?
         .into_iter()

@@ -7,6 +7,7 @@
 
 pub mod cache;
 mod calls;
+#[doc(hidden)]
 pub mod capability;
 pub mod diag;
 mod error;

@@ -29,11 +29,14 @@
 
 mod config;
 mod files;
-pub mod ggml;
+mod ggml;
+// The header parsers, public for the hostile tests that feed them bytes; not the API.
+#[doc(hidden)]
 pub mod gguf;
 mod naming;
 mod pack;
 mod plan;
+#[doc(hidden)]
 pub mod safetensors;
 
 use std::fs::File;
