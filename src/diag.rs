@@ -212,7 +212,11 @@ fn kib_field(text: &str, field: &str) -> Option<u64> {
 pub fn rss_bytes() -> Result<u64> {
     status_kib("VmRSS")?
         .map(|k| k * 1024)
-        .ok_or_else(|| Error::invalid("read", "/proc/self/status has no VmRSS line"))
+        .ok_or_else(|| Error::Unparsable {
+            path: "/proc/self/status".to_string(),
+            what: "VmRSS (the line is missing)",
+            found: String::new(),
+        })
 }
 
 /// The memory figures of one mapping in `/proc/self/smaps`, in bytes.

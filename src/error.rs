@@ -27,12 +27,19 @@ pub enum Error {
         args: String,
     },
     /// An argument was rejected before any call was made.
+    ///
+    /// One variant with a typed [`Invalid`] detail, not one top-level variant per
+    /// condition: a caller that only wants "was this my argument?" matches
+    /// `InvalidArgument { .. }` (as before, and as `From<Error> for io::Error` does for
+    /// `InvalidInput`), and a caller that reacts to a condition matches the detail
+    /// (`reason: Invalid::Misaligned { .. }`) — hwlocality keeps Rust-side validation apart
+    /// from OS errors the same way.
     #[error("{op}: {reason}")]
     InvalidArgument {
         /// The operation that refused.
         op: &'static str,
-        /// Why, quoting the offending value.
-        reason: String,
+        /// What was wrong, with the offending values.
+        reason: Invalid,
     },
     /// A node string did not parse.
     #[error("invalid node string {input:?}: {reason} (at {part:?})")]
@@ -293,10 +300,304 @@ impl Error {
         }
     }
 
+    /// An invalid argument of a kind nobody matches on: [`Invalid::Other`]. The
+    /// conditions a caller reacts to have their own constructors below.
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
-        Error::InvalidArgument {
+        Self::invalid_because(op, Invalid::Other(reason.into()))
+    }
+
+    /// An invalid argument with a typed detail.
+    pub(crate) fn invalid_because(op: &'static str, reason: Invalid) -> Self {
+        Error::InvalidArgument { op, reason }
+    }
+
+    /// [`Invalid::Misaligned`].
+    pub(crate) fn misaligned(
+        op: &'static str,
+        what: impl Into<String>,
+        value: impl TryInto<u64>,
+        align: impl TryInto<u64>,
+    ) -> Self {
+        Self::invalid_because(
             op,
-            reason: reason.into(),
+            Invalid::Misaligned {
+                what: what.into(),
+                value: wide(value),
+                align: wide(align),
+            },
+        )
+    }
+
+    /// [`Invalid::OutOfBounds`]: `range` (a single offset is `offset..offset`) is not
+    /// inside `within`, which holds `len` bytes.
+    pub(crate) fn out_of_bounds(
+        op: &'static str,
+        what: impl Into<String>,
+        range: std::ops::Range<u64>,
+        len: impl TryInto<u64>,
+        within: &'static str,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::OutOfBounds {
+                what: what.into(),
+                start: range.start,
+                end: range.end,
+                len: wide(len),
+                within,
+            },
+        )
+    }
+
+    /// [`Invalid::Overflow`].
+    pub(crate) fn overflow(op: &'static str, what: impl Into<String>) -> Self {
+        Self::invalid_because(op, Invalid::Overflow { what: what.into() })
+    }
+
+    /// [`Invalid::BadValue`].
+    pub(crate) fn bad_value(
+        op: &'static str,
+        what: &'static str,
+        value: impl fmt::Display,
+        why: impl Into<String>,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::BadValue {
+                what,
+                value: value.to_string(),
+                why: why.into(),
+            },
+        )
+    }
+
+    /// [`Invalid::TooLarge`].
+    pub(crate) fn too_large(
+        op: &'static str,
+        what: impl Into<String>,
+        size: impl TryInto<u64>,
+        max: impl TryInto<u64>,
+        within: &'static str,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::TooLarge {
+                what: what.into(),
+                size: wide(size),
+                max: wide(max),
+                within,
+            },
+        )
+    }
+
+    /// [`Invalid::Mismatch`].
+    pub(crate) fn mismatch(
+        op: &'static str,
+        what: impl Into<String>,
+        expected: impl TryInto<u64>,
+        found: impl TryInto<u64>,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::Mismatch {
+                what: what.into(),
+                expected: wide(expected),
+                found: wide(found),
+            },
+        )
+    }
+
+    /// [`Invalid::Empty`].
+    pub(crate) fn empty(op: &'static str, what: impl Into<String>) -> Self {
+        Self::invalid_because(op, Invalid::Empty { what: what.into() })
+    }
+
+    /// [`Invalid::NoSuchNode`].
+    pub(crate) fn no_such_node(
+        op: &'static str,
+        what: impl Into<String>,
+        node: usize,
+        limit: usize,
+        machine: Option<String>,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::NoSuchNode {
+                what: what.into(),
+                node,
+                limit,
+                machine,
+            },
+        )
+    }
+
+    /// [`Invalid::WrongBacking`].
+    pub(crate) fn wrong_backing(
+        op: &'static str,
+        found: impl Into<String>,
+        needed: &'static str,
+    ) -> Self {
+        Self::invalid_because(
+            op,
+            Invalid::WrongBacking {
+                found: found.into(),
+                needed,
+            },
+        )
+    }
+
+    /// An equivalent error: the same variant with the same fields. `Error` is not `Clone`
+    /// (an [`Error::Io`] owns its `io::Error`); the copy of one keeps the errno when there
+    /// is one, else the kind and the message. For the threads that waited for a load (or
+    /// a read done once per process) that failed: each gets the loader's own error.
+    pub(crate) fn replicate(&self) -> Error {
+        match self {
+            Error::Os { op, errno, args } => Error::Os {
+                op,
+                errno: *errno,
+                args: args.clone(),
+            },
+            Error::InvalidArgument { op, reason } => Error::InvalidArgument {
+                op,
+                reason: reason.clone(),
+            },
+            Error::Parse {
+                input,
+                part,
+                reason,
+            } => Error::Parse {
+                input: input.clone(),
+                part: part.clone(),
+                reason: reason.clone(),
+            },
+            Error::MissingCapability { op, cap, why } => Error::MissingCapability {
+                op,
+                cap,
+                why: why.clone(),
+            },
+            Error::MemlockLimit {
+                wanted,
+                locked,
+                limit,
+            } => Error::MemlockLimit {
+                wanted: *wanted,
+                locked: *locked,
+                limit: *limit,
+            },
+            Error::HugePages {
+                page_bytes,
+                wanted,
+                available,
+                offered,
+            } => Error::HugePages {
+                page_bytes: *page_bytes,
+                wanted: *wanted,
+                available: *available,
+                offered: *offered,
+            },
+            Error::MapBudget {
+                what,
+                needed,
+                available,
+                limit,
+                current,
+            } => Error::MapBudget {
+                what: what.clone(),
+                needed: *needed,
+                available: *available,
+                limit: *limit,
+                current: *current,
+            },
+            Error::NodeMemory {
+                what,
+                needed,
+                available,
+                figure,
+            } => Error::NodeMemory {
+                what: what.clone(),
+                needed: *needed,
+                available: available.clone(),
+                figure,
+            },
+            Error::NotPacked { op, layer } => Error::NotPacked { op, layer: *layer },
+            Error::AlreadyPacked {
+                op,
+                layer,
+                in_progress,
+            } => Error::AlreadyPacked {
+                op,
+                layer: *layer,
+                in_progress: *in_progress,
+            },
+            Error::Released {
+                op,
+                layer,
+                expert,
+                kind,
+            } => Error::Released {
+                op,
+                layer: *layer,
+                expert: *expert,
+                kind,
+            },
+            Error::CacheFull {
+                op,
+                layer,
+                expert,
+                node,
+                capacity,
+            } => Error::CacheFull {
+                op,
+                layer: *layer,
+                expert: *expert,
+                node: *node,
+                capacity: *capacity,
+            },
+            Error::OutOfRange {
+                op,
+                what,
+                index,
+                len,
+            } => Error::OutOfRange {
+                op,
+                what: what.clone(),
+                index: *index,
+                len: *len,
+            },
+            Error::NodeNotAllowed { op, node, allowed } => Error::NodeNotAllowed {
+                op,
+                node: *node,
+                allowed: allowed.clone(),
+            },
+            Error::Unparsable { path, what, found } => Error::Unparsable {
+                path: path.clone(),
+                what,
+                found: found.clone(),
+            },
+            Error::Frozen { op } => Error::Frozen { op },
+            Error::Unusable { op, why } => Error::Unusable {
+                op,
+                why: why.clone(),
+            },
+            Error::Checkpoint {
+                file,
+                tensor,
+                kind,
+                reason,
+            } => Error::Checkpoint {
+                file: file.clone(),
+                tensor: tensor.clone(),
+                kind: *kind,
+                reason: reason.clone(),
+            },
+            Error::Io { op, path, source } => Error::Io {
+                op,
+                path: path.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => std::io::Error::from_raw_os_error(code),
+                    None => std::io::Error::new(source.kind(), source.to_string()),
+                },
+            },
         }
     }
 
@@ -417,6 +718,181 @@ impl From<Error> for std::io::Error {
         };
         std::io::Error::new(kind, e)
     }
+}
+
+/// What was wrong with an argument: the detail of [`Error::InvalidArgument`].
+///
+/// The conditions a caller can react to are variants with the offending figures as
+/// fields; [`Invalid::Other`] is free text for the rest. The `what` fields name the
+/// argument for people (with its context: `"layer 3 expert 5 weights"`); match on the
+/// variant and the numbers, not on that text.
+///
+/// ```
+/// use numapin::{Error, Invalid, Region};
+/// let mut r = Region::anonymous(numapin::page_size()).unwrap();
+/// match r.release(1..numapin::page_size()) {
+///     Err(Error::InvalidArgument { reason: Invalid::Misaligned { value: 1, .. }, .. }) => {}
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Invalid {
+    /// An address, offset or length that must be a multiple of `align` is not.
+    Misaligned {
+        /// What it is (`"address"`, `"start"`).
+        what: String,
+        /// The value given.
+        value: u64,
+        /// The alignment it needs, in bytes (the page size, a huge page, direct I/O's).
+        align: u64,
+    },
+    /// A byte range (or a single offset: `start == end`) that does not lie inside what it
+    /// addresses: it runs past the end, or it is reversed (`start > end`).
+    OutOfBounds {
+        /// What it is (`"range"`, `"offset"`, with context).
+        what: String,
+        /// Its first byte.
+        start: u64,
+        /// Its end (exclusive); `start` for a single offset.
+        end: u64,
+        /// Bytes in what it should lie inside.
+        len: u64,
+        /// What it should lie inside (`"the region"`, `"the file"`).
+        within: &'static str,
+    },
+    /// Arithmetic on the arguments overflows (`usize` or `u64`): sizes that cannot exist.
+    Overflow {
+        /// The computation (`"len 4096 + align 2097152"`).
+        what: String,
+    },
+    /// An option or argument has a value it does not take.
+    BadValue {
+        /// The option or argument (`"SlotAlign"`, `"piece_align"`, `"read mode"`).
+        what: &'static str,
+        /// The value given, formatted.
+        value: String,
+        /// What it should be, or why it is refused.
+        why: String,
+    },
+    /// Bytes that do not fit where they must go.
+    TooLarge {
+        /// What they are (`"layer 0 expert 3 weights"`).
+        what: String,
+        /// Their size, in bytes.
+        size: u64,
+        /// The room there is, in bytes.
+        max: u64,
+        /// Where they must go (`"the slot"`, `"the buffer"`).
+        within: &'static str,
+    },
+    /// Two counts that must agree do not.
+    Mismatch {
+        /// What is counted, and against what.
+        what: String,
+        /// The count needed.
+        expected: u64,
+        /// The count given.
+        found: u64,
+    },
+    /// Something that needs at least one (a node set, a length, a thread count) has none.
+    Empty {
+        /// What there is none of (`"nodes in the cache's node set"`).
+        what: String,
+    },
+    /// A node id that cannot exist: beyond the ids a kernel mask holds, or beyond this
+    /// machine's possible nodes.
+    NoSuchNode {
+        /// What named it (a policy, a target set).
+        what: String,
+        /// The node id.
+        node: usize,
+        /// Ids below this one can exist.
+        limit: usize,
+        /// This machine's possible node ids and nodes with memory, when `limit` is the
+        /// machine's; `None` when it is the kernel mask's (`MAX_NODES`).
+        machine: Option<String>,
+    },
+    /// The mapping (or store) is not of a kind this operation works on: read-only, sealed,
+    /// lost, not a memfd, a shared file mapping that the page cache places.
+    WrongBacking {
+        /// What it is (with the addresses or file when they are known).
+        found: String,
+        /// What the operation needs.
+        needed: &'static str,
+    },
+    /// Anything else, in words.
+    Other(String),
+}
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Invalid::Misaligned { what, value, align } => {
+                write!(f, "{what} {value:#x} is not aligned to {align} bytes")
+            }
+            Invalid::OutOfBounds {
+                what,
+                start,
+                end,
+                len,
+                within,
+            } => {
+                if start > end {
+                    write!(
+                        f,
+                        "{what} {start}..{end} is reversed ({within} has {len} bytes)"
+                    )
+                } else if start == end {
+                    write!(
+                        f,
+                        "{what} {start} is past the end of {within} ({len} bytes)"
+                    )
+                } else {
+                    write!(
+                        f,
+                        "{what} {start}..{end} runs past the end of {within} ({len} bytes)"
+                    )
+                }
+            }
+            Invalid::Overflow { what } => write!(f, "{what} overflows"),
+            Invalid::BadValue { what, value, why } => write!(f, "{what} {value}: {why}"),
+            Invalid::TooLarge {
+                what,
+                size,
+                max,
+                within,
+            } => write!(f, "{what}: {size} bytes but {within} holds {max}"),
+            Invalid::Mismatch {
+                what,
+                expected,
+                found,
+            } => write!(f, "{what}: {expected} expected but {found} given"),
+            Invalid::Empty { what } => write!(f, "no {what}"),
+            Invalid::NoSuchNode {
+                what,
+                node,
+                limit,
+                machine,
+            } => match machine {
+                Some(machine) => write!(
+                    f,
+                    "{what}: node {node} does not exist on this machine, whose kernel has {machine}"
+                ),
+                None => write!(
+                    f,
+                    "{what}: node {node} is beyond the {limit} node ids a kernel mask holds"
+                ),
+            },
+            Invalid::WrongBacking { found, needed } => write!(f, "{found}; this needs {needed}"),
+            Invalid::Other(text) => f.write_str(text),
+        }
+    }
+}
+
+/// A size or count as `u64` (saturating: no size of this crate exceeds it on Linux).
+fn wide(n: impl TryInto<u64>) -> u64 {
+    n.try_into().unwrap_or(u64::MAX)
 }
 
 /// The kinds of [`Error::Checkpoint`].

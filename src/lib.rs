@@ -25,7 +25,7 @@ mod source;
 pub mod store;
 pub mod topology;
 
-pub use error::{CheckpointFault, Errno, Error, Result};
+pub use error::{CheckpointFault, Errno, Error, Invalid, Result};
 pub use node::{KernelMask, NodeContext, possible_node_count};
 pub use nodeset::{MAX_NODES, Node, NodeSet, NodeSetIter};
 pub use page::page_size;

@@ -69,9 +69,12 @@ impl NodeSet {
         let mut set = NodeSet::new();
         for id in ids {
             if id >= MAX_NODES {
-                return Err(Error::invalid(
+                return Err(Error::no_such_node(
                     "NodeSet::from_nodes",
-                    format!("node {id} is beyond the kernel's limit of {MAX_NODES} nodes"),
+                    "ids",
+                    id,
+                    MAX_NODES,
+                    None,
                 ));
             }
             set.insert(Node(id as u16));
@@ -305,9 +308,13 @@ pub(crate) fn parse_kernel_list(text: &str) -> Option<NodeSet> {
 pub(crate) fn read_sysfs_nodes(name: &str) -> Result<Option<NodeSet>> {
     let path = format!("/sys/devices/system/node/{name}");
     match std::fs::read_to_string(&path) {
-        Ok(text) => parse_kernel_list(&text).map(Some).ok_or_else(|| {
-            Error::invalid("read sysfs", format!("{path}: unparsable list {text:?}"))
-        }),
+        Ok(text) => parse_kernel_list(&text)
+            .map(Some)
+            .ok_or_else(|| Error::Unparsable {
+                path: path.clone(),
+                what: "a node list",
+                found: text.chars().take(200).collect(),
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io("read", path, e)),
     }
@@ -325,11 +332,10 @@ pub(crate) fn mems_allowed() -> Result<NodeSet> {
         .lines()
         .find_map(|l| l.strip_prefix("Mems_allowed_list:"))
         .unwrap_or("0");
-    parse_kernel_list(line).ok_or_else(|| {
-        Error::invalid(
-            "read /proc/self/status",
-            format!("unparsable Mems_allowed_list {line:?}"),
-        )
+    parse_kernel_list(line).ok_or_else(|| Error::Unparsable {
+        path: "/proc/self/status".to_string(),
+        what: "Mems_allowed_list",
+        found: line.chars().take(200).collect(),
     })
 }
 

@@ -59,11 +59,12 @@ impl Topology {
     /// # Errors
     /// As [`Topology::read`] (the first call's error is kept).
     pub fn get() -> Result<&'static Topology> {
-        static TOPOLOGY: OnceLock<std::result::Result<Topology, String>> = OnceLock::new();
+        static TOPOLOGY: OnceLock<Result<Topology>> = OnceLock::new();
+        // Every later call gets the first call's error as it was (the same variant).
         TOPOLOGY
-            .get_or_init(|| Topology::read().map_err(|e| e.to_string()))
+            .get_or_init(Topology::read)
             .as_ref()
-            .map_err(|why| Error::invalid("Topology", why.clone()))
+            .map_err(Error::replicate)
     }
 
     /// The node of CPU `cpu` (node 0 where sysfs has no NUMA view).

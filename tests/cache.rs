@@ -15,7 +15,7 @@ use std::sync::{Arc, Barrier};
 use common::{Expect, expect, need_nodes, nodes};
 use numapin::cache::{CacheOptions, ExpertCache, StagingPool};
 use numapin::store::ExpertSource;
-use numapin::{Error, Node, NodeSet, diag};
+use numapin::{Error, Invalid, Node, NodeSet, diag};
 
 use numapin::policy::{DegradeReason, Observed, Placement};
 
@@ -463,10 +463,24 @@ fn a_source_larger_than_a_slot_is_an_error_and_takes_no_slot() {
             None,
         )
         .unwrap_err();
+    // The tensor that does not fit is named, with both figures.
     assert!(
-        err.to_string().contains(
-            "the source has 4097 weight bytes and 16 scale bytes; a slot holds 4096 and 4096"
+        matches!(
+            err,
+            Error::InvalidArgument {
+                reason: Invalid::TooLarge {
+                    size: 4097,
+                    max: 4096,
+                    ..
+                },
+                ..
+            }
         ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .contains("layer 1 expert 1 weights: 4097 bytes but a slot holds 4096"),
         "{err}"
     );
     let stats = cache.stats().unwrap();
@@ -656,11 +670,24 @@ fn a_bound_staging_pool_says_whether_the_bind_took() {
     assert_eq!(buffer.as_slice()[0], 1);
     assert!(matches!(
         StagingPool::new(0, 4096),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::InvalidArgument {
+            reason: Invalid::Empty { .. },
+            ..
+        })
     ));
     assert!(matches!(
         StagingPool::new(1, 0),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::InvalidArgument {
+            reason: Invalid::Empty { .. },
+            ..
+        })
+    ));
+    assert!(matches!(
+        StagingPool::new(usize::MAX, 4096),
+        Err(Error::InvalidArgument {
+            reason: Invalid::Overflow { .. },
+            ..
+        })
     ));
 }
 
@@ -749,4 +776,131 @@ fn region_per_slot_accessors_check_their_ranges() {
     // SAFETY: nothing references bytes past the region (the call refuses the range).
     let err = unsafe { region.slot_mut_unchecked(3 * page..5 * page) }.unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    let (start, end, len) = (3 * page as u64, 5 * page as u64, 4 * page as u64);
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                reason: Invalid::OutOfBounds { start: s, end: e, len: l, .. },
+                ..
+            } if (s, e, l) == (start, end, len)
+        ),
+        "{err:?}"
+    );
+}
+
+/// The conditions a caller reacts to are typed details of `InvalidArgument`, with the
+/// figures: a cache with no slots or no nodes, a source larger than a slot.
+#[test]
+fn invalid_cache_arguments_are_typed() {
+    let none = |result: numapin::Result<ExpertCache>| match result {
+        Err(Error::InvalidArgument {
+            op: "ExpertCache::new",
+            reason: reason @ Invalid::Empty { .. },
+        }) => reason.to_string(),
+        other => panic!("{:?}", other.map(|_| ())),
+    };
+    let one = NodeSet::from_nodes([0]).unwrap();
+    let options = CacheOptions::default;
+    let text = none(ExpertCache::new(one, 0, 4096, 0, options()));
+    assert!(text.contains("slots per node (capacity 0)"), "{text}");
+    none(ExpertCache::new(NodeSet::new(), 1, 4096, 0, options()));
+    none(ExpertCache::new(one, 1, 0, 0, options()));
+    assert!(matches!(
+        ExpertCache::new(one, 2, usize::MAX, 0, options()),
+        Err(Error::InvalidArgument {
+            reason: Invalid::Overflow { .. },
+            ..
+        })
+    ));
+
+    let cache = ExpertCache::new(one, 1, 4096, 64, options()).unwrap();
+    let big = vec![0u8; 4097];
+    let source = ExpertSource::Memory {
+        weights: &big,
+        scales: &[],
+    };
+    match cache.get_or_load(3, 5, &source, None) {
+        Err(Error::InvalidArgument {
+            reason:
+                reason @ Invalid::TooLarge {
+                    size: 4097,
+                    max: 4096,
+                    ..
+                },
+            ..
+        }) => assert_eq!(
+            reason.to_string(),
+            "layer 3 expert 5 weights: 4097 bytes but a slot holds 4096"
+        ),
+        other => panic!("{:?}", other.map(|e| e.key())),
+    }
+}
+
+/// A thread that waited for another thread's load of the same key, which failed, gets
+/// the loader's error: the same variant and the same message, not an `InvalidArgument`
+/// wrapping its text (issue 20 §5). Which thread loads and whether the other arrives in
+/// time to wait are races: the first piece is 8 MiB (the load takes a while), and rounds
+/// repeat until one had a waiter (one load failure for two failed calls); every round
+/// checks that both calls failed alike.
+#[test]
+fn a_waiter_gets_the_loaders_error_kind() {
+    const BIG: usize = 8 << 20;
+    let path = std::env::temp_dir().join(format!("numapin-waiter-{}", std::process::id()));
+    std::fs::write(&path, vec![7u8; BIG]).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    // The first piece reads fine; the second runs past the end of the file: the read
+    // ends early, after the 8 MiB copy.
+    let source = ExpertSource::from_file(&file, &[(0, BIG), (BIG as u64 - 10, 100)], &[]);
+    let cache = ExpertCache::new(
+        NodeSet::from_nodes([0]).unwrap(),
+        2,
+        BIG + 4096,
+        0,
+        CacheOptions::default(),
+    )
+    .unwrap();
+    let mut waited = 0;
+    for round in 0..200 {
+        let failures = cache.stats().unwrap().load_failures;
+        let start = Barrier::new(2);
+        let errors: Vec<Error> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        cache.get_or_load(round, 0, &source, None).map(|_| ())
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap().unwrap_err())
+                .collect()
+        });
+        let (a, b) = (&errors[0], &errors[1]);
+        assert!(matches!(a, Error::Io { .. }), "{a:?}");
+        assert_eq!(
+            std::mem::discriminant(a),
+            std::mem::discriminant(b),
+            "{a:?} / {b:?}"
+        );
+        assert_eq!(a.to_string(), b.to_string());
+        assert_eq!(a.errno(), b.errno());
+        if let (Error::Io { source: x, .. }, Error::Io { source: y, .. }) = (a, b) {
+            assert_eq!(x.kind(), y.kind());
+        }
+        if cache.stats().unwrap().load_failures == failures + 1 {
+            waited += 1;
+            if waited == 3 {
+                break;
+            }
+        }
+    }
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        waited > 0,
+        "no round had a thread wait for the other's load"
+    );
+    assert!(cache.get(0, 0).is_none());
 }

@@ -8,7 +8,7 @@ use std::ffi::c_void;
 use std::ptr;
 
 use common::{Expect, errno_here, expect, ok_here};
-use numapin::{Errno, Error, NodeSet, Region};
+use numapin::{Errno, Error, Invalid, NodeSet, Region};
 
 use numapin::policy::{MbindFlags, MemPolicy, ModeFlags, Observed, Placement};
 use numapin_sys as sys;
@@ -218,7 +218,11 @@ fn typed_empty_set_is_an_error_naming_the_policy_in_every_environment() {
         MemPolicy::Interleave(NodeSet::new()),
     ] {
         match r.bind(&p, MbindFlags::empty()) {
-            Err(Error::InvalidArgument { reason, .. }) => {
+            Err(Error::InvalidArgument {
+                reason: reason @ Invalid::Empty { .. },
+                ..
+            }) => {
+                let reason = reason.to_string();
                 assert!(reason.contains(p.name()), "{reason}")
             }
             other => panic!("{p:?}: {other:?}"),
@@ -257,7 +261,7 @@ fn typed_unknown_flags_and_exclusive_mode_flags_are_refused_in_every_environment
         Err(Error::InvalidArgument {
             op: "mbind",
             reason,
-        }) => reason,
+        }) => reason.to_string(),
         other => panic!("{other:?}"),
     };
     let reason = refused(r.bind(&p, MbindFlags::from_bits_retain(0x80)));
@@ -292,8 +296,16 @@ fn typed_bind_range_checks_alignment_in_every_environment() {
     match result {
         Err(Error::InvalidArgument {
             op: "bind_range",
-            reason,
-        }) => assert!(reason.contains("not aligned")),
+            reason:
+                reason @ Invalid::Misaligned {
+                    value,
+                    align: 4096..,
+                    ..
+                },
+        }) => {
+            assert_eq!(value, r.as_ptr() as u64 + 1);
+            assert!(reason.to_string().contains("not aligned"), "{reason}");
+        }
         other => panic!("{other:?}"),
     }
     // SAFETY: inside our own region; len 0 changes nothing.

@@ -50,7 +50,7 @@ fn machine() -> String {
 
 fn invalid(result: numapin::Result<impl std::fmt::Debug>) -> (&'static str, String) {
     match result {
-        Err(Error::InvalidArgument { op, reason }) => (op, reason),
+        Err(Error::InvalidArgument { op, reason }) => (op, reason.to_string()),
         other => panic!("expected an invalid-argument error, got {other:?}"),
     }
 }

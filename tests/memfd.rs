@@ -3,7 +3,7 @@
 mod common;
 
 use common::{Expect, degrade_here, degrade_pages_here, expect, expect_pages, pages_source_here};
-use numapin::{Error, HugePageSize, NodeSet, Region, Seals, diag};
+use numapin::{Error, HugePageSize, Invalid, NodeSet, Region, Seals, diag};
 
 use numapin::policy::{MbindFlags, MemPolicy, Observed};
 
@@ -30,6 +30,7 @@ fn seals_stop_resizing_and_future_writes_but_not_this_mapping() {
     // WRITE is refused while this writable mapping exists, with the way out named.
     match r.seal(Seals::WRITE) {
         Err(Error::InvalidArgument { reason, .. }) => {
+            let reason = reason.to_string();
             assert!(reason.contains("FUTURE_WRITE"), "{reason}")
         }
         other => panic!("{other:?}"),
@@ -221,11 +222,18 @@ fn capability_checks_name_cap_sys_nice() {
         match numapin::migrate_process(0, &nodes, &outside) {
             Err(Error::InvalidArgument {
                 op: "migrate_pages",
-                reason,
-            }) => assert!(
-                reason.contains(&format!("node {missing} does not exist")),
-                "{reason}"
-            ),
+                reason: reason @ Invalid::NoSuchNode { .. },
+            }) => {
+                let Invalid::NoSuchNode { node, .. } = reason else {
+                    unreachable!()
+                };
+                assert_eq!(node, missing.index());
+                let reason = reason.to_string();
+                assert!(
+                    reason.contains(&format!("node {missing} does not exist")),
+                    "{reason}"
+                )
+            }
             other => panic!("{other:?}"),
         }
         // Target nodes outside the cpuset but with some inside do need it: the kernel's

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, Piece, TensorRef};
 use numapin::store::{ExpertSource, Kind, Layout, PinStore, StoreOptions};
-use numapin::{CheckpointFault, Error};
+use numapin::{CheckpointFault, Error, Invalid};
 
 use numapin::policy::Placement;
 
@@ -486,8 +486,20 @@ fn piece_align_must_be_a_power_of_two() {
         let options = StoreOptions::default().piece_align(align);
         match PinStore::new(Layout::Unplaced, options) {
             Ok(_) => assert!(ok, "{align}"),
-            Err(Error::InvalidArgument { reason, .. }) => {
+            Err(Error::InvalidArgument {
+                reason:
+                    reason @ Invalid::BadValue {
+                        what: "piece_align",
+                        ..
+                    },
+                ..
+            }) => {
                 assert!(!ok, "{align}");
+                let Invalid::BadValue { value, .. } = &reason else {
+                    unreachable!()
+                };
+                assert_eq!(*value, align.to_string());
+                let reason = reason.to_string();
                 assert!(reason.contains(&format!("piece_align {align}")), "{reason}");
             }
             Err(other) => panic!("{align}: {other:?}"),

@@ -15,6 +15,7 @@ use numapin::store::{
     ExpertSource, LayerSpec, Layout, Piece, PinStore, ReadFallback, ReadMode, StoreOptions,
 };
 use numapin::{Errno, Error};
+
 use numapin_testkit::synthetic::SyntheticModel;
 
 /// 5 experts of 3 pieces each over a file of `LEN` bytes: aligned and unaligned offsets

@@ -5,7 +5,7 @@ mod common;
 use std::io::Write;
 
 use common::{Expect, degrade_here, expect, placement_here, whole};
-use numapin::{Advice, Error, NodeSet, Region, diag};
+use numapin::{Advice, Error, Invalid, NodeSet, Region, diag};
 
 use numapin::policy::{MbindFlags, MemPolicy, Observed, Placement};
 
@@ -70,14 +70,47 @@ fn release_drops_rss_and_keeps_the_policy() {
 #[test]
 fn release_checks_its_range() {
     let mut r = Region::anonymous(4 * page()).unwrap();
-    assert!(matches!(
-        r.release(1..page()),
-        Err(Error::InvalidArgument { .. })
-    ));
-    assert!(matches!(
-        r.release(0..5 * page()),
-        Err(Error::InvalidArgument { .. })
-    ));
+    let len = 4 * page() as u64;
+    // Each condition is a typed detail a caller can match, with the figures.
+    match r.release(1..page()) {
+        Err(Error::InvalidArgument {
+            op: "Region::release",
+            reason: Invalid::Misaligned {
+                value: 1, align, ..
+            },
+        }) => assert_eq!(align, page() as u64),
+        other => panic!("{other:?}"),
+    }
+    match r.release(0..5 * page()) {
+        Err(Error::InvalidArgument {
+            reason:
+                Invalid::OutOfBounds {
+                    start: 0,
+                    end,
+                    len: l,
+                    within: "the region",
+                    ..
+                },
+            ..
+        }) => assert_eq!((end, l), (5 * page() as u64, len)),
+        other => panic!("{other:?}"),
+    }
+    match r.slot(0..4 * page() + 1) {
+        Err(Error::InvalidArgument {
+            op: "Region::slot",
+            reason: reason @ Invalid::OutOfBounds { end, .. },
+        }) => {
+            assert_eq!(end, len + 1);
+            assert_eq!(
+                reason.to_string(),
+                format!(
+                    "range 0..{} runs past the end of the region ({len} bytes)",
+                    len + 1
+                )
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     #[allow(clippy::reversed_empty_ranges)]
     let reversed = 2 * page()..page();
     assert!(matches!(
@@ -157,12 +190,30 @@ fn anonymous_aligned_is_aligned_and_checks_its_arguments() {
     }
     assert!(matches!(
         Region::anonymous(0),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::InvalidArgument {
+            reason: Invalid::Empty { .. },
+            ..
+        })
     ));
     assert!(matches!(
         Region::anonymous(usize::MAX),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::InvalidArgument {
+            reason: Invalid::Overflow { .. },
+            ..
+        })
     ));
+    match Region::anonymous_aligned(page(), 3 << 20) {
+        Err(Error::InvalidArgument {
+            op: "Region::anonymous_aligned",
+            reason:
+                Invalid::BadValue {
+                    what: "align",
+                    value,
+                    ..
+                },
+        }) => assert_eq!(value, (3 << 20).to_string()),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -189,7 +240,11 @@ fn file_mappings_are_read_only_and_refuse_bind() {
         &MemPolicy::Bind(NodeSet::allowed().unwrap()),
         MbindFlags::empty(),
     ) {
-        Err(Error::InvalidArgument { reason, .. }) => {
+        Err(Error::InvalidArgument {
+            reason: reason @ Invalid::WrongBacking { .. },
+            ..
+        }) => {
+            let reason = reason.to_string();
             assert!(reason.contains("page cache"), "{reason}")
         }
         other => panic!("{other:?}"),
@@ -286,7 +341,11 @@ fn bind_range_refuses_a_shared_file_mapping_like_region_bind() {
         assert!(result.is_ok(), "{result:?}");
     } else {
         match result {
-            Err(Error::InvalidArgument { reason, .. }) => {
+            Err(Error::InvalidArgument {
+                reason: reason @ Invalid::WrongBacking { .. },
+                ..
+            }) => {
+                let reason = reason.to_string();
                 assert!(reason.contains("page cache"), "{reason}")
             }
             other => panic!("bind_range over a shared file mapping gave {other:?}"),

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::degrade_here;
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{Error, NodeSet, diag};
+use numapin::{Error, Invalid, NodeSet, diag};
 
 use numapin::policy::{MemPolicy, Observed, Placement};
 
@@ -372,13 +372,25 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
 
     let invalid = |r: numapin::Result<numapin::store::LayerReport>, needle: &str| match r {
         Err(Error::InvalidArgument { reason, .. }) => {
+            let reason = reason.to_string();
             assert!(reason.contains(needle), "{reason} lacks {needle:?}")
         }
         other => panic!("expected an error with {needle:?}, got {other:?}"),
     };
+    assert!(matches!(
+        store.pack_layer(0, &spec, &good[..1]),
+        Err(Error::InvalidArgument {
+            reason: Invalid::Mismatch {
+                expected: 2,
+                found: 1,
+                ..
+            },
+            ..
+        })
+    ));
     invalid(
         store.pack_layer(0, &spec, &good[..1]),
-        "2 experts but 1 sources",
+        "one per expert of the spec: 2 expected but 1 given",
     );
     let too_big = vec![
         good[0].clone(),
@@ -387,6 +399,18 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
             scales: &[],
         },
     ];
+    match store.pack_layer(0, &spec, &too_big) {
+        Err(Error::InvalidArgument {
+            reason:
+                Invalid::TooLarge {
+                    size: 4097,
+                    max: 4096,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
     invalid(
         store.pack_layer(0, &spec, &too_big),
         "4097 bytes but the slot holds 4096",
@@ -395,7 +419,23 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
         good[0].clone(),
         ExpertSource::from_file(&file, &[(4096, 100), (8190, 10)], &[]),
     ];
-    invalid(store.pack_layer(0, &spec, &short), "file offset 8190");
+    match store.pack_layer(0, &spec, &short) {
+        Err(Error::InvalidArgument {
+            reason:
+                Invalid::OutOfBounds {
+                    start: 8190,
+                    end: 8200,
+                    within: "the file",
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    invalid(
+        store.pack_layer(0, &spec, &short),
+        "piece at file offsets 8190..8200 runs past the end of the file (8192 bytes)",
+    );
     let overflow = LayerSpec {
         experts: usize::MAX / 4096,
         weight_bytes: 4096 * 4,
@@ -414,12 +454,26 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
             scales: &[],
         })
         .collect();
+    assert!(matches!(
+        store.pack_layer(0, &huge_slot, &weights_only),
+        Err(Error::InvalidArgument {
+            reason: Invalid::Overflow { .. },
+            ..
+        })
+    ));
     invalid(store.pack_layer(0, &huge_slot, &weights_only), "overflow");
     invalid(
         store.pack_layer(0, &LayerSpec { experts: 0, ..spec }, &[]),
         "no experts",
     );
-    invalid(store.pack_layer(usize::MAX, &spec, &good), "beyond");
+    // A layer index past the store's table is an index out of range, like an expert's.
+    assert!(matches!(
+        store.pack_layer(usize::MAX, &spec, &good),
+        Err(Error::OutOfRange {
+            index: usize::MAX,
+            ..
+        })
+    ));
     assert_eq!(store.stats().unwrap().layers, 0);
 
     // Still usable: pack, then the errors that need a packed layer.
@@ -657,4 +711,40 @@ fn an_expert_straddling_two_files_loads_exactly_and_the_spec_fits_its_sources() 
         assert_eq!(store.scales(0, e).unwrap(), &bytes_b[9_000..9_064]);
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A slot alignment or a loader-thread count the store cannot take is a typed detail
+/// naming the option and the value.
+#[test]
+fn bad_store_options_are_typed() {
+    use numapin::store::SlotAlign;
+    match SlotAlign::Bytes(3).bytes() {
+        Err(Error::InvalidArgument {
+            op: "SlotAlign",
+            reason:
+                reason @ Invalid::BadValue {
+                    what: "SlotAlign::Bytes",
+                    ..
+                },
+        }) => {
+            let Invalid::BadValue { value, .. } = &reason else {
+                unreachable!()
+            };
+            assert_eq!(value, "3");
+            assert!(
+                reason
+                    .to_string()
+                    .starts_with("SlotAlign::Bytes 3: not a power of two")
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let options = StoreOptions::default().loader_threads(0);
+    assert!(matches!(
+        PinStore::new(Layout::Unplaced, options),
+        Err(Error::InvalidArgument {
+            reason: Invalid::Empty { .. },
+            ..
+        })
+    ));
 }

@@ -83,7 +83,7 @@ impl CacheOptions {
 }
 
 /// What a slot holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 enum SlotState {
     /// Nothing: on its node's free list.
     Free,
@@ -91,9 +91,9 @@ enum SlotState {
     Loading,
     /// Holds an expert; on its node's LRU list.
     Ready,
-    /// The load failed while others waited for it: they take the message, and the last
-    /// one frees the slot.
-    Failed(String),
+    /// The load failed while others waited for it: each takes a copy of the loader's
+    /// error (the same variant, [`Error::replicate`]), and the last one frees the slot.
+    Failed(Box<Error>),
 }
 
 #[derive(Debug)]
@@ -252,22 +252,22 @@ impl ExpertCache {
     ) -> Result<ExpertCache> {
         const OP: &str = "ExpertCache::new";
         if nodes.is_empty() {
-            return Err(Error::invalid(OP, "the node set is empty"));
+            return Err(Error::empty(OP, "nodes in the cache's node set"));
         }
         if slots_per_node == 0 {
-            return Err(Error::invalid(
+            return Err(Error::empty(
                 OP,
-                "capacity 0: a cache needs at least one slot per node",
+                "slots per node (capacity 0): a cache needs at least one slot per node",
             ));
         }
         if weight_bytes == 0 {
-            return Err(Error::invalid(OP, "weight_bytes is 0"));
+            return Err(Error::empty(OP, "weight bytes (weight_bytes is 0)"));
         }
         let page = page_size();
         let stride = |bytes: usize, what: &str| {
-            bytes.checked_next_multiple_of(page).ok_or_else(|| {
-                Error::invalid(OP, format!("{what} {bytes} overflow when rounded to pages"))
-            })
+            bytes
+                .checked_next_multiple_of(page)
+                .ok_or_else(|| Error::overflow(OP, format!("{what} {bytes} rounded to pages")))
         };
         let weight_stride = stride(weight_bytes, "weight_bytes")?;
         let scale_stride = stride(scale_bytes, "scale_bytes")?;
@@ -275,10 +275,11 @@ impl ExpertCache {
             .checked_mul(nodes.len())
             .filter(|&n| n < NONE as usize)
             .ok_or_else(|| {
-                Error::invalid(
+                Error::overflow(
                     OP,
                     format!(
-                        "{slots_per_node} slots on each of {} nodes: more than {} in all",
+                        "the slot count, {slots_per_node} slots on each of {} nodes (at most {} \
+                         in all),",
                         nodes.len(),
                         NONE - 1
                     ),
@@ -286,9 +287,9 @@ impl ExpertCache {
             })?;
         let region_len = |stride: usize, what: &str| {
             stride.checked_mul(slots_per_node).ok_or_else(|| {
-                Error::invalid(
+                Error::overflow(
                     OP,
-                    format!("{slots_per_node} slots × {what} stride {stride} overflow"),
+                    format!("{slots_per_node} slots × {what} stride {stride}"),
                 )
             })
         };
@@ -396,7 +397,7 @@ impl ExpertCache {
         let key = (layer, expert);
         let mut state = self.lock();
         let slot = match state.index.get(&key) {
-            Some(&slot) if state.slots[slot as usize].state == SlotState::Ready => slot,
+            Some(&slot) if matches!(state.slots[slot as usize].state, SlotState::Ready) => slot,
             _ => {
                 state.counters.misses += 1;
                 return None;
@@ -455,7 +456,7 @@ impl ExpertCache {
                     // evicted and refilled with another key before this thread wakes:
                     // then the index lookup below finds the key gone, and this thread
                     // loads it.
-                    while state.slots[slot as usize].state == SlotState::Loading
+                    while matches!(state.slots[slot as usize].state, SlotState::Loading)
                         && state.slots[slot as usize].key == key
                     {
                         state = self
@@ -465,18 +466,11 @@ impl ExpertCache {
                     }
                     let s = &mut state.slots[slot as usize];
                     s.waiters -= 1;
-                    if let SlotState::Failed(why) = &s.state {
+                    if let SlotState::Failed(loader_error) = &s.state {
                         // A failed slot with waiters stays off the free list until its last
-                        // waiter frees it.
-                        let error = (s.key == key).then(|| {
-                            Error::invalid(
-                                OP,
-                                format!(
-                                    "layer {layer} expert {expert}: another thread's load of \
-                                     it failed: {why}"
-                                ),
-                            )
-                        });
+                        // waiter frees it. Each waiter gets what the loader got: the same
+                        // variant, so that it can react as the loader could.
+                        let error = (s.key == key).then(|| loader_error.replicate());
                         if s.waiters == 0 {
                             self.free_slot(&mut state, slot);
                         }
@@ -496,15 +490,14 @@ impl ExpertCache {
 
         let weight_len = source.bytes(Kind::Weights)?;
         let scale_len = source.bytes(Kind::Scales)?;
-        if weight_len > self.weight_bytes || scale_len > self.scale_bytes {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "layer {layer} expert {expert}: the source has {weight_len} weight bytes and \
-                     {scale_len} scale bytes; a slot holds {} and {}",
-                    self.weight_bytes, self.scale_bytes
-                ),
-            ));
+        for (kind, len, room) in [
+            (Kind::Weights, weight_len, self.weight_bytes),
+            (Kind::Scales, scale_len, self.scale_bytes),
+        ] {
+            if len > room {
+                let what = format!("layer {layer} expert {expert} {}", kind.name());
+                return Err(Error::too_large(OP, what, len, room, "a slot"));
+            }
         }
 
         let node_index = self.choose_node(&state, hint)?;
@@ -549,7 +542,7 @@ impl ExpertCache {
                     s.state = SlotState::Free;
                     state.nodes[node_index].free.push(slot);
                 } else {
-                    s.state = SlotState::Failed(error.to_string());
+                    s.state = SlotState::Failed(Box::new(error.replicate()));
                 }
                 Err(error)
             }
@@ -672,7 +665,7 @@ impl ExpertCache {
         let mut cursor = state.nodes[node].tail;
         while cursor != NONE {
             let s = &state.slots[cursor as usize];
-            if s.pins == 0 && s.state == SlotState::Ready {
+            if s.pins == 0 && matches!(s.state, SlotState::Ready) {
                 return Some(cursor);
             }
             cursor = s.prev;

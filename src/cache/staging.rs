@@ -76,17 +76,20 @@ impl StagingPool {
     fn build(buffers: usize, buffer_bytes: usize, node: Option<Node>) -> Result<StagingPool> {
         const OP: &str = "StagingPool::new";
         if buffers == 0 || buffer_bytes == 0 {
-            return Err(Error::invalid(
+            return Err(Error::empty(
                 OP,
-                format!("{buffers} buffers of {buffer_bytes} bytes: both must be at least 1"),
+                format!(
+                    "buffers or no buffer bytes ({buffers} buffers of {buffer_bytes} bytes): \
+                     both must be at least 1"
+                ),
             ));
         }
         let stride = buffer_bytes
             .checked_next_multiple_of(page_size())
-            .ok_or_else(|| Error::invalid(OP, format!("{buffer_bytes} bytes overflow")))?;
-        let len = stride.checked_mul(buffers).ok_or_else(|| {
-            Error::invalid(OP, format!("{buffers} buffers × stride {stride} overflow"))
-        })?;
+            .ok_or_else(|| Error::overflow(OP, format!("{buffer_bytes} bytes rounded to pages")))?;
+        let len = stride
+            .checked_mul(buffers)
+            .ok_or_else(|| Error::overflow(OP, format!("{buffers} buffers × stride {stride}")))?;
         let region = Region::anonymous(len)?;
         let placement = match node {
             Some(node) => {

@@ -245,10 +245,10 @@ impl Checkpoint {
                 )
             })?;
             let len = usize::try_from(p.len()).map_err(|_| {
-                Error::invalid(
+                Error::overflow(
                     "Checkpoint::pack",
                     format!(
-                        "{}: a piece of {} bytes does not fit usize",
+                        "{}: a piece of {} bytes as a usize",
                         file.path().display(),
                         p.len()
                     ),

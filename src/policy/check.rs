@@ -41,9 +41,9 @@ impl MemPolicy {
             | MemPolicy::WeightedInterleave(s)
                 if s.is_empty() =>
             {
-                return Err(Error::invalid(
+                return Err(Error::empty(
                     "MemPolicy",
-                    format!("{} needs at least one node; the set is empty", self.name()),
+                    format!("nodes for {}, which needs at least one", self.name()),
                 ));
             }
             _ => {}
@@ -51,12 +51,12 @@ impl MemPolicy {
         if let MemPolicy::Preferred(node) = self
             && node.index() >= MAX_NODES
         {
-            return Err(Error::invalid(
+            return Err(Error::no_such_node(
                 "MemPolicy",
-                format!(
-                    "{}: node {node} is beyond the {MAX_NODES} node ids a kernel mask holds",
-                    self.name()
-                ),
+                self.name(),
+                node.index(),
+                MAX_NODES,
+                None,
             ));
         }
         Ok(())
@@ -103,12 +103,12 @@ pub(crate) fn check_exist(
     let possible = possible_node_count();
     match nodes.into_iter().find(|n| n.index() >= possible) {
         None => Ok(()),
-        Some(node) => Err(Error::invalid(
+        Some(node) => Err(Error::no_such_node(
             op,
-            format!(
-                "{what}: node {node} does not exist on this machine, whose kernel has {}",
-                machine_nodes()
-            ),
+            what.to_string(),
+            node.index(),
+            possible,
+            Some(machine_nodes()),
         )),
     }
 }
@@ -130,9 +130,11 @@ pub(crate) fn check_mode_flags(
     flags: ModeFlags,
 ) -> Result<()> {
     let refuse = |why: String| {
-        Err(Error::invalid(
+        Err(Error::bad_value(
             op,
-            format!("policy {policy} with mode flags {flags:?}: {why}"),
+            "policy",
+            format_args!("{policy} with mode flags {flags:?}"),
+            why,
         ))
     };
     let unknown = flags.bits() & !KNOWN_MODE_FLAGS;
@@ -173,12 +175,13 @@ pub(crate) fn check_mbind_flags(flags: MbindFlags) -> Result<()> {
     if unknown == 0 {
         return Ok(());
     }
-    Err(Error::invalid(
+    Err(Error::bad_value(
         "mbind",
+        "flags",
+        format_args!("{:#x}", flags.bits()),
         format!(
-            "flags {:#x}: bit(s) {unknown:#x} are no mbind flag the kernel accepts \
+            "bit(s) {unknown:#x} are no mbind flag the kernel accepts \
              (MPOL_MF_STRICT, MPOL_MF_MOVE, MPOL_MF_MOVE_ALL are {:#x}, {:#x}, {:#x})",
-            flags.bits(),
             sys::MPOL_MF_STRICT,
             sys::MPOL_MF_MOVE,
             sys::MPOL_MF_MOVE_ALL

@@ -424,7 +424,14 @@ impl MemPolicy {
 
     /// [`MemPolicy::parse_in`] with a node-string parser.
     fn parse_with(input: &str, nodes: impl FnOnce(&str) -> Result<NodeSet>) -> Result<MemPolicy> {
-        let bad = |why: &str| Error::invalid("MemPolicy::from_str", format!("{why}: {input:?}"));
+        let bad = |why: &str| {
+            Error::bad_value(
+                "MemPolicy::from_str",
+                "memory policy",
+                format!("{input:?}"),
+                why,
+            )
+        };
         let (name, list) = match input.split_once(':') {
             Some((name, list)) => (name.trim(), Some(list)),
             None => (input.trim(), None),
@@ -501,6 +508,7 @@ impl<'de> serde::Deserialize<'de> for MemPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Invalid;
     use crate::node::MAX_NODES;
     use proptest::prelude::*;
 
@@ -582,7 +590,11 @@ mod tests {
         ];
         for (text, why) in invalid {
             match MemPolicy::parse_in(text, &c) {
-                Err(Error::InvalidArgument { op, reason }) => {
+                Err(Error::InvalidArgument {
+                    op,
+                    reason: reason @ Invalid::BadValue { .. },
+                }) => {
+                    let reason = reason.to_string();
                     assert_eq!(op, "MemPolicy::from_str");
                     assert!(reason.contains(why), "{text:?}: {reason}");
                     assert!(reason.contains(&format!("{text:?}")), "{text:?}: {reason}");

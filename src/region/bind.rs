@@ -35,15 +35,17 @@ pub unsafe fn bind_range(
 ) -> Result<Placement> {
     let page = page_size();
     if !(ptr as usize).is_multiple_of(page) {
-        return Err(Error::invalid(
+        return Err(Error::misaligned(
             "bind_range",
-            format!("address {ptr:p} is not aligned to the page size {page}"),
+            "address",
+            ptr as usize,
+            page,
         ));
     }
     if (ptr as usize).checked_add(len).is_none() {
-        return Err(Error::invalid(
+        return Err(Error::overflow(
             "bind_range",
-            format!("address {ptr:p} + len {len} overflows"),
+            format!("address {ptr:p} + len {len}"),
         ));
     }
     refuse_page_cache(ptr as usize, len)?;
@@ -70,13 +72,14 @@ fn refuse_page_cache(start: usize, len: usize) -> Result<()> {
         if matches!(fs, Ok(TMPFS_MAGIC | HUGETLBFS_MAGIC)) {
             continue;
         }
-        return Err(Error::invalid(
+        return Err(Error::wrong_backing(
             "bind_range",
             format!(
                 "{vma_start:#x}-{vma_end:#x} is a shared mapping of {path:?}, a file placed by \
                  the page cache, which ignores VMA policy: pages stay where they were first \
-                 read. Copy the data into anonymous or memfd memory bound before the copy"
+                 read"
             ),
+            "anonymous or memfd memory: copy the data into some bound before the copy",
         ));
     }
     Ok(())

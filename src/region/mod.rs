@@ -160,15 +160,17 @@ impl Region {
         const OP: &str = "Region::anonymous_aligned";
         let page = page_size();
         if !align.is_power_of_two() || align < page {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 OP,
-                format!("align {align} is not a power of two at least the page size {page}"),
+                "align",
+                align,
+                format!("not a power of two at least the page size {page}"),
             ));
         }
         let len = round_len(OP, len, page)?;
         let span = len
             .checked_add(align)
-            .ok_or_else(|| Error::invalid(OP, format!("len {len} + align {align} overflows")))?;
+            .ok_or_else(|| Error::overflow(OP, format!("len {len} + align {align}")))?;
         let base = map_anonymous(span)?;
         let start = (base as usize).next_multiple_of(align);
         let head = start - base as usize;
@@ -227,9 +229,11 @@ impl Region {
         const OP: &str = "Region::anonymous_fenced_aligned";
         let page = page_size();
         if !align.is_power_of_two() || align < page {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 OP,
-                format!("align {align} is not a power of two at least the page size {page}"),
+                "align",
+                align,
+                format!("not a power of two at least the page size {page}"),
             ));
         }
         map_fenced(OP, len, align)
@@ -352,16 +356,23 @@ impl Region {
     }
 
     fn writable(&self, op: &'static str) -> Result<()> {
+        const WRITABLE: &str = "a writable anonymous or memfd mapping";
         match self.backing {
-            Backing::File => Err(Error::invalid(op, "the region is a read-only file mapping")),
-            Backing::Sealed(_) => Err(Error::invalid(
+            Backing::File => Err(Error::wrong_backing(
+                op,
+                "the region is a read-only file mapping",
+                WRITABLE,
+            )),
+            Backing::Sealed(_) => Err(Error::wrong_backing(
                 op,
                 "the region is a read-only view of a sealed memfd (an attached or exported \
                  store): its bytes cannot change",
+                WRITABLE,
             )),
-            Backing::Lost => Err(Error::invalid(
+            Backing::Lost => Err(Error::wrong_backing(
                 op,
                 "the region's mapping was lost by a failed remap",
+                WRITABLE,
             )),
             Backing::Anonymous | Backing::Memfd(_) => Ok(()),
         }
@@ -394,11 +405,11 @@ impl Region {
         flags: MbindFlags,
     ) -> Result<Placement> {
         if let Backing::File = self.backing {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 "mbind",
-                "a shared file mapping is placed by the page cache, which ignores VMA \
-                 policy: pages stay where they were first read. Copy the data into an \
-                 anonymous or memfd region bound before the copy",
+                "the region is a shared file mapping, placed by the page cache, which ignores \
+                 VMA policy: pages stay where they were first read",
+                "an anonymous or memfd region: copy the data into one bound before the copy",
             ));
         }
         // SAFETY: the whole range is this region's own mapping; MOVE flags only migrate
@@ -420,18 +431,11 @@ impl Region {
         flags: MbindFlags,
     ) -> Result<Placement> {
         let page = crate::page::page_size();
-        if range.start > range.end
-            || range.end > self.len
-            || !range.start.is_multiple_of(page)
-            || !range.end.is_multiple_of(page)
-        {
-            return Err(Error::invalid(
-                "mbind",
-                format!(
-                    "range {range:?} is not a page-aligned part of the region of {} bytes",
-                    self.len
-                ),
-            ));
+        self.check_range("mbind", &range)?;
+        for (what, value) in [("start", range.start), ("end", range.end)] {
+            if !value.is_multiple_of(page) {
+                return Err(Error::misaligned("mbind", what, value, page));
+            }
         }
         if let Backing::File = self.backing {
             return self.bind(policy, flags);
@@ -699,12 +703,12 @@ impl Region {
     /// Refuses a reversed range or one that reaches past the region.
     fn check_range(&self, op: &'static str, range: &Range<usize>) -> Result<()> {
         if range.start > range.end || range.end > self.len {
-            return Err(Error::invalid(
+            return Err(Error::out_of_bounds(
                 op,
-                format!(
-                    "range {range:?} is not inside the region of {} bytes",
-                    self.len
-                ),
+                "range",
+                range.start as u64..range.end as u64,
+                self.len,
+                "the region",
             ));
         }
         Ok(())
@@ -734,12 +738,12 @@ impl Region {
     /// `EPERM`/`ENOSYS`.
     pub fn policy_at(&self, offset: usize) -> Result<Observed<(MemPolicy, ModeFlags)>> {
         if offset >= self.len {
-            return Err(Error::invalid(
+            return Err(Error::out_of_bounds(
                 "Region::policy_at",
-                format!(
-                    "offset {offset} is outside the region of {} bytes",
-                    self.len
-                ),
+                "offset",
+                offset as u64..offset as u64,
+                self.len,
+                "the region",
             ));
         }
         // SAFETY: the address is inside our own mapping.
@@ -821,13 +825,7 @@ impl Region {
         self.check_range(op, &range)?;
         let page = page_size();
         if !range.start.is_multiple_of(page) {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "start {} is not a multiple of the page size {page}",
-                    range.start
-                ),
-            ));
+            return Err(Error::misaligned(op, "start", range.start, page));
         }
         let end = range.end.next_multiple_of(page).min(self.map_len());
         if end == range.start {
@@ -890,10 +888,18 @@ impl Drop for Region {
 #[doc(alias = "move_pages")]
 pub unsafe fn range_placement(ptr: *const u8, len: usize) -> Result<Observed<NodeHistogram>> {
     let page = page_size();
-    if !(ptr as usize).is_multiple_of(page) || (ptr as usize).checked_add(len).is_none() {
-        return Err(Error::invalid(
+    if !(ptr as usize).is_multiple_of(page) {
+        return Err(Error::misaligned(
             "range_placement",
-            format!("address {ptr:p} is not page-aligned, or + len {len} overflows"),
+            "address",
+            ptr as usize,
+            page,
+        ));
+    }
+    if (ptr as usize).checked_add(len).is_none() {
+        return Err(Error::overflow(
+            "range_placement",
+            format!("address {ptr:p} + len {len}"),
         ));
     }
     // SAFETY: forwarded from the caller; a query moves nothing.
@@ -910,10 +916,7 @@ fn map_fenced(op: &'static str, len: usize, align: usize) -> Result<Region> {
         .checked_add(2 * page)
         .and_then(|l| l.checked_add(align - page))
         .ok_or_else(|| {
-            Error::invalid(
-                op,
-                format!("len {len} + align {align} + two guard pages overflows"),
-            )
+            Error::overflow(op, format!("len {len} + align {align} + two guard pages"))
         })?;
     // SAFETY: a fresh inaccessible anonymous mapping at an address the kernel picks;
     // nothing references it.
@@ -993,23 +996,27 @@ fn map_read_only(
 ) -> Result<(*mut c_void, usize)> {
     let page = page_size();
     if !offset.is_multiple_of(page as u64) {
-        return Err(Error::invalid(
-            op,
-            format!("offset {offset} is not a multiple of the page size {page}"),
-        ));
+        return Err(Error::misaligned(op, "offset", offset, page));
     }
     if len == 0 {
-        return Err(Error::invalid(op, "length 0"));
+        return Err(Error::empty(op, "bytes to map (length 0)"));
     }
     let size = file
         .metadata()
         .map_err(|e| Error::io("fstat", "mapped file", e))?
         .len();
-    if offset.checked_add(len as u64).is_none_or(|end| end > size) {
-        return Err(Error::invalid(
-            op,
-            format!("offset {offset} + len {len} runs past the end of the file ({size} bytes)"),
-        ));
+    match offset.checked_add(len as u64) {
+        None => return Err(Error::overflow(op, format!("offset {offset} + len {len}"))),
+        Some(end) if end > size => {
+            return Err(Error::out_of_bounds(
+                op,
+                "range",
+                offset..end,
+                size,
+                "the file",
+            ));
+        }
+        Some(_) => {}
     }
     let map_len = round_len(op, len, page)?;
     // SAFETY: a new read-only mapping at an address the kernel picks; no slice of it
@@ -1037,10 +1044,10 @@ fn map_read_only(
 
 fn round_len(op: &'static str, len: usize, page: usize) -> Result<usize> {
     if len == 0 {
-        return Err(Error::invalid(op, "length 0"));
+        return Err(Error::empty(op, "bytes to map (length 0)"));
     }
     len.checked_next_multiple_of(page)
-        .ok_or_else(|| Error::invalid(op, format!("length {len} overflows when rounded to pages")))
+        .ok_or_else(|| Error::overflow(op, format!("length {len} rounded to pages")))
 }
 
 /// Refuses a lock the kernel would refuse for `RLIMIT_MEMLOCK`, naming the figures.

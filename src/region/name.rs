@@ -75,17 +75,18 @@ impl Region {
     pub fn set_name(&self, name: &str) -> Result<bool> {
         const OP: &str = "Region::set_name";
         if !matches!(self.backing, Backing::Anonymous) {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 OP,
-                "only private anonymous mappings can be named",
+                "the region is not a private anonymous mapping",
+                "a private anonymous mapping: only those can be named",
             ));
         }
         if let Some(why) = invalid_name_reason(name) {
             let shown: String = name.chars().take(100).collect();
-            return Err(Error::invalid(OP, format!("name {shown:?}: {why}")));
+            return Err(Error::bad_value(OP, "name", format!("{shown:?}"), why));
         }
         let c_name = CString::new(name)
-            .map_err(|_| Error::invalid(OP, format!("name {name:?} holds a NUL")))?;
+            .map_err(|_| Error::bad_value(OP, "name", format!("{name:?}"), "holds a NUL"))?;
         // SAFETY: the range is this region's own mapping and `c_name` is NUL-terminated;
         // naming changes no memory.
         let named = unsafe {

@@ -485,9 +485,9 @@ pub fn migrate_process(
 ) -> Result<Observed<usize>> {
     const OP: &str = "migrate_pages";
     if from.is_empty() || to.is_empty() {
-        return Err(Error::invalid(
+        return Err(Error::empty(
             OP,
-            format!("from {{{from}}} and to {{{to}}} must both name nodes"),
+            format!("nodes in from {{{from}}} or in to {{{to}}}: both must name nodes"),
         ));
     }
     // Nodes that cannot exist, or a target set with no node this process may allocate

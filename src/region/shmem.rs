@@ -101,14 +101,18 @@ impl Seals {
     }
 }
 
+/// What [`Invalid::WrongBacking`](crate::error::Invalid::WrongBacking) says of a region
+/// that is not a memfd.
+const NOT_MEMFD: &str = "the region is not a memfd";
+
 /// The seals of `file` (`F_GET_SEALS`).
 fn file_seals(op: &'static str, file: &File) -> Result<Seals> {
     match rustix::fs::fcntl_get_seals(file) {
         Ok(flags) => Ok(Seals::from_kernel(flags)),
-        Err(Errno::INVAL) => Err(Error::invalid(
+        Err(Errno::INVAL) => Err(Error::wrong_backing(
             op,
-            "the file is not a memfd that allows sealing (F_GET_SEALS answered EINVAL): \
-             only a sealed memfd can be mapped without trusting every other process",
+            "the file is not a memfd that allows sealing (F_GET_SEALS answered EINVAL)",
+            "a sealed memfd: only one can be mapped without trusting every other process",
         )),
         Err(e) => Err(Error::os("fcntl", e, "F_GET_SEALS")),
     }
@@ -230,7 +234,7 @@ impl Region {
     pub fn seal(&self, seals: Seals) -> Result<()> {
         let file = self
             .file()
-            .ok_or_else(|| Error::invalid("Region::seal", "only memfd regions can be sealed"))?;
+            .ok_or_else(|| Error::wrong_backing("Region::seal", NOT_MEMFD, "a memfd region"))?;
         add_seals("Region::seal", file, seals)
     }
 
@@ -241,7 +245,7 @@ impl Region {
     pub fn seals(&self) -> Result<Seals> {
         let file = self
             .file()
-            .ok_or_else(|| Error::invalid("Region::seals", "only memfd regions have seals"))?;
+            .ok_or_else(|| Error::wrong_backing("Region::seals", NOT_MEMFD, "a memfd region"))?;
         file_seals("Region::seals", file)
     }
 
@@ -269,13 +273,13 @@ impl Region {
         const OP: &str = "Region::attach_shared";
         let seals = file_seals(OP, &file)?;
         if !seals.contains(Seals::IMMUTABLE) {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 OP,
                 format!(
                     "the memfd carries {seals:?}, not WRITE | SHRINK | GROW: another process \
-                     could change or truncate it under this mapping (PinStore::export seals \
-                     what it hands out)"
+                     could change or truncate it under this mapping"
                 ),
+                "a memfd sealed WRITE | SHRINK | GROW (PinStore::export seals what it hands out)",
             ));
         }
         let (ptr, map_len) =
@@ -310,10 +314,10 @@ impl Region {
         match &self.backing {
             Backing::Memfd(_) => {}
             Backing::Sealed(file) => return add_seals(OP, file, Seals::IMMUTABLE),
-            _ => return Err(Error::invalid(OP, "only memfd regions can be shared")),
+            _ => return Err(Error::wrong_backing(OP, NOT_MEMFD, "a memfd region")),
         }
         let Backing::Memfd(fd) = std::mem::replace(&mut self.backing, Backing::Lost) else {
-            return Err(Error::invalid(OP, "only memfd regions can be shared"));
+            return Err(Error::wrong_backing(OP, NOT_MEMFD, "a memfd region"));
         };
         let file = fd.into_file();
         let len = self.map_len();

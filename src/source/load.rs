@@ -472,13 +472,12 @@ fn fill_one(
         Tensor::Memory(bytes) => {
             let room = job.dest.len();
             let dest = job.dest.get_mut(..bytes.len()).ok_or_else(|| {
-                Error::invalid(
+                Error::too_large(
                     "load",
-                    format!(
-                        "layer {layer} expert {expert} {}: {} bytes do not fit a slot of {room}",
-                        kind.name(),
-                        bytes.len(),
-                    ),
+                    format!("layer {layer} expert {expert} {}", kind.name()),
+                    bytes.len(),
+                    room,
+                    "a slot",
                 )
             })?;
             dest.copy_from_slice(bytes);

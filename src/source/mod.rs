@@ -143,9 +143,9 @@ impl<'a> ExpertSource<'a> {
                 .iter()
                 .try_fold(0usize, |sum, p| sum.checked_add(p.len))
                 .ok_or_else(|| {
-                    Error::invalid(
+                    Error::overflow(
                         "ExpertSource",
-                        format!("the {} piece lengths overflow usize", kind.name()),
+                        format!("the sum of the {} piece lengths", kind.name()),
                     )
                 }),
         }
@@ -160,13 +160,12 @@ impl<'a> ExpertSource<'a> {
     pub fn read_tensor(&self, kind: Kind, dest: &mut [u8]) -> Result<()> {
         let len = self.bytes(kind)?;
         if dest.len() < len {
-            return Err(Error::invalid(
+            return Err(Error::too_large(
                 "ExpertSource::read_tensor",
-                format!(
-                    "the {} take {len} bytes but the buffer holds {}",
-                    kind.name(),
-                    dest.len()
-                ),
+                format!("the {}", kind.name()),
+                len,
+                dest.len(),
+                "the buffer",
             ));
         }
         load::fill_slot(load::Job {
@@ -235,20 +234,25 @@ impl<'a> Tensor<'a> {
                             size
                         }
                     };
-                    let end = piece.offset.checked_add(piece.len as u64);
-                    if end.is_none_or(|end| end > size) {
-                        return Err(Error::invalid(
+                    let end = piece.offset.checked_add(piece.len as u64).ok_or_else(|| {
+                        let at = format!(
+                            "piece at file offset {} + {} bytes",
+                            piece.offset, piece.len
+                        );
+                        Error::overflow(op, format!("{}: {at}", what()))
+                    })?;
+                    if end > size {
+                        let at = format!("{}: piece at file offsets", what());
+                        return Err(Error::out_of_bounds(
                             op,
-                            format!(
-                                "{}: piece at file offset {} of {} bytes runs past the end of the file ({size} bytes)",
-                                what(),
-                                piece.offset,
-                                piece.len
-                            ),
+                            at,
+                            piece.offset..end,
+                            size,
+                            "the file",
                         ));
                     }
                     total = total.checked_add(piece.len).ok_or_else(|| {
-                        Error::invalid(op, format!("{}: piece lengths overflow", what()))
+                        Error::overflow(op, format!("{}: the sum of the piece lengths", what()))
                     })?;
                 }
                 Ok(total)

@@ -84,9 +84,11 @@ impl std::str::FromStr for ReadMode {
             .into_iter()
             .find(|m| m.name() == wanted)
             .ok_or_else(|| {
-                Error::invalid(
+                Error::bad_value(
                     "ReadMode",
-                    format!("{s:?} is not a read mode: expected buffered, direct or drop-behind"),
+                    "read mode",
+                    format!("{s:?}"),
+                    "expected buffered, direct or drop-behind",
                 )
             })
     }

@@ -150,13 +150,12 @@ impl PinStore {
             let places = slot_map::places(&what, source, kind, self.options.piece_align)?;
             let len = slot_map::extent(&places);
             if len > spec.bytes(kind) {
-                return Err(Error::invalid(
+                return Err(Error::too_large(
                     "PinStore::ensure",
-                    format!(
-                        "{}: the pieces take {len} bytes with their padding but the slot holds {}",
-                        what(),
-                        spec.bytes(kind)
-                    ),
+                    format!("{} (the pieces with their padding)", what()),
+                    len,
+                    spec.bytes(kind),
+                    "the slot",
                 ));
             }
             let Some(arena) = self.arena_mut(layer, expert, kind)? else {
@@ -216,13 +215,7 @@ pub(super) fn check_fits(
         let what = || describe(layer, expert, kind);
         let len = source.tensor(kind).checked_len(PACK, &what)?;
         if len > max {
-            return Err(Error::invalid(
-                PACK,
-                format!(
-                    "{}: the source has {len} bytes but the slot holds {max}",
-                    what()
-                ),
-            ));
+            return Err(Error::too_large(PACK, what(), len, max, "the slot"));
         }
         lengths[kind.index()] = len;
     }

@@ -66,10 +66,10 @@ impl Arena {
     ) -> Result<Arena> {
         let huge_pages = matches!(backing, Backing::Anonymous { huge_pages: true });
         let overflow = || {
-            Error::invalid(
+            Error::overflow(
                 "PinStore::pack_layer",
                 format!(
-                    "{slots} {} slots of {slot_bytes} bytes overflow the address space",
+                    "the address space of {slots} {} slots of {slot_bytes} bytes",
                     kind.name()
                 ),
             )
@@ -141,10 +141,14 @@ impl Arena {
         })?;
         let len = src.len();
         let dest = self.slot_mut(i)?;
+        let room = dest.len();
         let dest = dest.get_mut(..len).ok_or_else(|| {
-            Error::invalid(
+            Error::too_large(
                 "PinStore replica",
-                format!("slot {i}: {len} bytes do not fit a replica's slot"),
+                format!("slot {i}"),
+                len,
+                room,
+                "a replica's slot",
             )
         })?;
         dest.copy_from_slice(src);
@@ -215,9 +219,12 @@ impl Arena {
             .as_mut_slice()?
             .get_mut(range.clone())
             .ok_or_else(|| {
-                Error::invalid(
+                Error::out_of_bounds(
                     "PinStore",
-                    format!("slot range {range:?} is outside the region of {len} bytes"),
+                    format!("slot {i} range"),
+                    range.start as u64..range.end as u64,
+                    len,
+                    "the region",
                 )
             })
     }

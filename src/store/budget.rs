@@ -74,9 +74,9 @@ impl MapGate {
     /// The check alone (no lock): `needed` plus [`HEAP_MARGIN`] against the free slots.
     fn check(&self, what: impl FnOnce() -> String, needed: usize) -> Result<()> {
         let Some(needed) = needed.checked_add(HEAP_MARGIN) else {
-            return Err(Error::invalid(
+            return Err(Error::overflow(
                 "PinStore map budget",
-                format!("{} needs {needed} mappings: overflow", what()),
+                format!("{}: {needed} mappings + a margin of {HEAP_MARGIN}", what()),
             ));
         };
         let limit = match self.budget {
@@ -120,9 +120,9 @@ impl PinStore {
             * self.layout.copies()
             * self.layout.maps_per_region(spec.experts);
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
-            Error::invalid(
+            Error::overflow(
                 "PinStore::check_model_budget",
-                format!("{layers} layers × {per_layer} regions overflow usize"),
+                format!("{layers} layers × {per_layer} regions"),
             )
         })?;
         self.check_budget(format!("a model of {layers} layers"), needed)

@@ -52,10 +52,7 @@ impl Layout {
     /// exportable arenas) no replicas.
     pub(super) fn check(&self, shared: bool) -> Result<()> {
         if self.nodes().is_some_and(|set| set.is_empty()) {
-            return Err(Error::invalid(
-                "PinStore::new",
-                format!("{self:?} has no nodes"),
-            ));
+            return Err(Error::empty("PinStore::new", format!("nodes in {self:?}")));
         }
         if shared && !self.replica_set().is_empty() {
             return Err(Error::invalid(

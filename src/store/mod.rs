@@ -122,7 +122,10 @@ impl PinStore {
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
         layout.check(options.shared)?;
         if options.loader_threads == 0 {
-            return Err(Error::invalid("PinStore::new", "loader_threads is 0"));
+            return Err(Error::empty(
+                "PinStore::new",
+                "loader threads (loader_threads is 0)",
+            ));
         }
         options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
@@ -249,7 +252,10 @@ impl PinStore {
         }
         let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
         let maps = per_copy.checked_mul(copies).ok_or_else(|| {
-            Error::invalid(PACK, format!("layer {layer}: {copies} copies overflow"))
+            Error::overflow(
+                PACK,
+                format!("layer {layer}: the mappings of {copies} copies"),
+            )
         })?;
         if maps > spec.kinds().count() {
             self.check_budget(format!("layer {layer} ({copies} copies)"), maps)?;
@@ -336,9 +342,9 @@ impl PinStore {
         target: &(dyn Fn(usize) -> Option<crate::node::Node> + Sync),
     ) -> Result<(load::Filled, (ReadMode, Option<ReadFallback>))> {
         let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
-            Error::invalid(
+            Error::overflow(
                 PACK,
-                format!("layer {layer}: {} experts overflow usize", sources.len()),
+                format!("layer {layer}: the slots of {} experts", sources.len()),
             )
         })?;
         let reader = load::Reader::new(
@@ -416,28 +422,25 @@ impl PinStore {
         sources: &[ExpertSource<'_>],
     ) -> Result<Vec<[usize; 2]>> {
         if layer >= table::MAX_INDEX {
-            return Err(Error::invalid(
-                PACK,
-                format!(
-                    "layer {layer} is beyond the store's {} layers",
-                    table::MAX_INDEX
-                ),
-            ));
+            return Err(Error::OutOfRange {
+                op: PACK,
+                what: "layer".to_string(),
+                index: layer,
+                len: table::MAX_INDEX,
+            });
         }
         if spec.experts == 0 || spec.weight_bytes == 0 {
-            return Err(Error::invalid(
+            return Err(Error::empty(
                 PACK,
-                format!("layer {layer}: {spec:?} has no experts or no weight bytes"),
+                format!("experts or no weight bytes in layer {layer}'s {spec:?}"),
             ));
         }
         if sources.len() != spec.experts {
-            return Err(Error::invalid(
+            return Err(Error::mismatch(
                 PACK,
-                format!(
-                    "layer {layer}: the spec has {} experts but {} sources were given",
-                    spec.experts,
-                    sources.len()
-                ),
+                format!("layer {layer}: sources, one per expert of the spec"),
+                spec.experts,
+                sources.len(),
             ));
         }
         sources

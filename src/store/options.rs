@@ -92,10 +92,12 @@ impl SlotAlign {
             SlotAlign::Page => Ok(page),
             SlotAlign::HugePage => Ok(arena::HUGE_PAGE),
             SlotAlign::Bytes(n) if n.is_power_of_two() && n >= page && n <= MAX_ALIGN => Ok(n),
-            SlotAlign::Bytes(n) => Err(Error::invalid(
+            SlotAlign::Bytes(n) => Err(Error::bad_value(
                 "SlotAlign",
+                "SlotAlign::Bytes",
+                n,
                 format!(
-                    "{n} is not a power of two from the page size {page} to {MAX_ALIGN} \
+                    "not a power of two from the page size {page} to {MAX_ALIGN} \
                      (1 GiB: a larger alignment pads every slot by more than a huge page of \
                      the largest size)"
                 ),

@@ -81,9 +81,9 @@ pub(crate) fn copy_bytes(spec: &LayerSpec, align: usize) -> Result<u64> {
         let stride = super::arena::stride_for(spec.bytes(kind), align);
         let bytes = stride.and_then(|s| s.checked_mul(spec.experts));
         let Some(bytes) = bytes else {
-            return Err(Error::invalid(
+            return Err(Error::overflow(
                 "PinStore",
-                format!("{spec:?}: a copy's size overflows"),
+                format!("{spec:?}: a copy's size"),
             ));
         };
         total = total.saturating_add(bytes as u64);

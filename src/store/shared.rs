@@ -55,9 +55,10 @@ impl PinStore {
             return Err(super::broken(OP));
         }
         if !self.options.shared {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 OP,
-                "the store is not memfd-backed: set StoreOptions::shared",
+                "the store is not memfd-backed",
+                "memfd-backed arenas: set StoreOptions::shared",
             ));
         }
         self.state = State::Frozen;
@@ -107,13 +108,11 @@ impl PinStore {
     /// has no weights region, a file is not sealed or too short, or mapping fails.
     pub fn attach(manifest: &Manifest, files: Vec<File>) -> Result<PinStore> {
         if manifest.regions.len() != files.len() {
-            return Err(Error::invalid(
+            return Err(Error::mismatch(
                 ATTACH,
-                format!(
-                    "{} regions in the manifest but {} files",
-                    manifest.regions.len(),
-                    files.len()
-                ),
+                "files, one per region of the manifest",
+                manifest.regions.len(),
+                files.len(),
             ));
         }
         let mut store = PinStore::new(
@@ -166,14 +165,12 @@ fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
         && r.slot_bytes <= r.stride
         && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
     if r.layer >= super::table::MAX_INDEX {
-        return Err(Error::invalid(
-            ATTACH,
-            format!(
-                "layer {} is beyond the {} layers a store holds",
-                r.layer,
-                super::table::MAX_INDEX
-            ),
-        ));
+        return Err(Error::OutOfRange {
+            op: ATTACH,
+            what: "layer".to_string(),
+            index: r.layer,
+            len: super::table::MAX_INDEX,
+        });
     }
     if !fits {
         return Err(Error::invalid(

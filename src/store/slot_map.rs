@@ -73,10 +73,12 @@ pub(super) fn check_piece_align(align: usize) -> Result<()> {
     if align.is_power_of_two() && align <= super::MAX_ALIGN {
         Ok(())
     } else {
-        Err(Error::invalid(
+        Err(Error::bad_value(
             "PinStore::new",
+            "piece_align",
+            align,
             format!(
-                "piece_align {align} is not a power of two up to {} (1: pieces back to back)",
+                "not a power of two up to {} (1: pieces back to back)",
                 super::MAX_ALIGN
             ),
         ))
@@ -91,7 +93,7 @@ pub(super) fn places(
     kind: Kind,
     align: usize,
 ) -> Result<Vec<SlotPiece>> {
-    let overflow = || Error::invalid(OP, format!("{}: piece offsets overflow usize", what()));
+    let overflow = || Error::overflow(OP, format!("{}: a piece offset", what()));
     match source.tensor(kind) {
         Tensor::Memory([]) => Ok(Vec::new()),
         Tensor::Memory(bytes) => Ok(vec![SlotPiece {

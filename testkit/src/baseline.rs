@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use numapin::store::{ExpertSource, Kind, LayerSpec};
-use numapin::{Errno, Error, Node, Result};
+use numapin::{Errno, Error, Invalid, Node, Result};
 
 use numapin::policy::{MbindFlags, MemPolicy, Observed, Placement};
 
@@ -78,11 +78,12 @@ impl SlabPerExpert {
                 if len > spec.bytes(kind) {
                     return Err(Error::InvalidArgument {
                         op: "SlabPerExpert::load_layer",
-                        reason: format!(
-                            "layer {layer} expert {expert} {}: {len} bytes do not fit {}",
-                            kind.name(),
-                            spec.bytes(kind)
-                        ),
+                        reason: Invalid::TooLarge {
+                            what: format!("layer {layer} expert {expert} {}", kind.name()),
+                            size: len as u64,
+                            max: spec.bytes(kind) as u64,
+                            within: "a slab",
+                        },
                     });
                 }
                 if len == 0 {

@@ -7,7 +7,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use numapin::store::{ExpertSource, Kind, LayerSpec, Piece};
-use numapin::{Error, Result};
+use numapin::{Error, Invalid, Result};
 
 /// The shape of a synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +58,9 @@ impl SyntheticModel {
             .and_then(|n| n.checked_mul(self.expert_bytes() as u64))
             .ok_or_else(|| Error::InvalidArgument {
                 op: "SyntheticModel",
-                reason: format!("{self:?} overflows"),
+                reason: Invalid::Overflow {
+                    what: format!("the total size of {self:?}"),
+                },
             })
     }
 
