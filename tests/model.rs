@@ -67,7 +67,7 @@ fn fixtures(test: &str) -> Option<PathBuf> {
     }
 }
 
-fn pread_all(checkpoint: &Checkpoint, pieces: &[numapin::model::Piece]) -> Vec<u8> {
+fn pread_all(checkpoint: &Checkpoint, pieces: &[numapin::model::TensorPiece]) -> Vec<u8> {
     let mut out = Vec::new();
     for p in pieces {
         let mut buf = vec![0u8; p.len() as usize];

@@ -11,7 +11,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, Piece, TensorRef};
+use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, TensorPiece, TensorRef};
 use numapin::store::{ExpertSource, Kind, Layout, PinStore, StoreOptions};
 use numapin::{CheckpointFault, Error, Invalid};
 
@@ -102,7 +102,7 @@ impl Fixture {
     }
 }
 
-fn read_piece(checkpoint: &Checkpoint, piece: &Piece) -> Vec<u8> {
+fn read_piece(checkpoint: &Checkpoint, piece: &TensorPiece) -> Vec<u8> {
     let mut buf = vec![0u8; piece.len() as usize];
     checkpoint.files()[piece.file()]
         .file()
@@ -113,9 +113,9 @@ fn read_piece(checkpoint: &Checkpoint, piece: &Piece) -> Vec<u8> {
 
 /// `pread`s a slot of these pieces needs: runs of pieces that continue each other in one
 /// file are one read (with pieces back to back in the slot).
-fn runs(pieces: &[Piece]) -> usize {
+fn runs(pieces: &[TensorPiece]) -> usize {
     let mut count = 0;
-    let mut last: Option<&Piece> = None;
+    let mut last: Option<&TensorPiece> = None;
     for p in pieces.iter().filter(|p| !p.is_empty()) {
         let continues =
             last.is_some_and(|l| l.file() == p.file() && l.offset() + l.len() == p.offset());
@@ -127,7 +127,7 @@ fn runs(pieces: &[Piece]) -> usize {
     count
 }
 
-fn pieces(plan: &ExpertPlan, layer: usize, expert: usize, kind: Kind) -> &[Piece] {
+fn pieces(plan: &ExpertPlan, layer: usize, expert: usize, kind: Kind) -> &[TensorPiece] {
     let e = &plan.layer(layer).unwrap().experts()[expert];
     match kind {
         Kind::Weights => e.weights(),
@@ -320,7 +320,7 @@ fn an_expert_straddling_two_shards_reads_each_shard_into_its_slot() {
     let files = |kind| {
         let mut f: Vec<usize> = pieces(&plan, layer, expert, kind)
             .iter()
-            .map(Piece::file)
+            .map(TensorPiece::file)
             .collect();
         f.dedup();
         f
@@ -459,7 +459,7 @@ fn piece_align_puts_every_piece_at_a_multiple_and_keeps_the_bytes() {
 
 fn source_pieces<'a>(
     checkpoint: &'a Checkpoint,
-    pieces: &[Piece],
+    pieces: &[TensorPiece],
 ) -> Vec<numapin::store::Piece<'a>> {
     pieces
         .iter()

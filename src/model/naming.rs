@@ -327,16 +327,17 @@ pub(crate) fn no_experts(checkpoint: &Checkpoint, naming: &str) -> Error {
     )
 }
 
-/// One range of a file: part of an expert's slot.
+/// One range of a checkpoint file holding part of a tensor: what a role of an expert
+/// reads into its slot (the plan's view; the store reads it as a [`crate::store::Piece`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Piece {
+pub struct TensorPiece {
     pub(crate) tensor: usize,
     pub(crate) file: usize,
     pub(crate) offset: u64,
     pub(crate) len: u64,
 }
 
-impl Piece {
+impl TensorPiece {
     /// Index of the tensor it comes from in [`Checkpoint::tensors`].
     pub fn tensor(&self) -> usize {
         self.tensor
@@ -375,23 +376,23 @@ pub enum PieceRole {
 /// One expert: its weight pieces and scale pieces, each in slot order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertPieces {
-    pub(crate) weights: Vec<Piece>,
-    pub(crate) scales: Vec<Piece>,
+    pub(crate) weights: Vec<TensorPiece>,
+    pub(crate) scales: Vec<TensorPiece>,
 }
 
 impl ExpertPieces {
     /// The weight pieces in slot order (gate, up, down).
-    pub fn weights(&self) -> &[Piece] {
+    pub fn weights(&self) -> &[TensorPiece] {
         &self.weights
     }
 
     /// The scale pieces in the same order (empty without scales).
-    pub fn scales(&self) -> &[Piece] {
+    pub fn scales(&self) -> &[TensorPiece] {
         &self.scales
     }
 
     /// The pieces of one slot.
-    pub fn pieces(&self, role: PieceRole) -> &[Piece] {
+    pub fn pieces(&self, role: PieceRole) -> &[TensorPiece] {
         match role {
             PieceRole::Weight => &self.weights,
             PieceRole::Scale => &self.scales,

@@ -237,7 +237,7 @@ impl Checkpoint {
 
     /// The store's sources for one layer: each plan piece as a [`Piece`] of its open file.
     fn sources(&self, layer: &LayerPlan) -> Result<Vec<ExpertSource<'_>>> {
-        let piece = |p: &super::Piece| -> Result<Piece<'_>> {
+        let piece = |p: &super::TensorPiece| -> Result<Piece<'_>> {
             let file = self.files.get(p.file()).ok_or_else(|| {
                 Error::invalid(
                     "Checkpoint::pack",
@@ -380,7 +380,7 @@ impl Checkpoint {
     fn compare_slot(
         &self,
         slot: &[u8],
-        pieces: &[super::Piece],
+        pieces: &[super::TensorPiece],
         places: &[SlotPiece],
         (buffer, reader, scratch): (&mut [u8], &Reader<'_>, &mut Scratch),
         report: &mut VerifyReport,

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::files::shape_text;
 use super::naming::{
-    ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, Piece, PieceRole,
+    ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, PieceRole, TensorPiece,
     no_experts,
 };
 use super::{Checkpoint, TensorInfo};
@@ -84,9 +84,9 @@ impl Plan<'_> {
         Error::checkpoint(self.file_of(t), None, CheckpointFault::Missing, why)
     }
 
-    fn piece(&self, index: usize) -> Piece {
+    fn piece(&self, index: usize) -> TensorPiece {
         let t = self.tensor(index);
-        Piece {
+        TensorPiece {
             tensor: index,
             file: t.file(),
             offset: t.offset(),
@@ -121,7 +121,7 @@ pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<Exp
         } else {
             merged_layer(&plan, layer, &lt.merged)?
         };
-        let bytes = |pieces: &[Piece]| pieces.iter().map(|p| p.len).sum::<u64>();
+        let bytes = |pieces: &[TensorPiece]| pieces.iter().map(|p| p.len).sum::<u64>();
         let (weight_bytes, scale_bytes) = experts
             .first()
             .map(|e| (bytes(&e.weights), bytes(&e.scales)))
@@ -205,7 +205,7 @@ fn group(plan: &Plan<'_>) -> Result<(BTreeMap<usize, LayerTensors>, usize, u64)>
     Ok((layers, engine_tensors, engine_bytes))
 }
 
-fn split_roles(pieces: impl Iterator<Item = (Role, Piece)>) -> ExpertPieces {
+fn split_roles(pieces: impl Iterator<Item = (Role, TensorPiece)>) -> ExpertPieces {
     let mut weights = Vec::new();
     let mut scales = Vec::new();
     // BTreeMap order: (false, piece) before (true, piece), each by piece.
@@ -341,7 +341,7 @@ fn merged_layer(
             let per = t.len() / n;
             (
                 k,
-                Piece {
+                TensorPiece {
                     tensor: i,
                     file: t.file(),
                     offset: t.offset() + e * per,

@@ -26,7 +26,7 @@ pub const MAX_READ: usize = 1 << 30;
 /// arena (2 mappings, never freed; up to 8 × cores of them) its first allocation creates.
 /// A thread spawned after another has exited reuses the cached stack and arena and adds
 /// only 2; the budget assumes a fresh one.
-pub const MAPS_PER_THREAD: usize = 6;
+pub const LOADER_THREAD_MAPS: usize = 6;
 
 /// One read of a plan: `len` bytes of `file` at `offset` into the slot at `dest`.
 #[derive(Debug, Clone, Copy)]

@@ -13,7 +13,7 @@ use std::fs::File;
 
 use crate::error::{Error, Result};
 
-pub use load::{MAPS_PER_THREAD, MAX_READ};
+pub use load::{LOADER_THREAD_MAPS, MAX_READ};
 pub use mode::{ReadFallback, ReadMode};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
 pub use read::DROP_BEHIND_EVERY;
@@ -72,15 +72,15 @@ impl<'a> Piece<'a> {
 ///
 /// # Example
 /// ```
-/// use numapin::store::{ExpertSource, Piece};
+/// use numapin::store::{ExpertSource, Kind, Piece};
 /// let file = std::fs::File::open("/proc/self/exe").unwrap();
 /// // gate and up are adjacent in the file (one read), down is elsewhere.
 /// let source = ExpertSource::File {
 ///     weights: vec![Piece::new(&file, 0, 100), Piece::new(&file, 100, 100), Piece::new(&file, 4096, 50)],
 ///     scales: vec![],
 /// };
-/// assert_eq!(source.weight_bytes()?, 250);
-/// assert_eq!(source.scale_bytes()?, 0);
+/// assert_eq!(source.bytes(Kind::Weights)?, 250);
+/// assert_eq!(source.bytes(Kind::Scales)?, 0);
 /// # Ok::<(), numapin::Error>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -173,22 +173,6 @@ impl<'a> ExpertSource<'a> {
             tensor: self.tensor(kind),
             what: (0, 0, kind),
         })
-    }
-
-    /// Weight bytes.
-    ///
-    /// # Errors
-    /// As [`ExpertSource::bytes`].
-    pub fn weight_bytes(&self) -> Result<usize> {
-        self.bytes(Kind::Weights)
-    }
-
-    /// Scale bytes.
-    ///
-    /// # Errors
-    /// As [`ExpertSource::bytes`].
-    pub fn scale_bytes(&self) -> Result<usize> {
-        self.bytes(Kind::Scales)
     }
 }
 

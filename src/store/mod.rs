@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::source::load;
 pub use crate::source::{
-    DROP_BEHIND_EVERY, ExpertSource, Kind, MAPS_PER_THREAD as LOADER_THREAD_MAPS, MAX_READ,
-    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
+    DROP_BEHIND_EVERY, ExpertSource, Kind, LOADER_THREAD_MAPS, MAX_READ, PROGRESS_STEP, Piece,
+    Progress, ProgressHook, ReadFallback, ReadMode,
 };
 use access::{check_fits, out_of_range};
 use arena::Arena;
@@ -401,7 +401,7 @@ impl PinStore {
         let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("loader thread {} of {threads}", spawned + 2);
             self.maps
-                .reserve(what, load::MAPS_PER_THREAD + bounce_maps)
+                .reserve(what, load::LOADER_THREAD_MAPS + bounce_maps)
                 .ok()
         })?;
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {

@@ -236,7 +236,7 @@ impl PinStore {
         };
         let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("replica loader thread {} of {threads}", spawned + 2);
-            self.maps.reserve(what, load::MAPS_PER_THREAD).ok()
+            self.maps.reserve(what, load::LOADER_THREAD_MAPS).ok()
         })?;
         for (to, from) in copy.iter_mut().zip(first) {
             let (Some(to), Some(from)) = (to, from) else {

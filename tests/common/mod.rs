@@ -168,3 +168,26 @@ pub fn need_nodes(test: &str, n: usize) -> Option<NodeSet> {
     );
     None
 }
+
+/// For a test whose figures another test thread of the binary could change (the map
+/// count, the process's RSS): `true` in a child process that runs this test alone; in
+/// the parent, runs that child, asserts that it passed, and returns `false`.
+pub fn alone(test: &str) -> bool {
+    const ROLE: &str = "NUMAPIN_TEST_ALONE";
+    if std::env::var(ROLE).is_ok_and(|r| r == test) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, test)
+        .output()
+        .expect("run the test alone");
+    assert!(
+        out.status.success(),
+        "{test} alone failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
