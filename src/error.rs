@@ -13,7 +13,7 @@ pub use rustix::io::Errno;
 /// [`Error::InvalidArgument`] and carry no errno. `EPERM` and `ENOSYS` from the policy
 /// calls are not errors at all: they come back as a
 /// [`Placement::Degraded`](crate::policy::Placement::Degraded) value.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A syscall failed.
@@ -259,9 +259,10 @@ pub enum Error {
         op: &'static str,
         /// The file.
         path: String,
-        /// The underlying error.
+        /// The underlying error (shared, so that an `Error` is `Clone`: the threads that
+        /// waited for a failed load each get the loader's own error).
         #[source]
-        source: std::io::Error,
+        source: std::sync::Arc<std::io::Error>,
     },
 }
 
@@ -446,161 +447,6 @@ impl Error {
         )
     }
 
-    /// An equivalent error: the same variant with the same fields. `Error` is not `Clone`
-    /// (an [`Error::Io`] owns its `io::Error`); the copy of one keeps the errno when there
-    /// is one, else the kind and the message. For the threads that waited for a load (or
-    /// a read done once per process) that failed: each gets the loader's own error.
-    pub(crate) fn replicate(&self) -> Error {
-        match self {
-            Error::Os { op, errno, args } => Error::Os {
-                op,
-                errno: *errno,
-                args: args.clone(),
-            },
-            Error::InvalidArgument { op, reason } => Error::InvalidArgument {
-                op,
-                reason: reason.clone(),
-            },
-            Error::Parse {
-                input,
-                part,
-                reason,
-            } => Error::Parse {
-                input: input.clone(),
-                part: part.clone(),
-                reason: reason.clone(),
-            },
-            Error::MissingCapability { op, cap, why } => Error::MissingCapability {
-                op,
-                cap,
-                why: why.clone(),
-            },
-            Error::MemlockLimit {
-                wanted,
-                locked,
-                limit,
-            } => Error::MemlockLimit {
-                wanted: *wanted,
-                locked: *locked,
-                limit: *limit,
-            },
-            Error::HugePages {
-                page_bytes,
-                wanted,
-                available,
-                offered,
-            } => Error::HugePages {
-                page_bytes: *page_bytes,
-                wanted: *wanted,
-                available: *available,
-                offered: *offered,
-            },
-            Error::MapBudget {
-                what,
-                needed,
-                available,
-                limit,
-                current,
-            } => Error::MapBudget {
-                what: what.clone(),
-                needed: *needed,
-                available: *available,
-                limit: *limit,
-                current: *current,
-            },
-            Error::NodeMemory {
-                what,
-                needed,
-                available,
-                figure,
-            } => Error::NodeMemory {
-                what: what.clone(),
-                needed: *needed,
-                available: available.clone(),
-                figure,
-            },
-            Error::NotPacked { op, layer } => Error::NotPacked { op, layer: *layer },
-            Error::AlreadyPacked {
-                op,
-                layer,
-                in_progress,
-            } => Error::AlreadyPacked {
-                op,
-                layer: *layer,
-                in_progress: *in_progress,
-            },
-            Error::Released {
-                op,
-                layer,
-                expert,
-                kind,
-            } => Error::Released {
-                op,
-                layer: *layer,
-                expert: *expert,
-                kind,
-            },
-            Error::CacheFull {
-                op,
-                layer,
-                expert,
-                node,
-                capacity,
-            } => Error::CacheFull {
-                op,
-                layer: *layer,
-                expert: *expert,
-                node: *node,
-                capacity: *capacity,
-            },
-            Error::OutOfRange {
-                op,
-                what,
-                index,
-                len,
-            } => Error::OutOfRange {
-                op,
-                what: what.clone(),
-                index: *index,
-                len: *len,
-            },
-            Error::NodeNotAllowed { op, node, allowed } => Error::NodeNotAllowed {
-                op,
-                node: *node,
-                allowed: allowed.clone(),
-            },
-            Error::Unparsable { path, what, found } => Error::Unparsable {
-                path: path.clone(),
-                what,
-                found: found.clone(),
-            },
-            Error::Frozen { op } => Error::Frozen { op },
-            Error::Unusable { op, why } => Error::Unusable {
-                op,
-                why: why.clone(),
-            },
-            Error::Checkpoint {
-                file,
-                tensor,
-                kind,
-                reason,
-            } => Error::Checkpoint {
-                file: file.clone(),
-                tensor: tensor.clone(),
-                kind: *kind,
-                reason: reason.clone(),
-            },
-            Error::Io { op, path, source } => Error::Io {
-                op,
-                path: path.clone(),
-                source: match source.raw_os_error() {
-                    Some(code) => std::io::Error::from_raw_os_error(code),
-                    None => std::io::Error::new(source.kind(), source.to_string()),
-                },
-            },
-        }
-    }
-
     /// A checkpoint error. The tensor name is clipped to [`QUOTE_MAX`] bytes (with its
     /// length), the file to [`PATH_MAX`] and the reason to [`REASON_MAX`]: each may quote
     /// what a file chose, and a file may choose megabytes. Callers quote file-chosen
@@ -629,7 +475,7 @@ impl Error {
             op,
             // A path may come from a file (a shard named by an index): bounded as well.
             path: clip_owned(path.into(), PATH_MAX),
-            source,
+            source: std::sync::Arc::new(source),
         }
     }
 }
@@ -705,7 +551,15 @@ impl From<Error> for std::io::Error {
     /// `PermissionDenied` for a missing capability, `Other` otherwise.
     fn from(e: Error) -> Self {
         let kind = match e {
-            Error::Io { source, .. } => return source,
+            Error::Io { source, .. } => {
+                // The error itself when this was its last holder, else an equal one.
+                return std::sync::Arc::try_unwrap(source).unwrap_or_else(|shared| {
+                    match shared.raw_os_error() {
+                        Some(code) => std::io::Error::from_raw_os_error(code),
+                        None => std::io::Error::new(shared.kind(), shared.to_string()),
+                    }
+                });
+            }
             Error::Os { errno, .. } => {
                 return std::io::Error::from_raw_os_error(errno.raw_os_error());
             }

@@ -64,7 +64,7 @@ impl Topology {
         TOPOLOGY
             .get_or_init(Topology::read)
             .as_ref()
-            .map_err(Error::replicate)
+            .map_err(Error::clone)
     }
 
     /// The node of CPU `cpu` (node 0 where sysfs has no NUMA view).

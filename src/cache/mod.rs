@@ -470,7 +470,7 @@ impl ExpertCache {
                         // A failed slot with waiters stays off the free list until its last
                         // waiter frees it. Each waiter gets what the loader got: the same
                         // variant, so that it can react as the loader could.
-                        let error = (s.key == key).then(|| loader_error.replicate());
+                        let error = (s.key == key).then(|| Error::clone(loader_error));
                         if s.waiters == 0 {
                             self.free_slot(&mut state, slot);
                         }
@@ -542,7 +542,7 @@ impl ExpertCache {
                     s.state = SlotState::Free;
                     state.nodes[node_index].free.push(slot);
                 } else {
-                    s.state = SlotState::Failed(Box::new(error.replicate()));
+                    s.state = SlotState::Failed(Box::new(error.clone()));
                 }
                 Err(error)
             }

@@ -19,7 +19,7 @@ pub fn evict(file: &File) -> Result<()> {
     file.sync_data().map_err(|e| Error::Io {
         op: "fdatasync",
         path: format!("fd {}", file.as_raw_fd()),
-        source: e,
+        source: e.into(),
     })?;
     // SAFETY: posix_fadvise reads no memory of ours; the descriptor is open.
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
@@ -27,7 +27,7 @@ pub fn evict(file: &File) -> Result<()> {
         return Err(Error::Io {
             op: "posix_fadvise(POSIX_FADV_DONTNEED)",
             path: format!("fd {}", file.as_raw_fd()),
-            source: std::io::Error::from_raw_os_error(rc),
+            source: std::io::Error::from_raw_os_error(rc).into(),
         });
     }
     Ok(())
@@ -45,7 +45,7 @@ pub fn cached_pages(file: &File) -> Result<(usize, usize)> {
         .map_err(|e| Error::Io {
             op: "fstat",
             path: format!("fd {}", file.as_raw_fd()),
-            source: e,
+            source: e.into(),
         })?
         .len() as usize;
     if len == 0 {

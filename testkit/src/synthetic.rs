@@ -106,10 +106,10 @@ impl SyntheticModel {
     /// The file cannot be written, or the size overflows.
     pub fn write(&self, path: &Path) -> Result<()> {
         let total = self.total_bytes()?;
-        let io = |source| Error::Io {
+        let io = |source: std::io::Error| Error::Io {
             op: "write",
             path: path.display().to_string(),
-            source,
+            source: source.into(),
         };
         let mut out = BufWriter::with_capacity(1 << 20, File::create(path).map_err(io)?);
         let mut chunk = vec![0u8; 1 << 20];
