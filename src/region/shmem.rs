@@ -7,7 +7,8 @@ use memfd::{HugetlbSize, MemfdOptions};
 use rustix::fs::SealFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 
-use super::{Backing, Region, round_len};
+use super::map::round_len;
+use super::{Backing, Region};
 use crate::error::{Errno, Error, Result};
 use crate::page::page_size;
 
@@ -283,7 +284,7 @@ impl Region {
             ));
         }
         let (ptr, map_len) =
-            super::map_read_only(OP, &file, 0, len, MapFlags::PRIVATE | MapFlags::NORESERVE)?;
+            super::map::map_read_only(OP, &file, 0, len, MapFlags::PRIVATE | MapFlags::NORESERVE)?;
         Ok(Region::owned(ptr, map_len, Backing::Sealed(file)))
     }
 
