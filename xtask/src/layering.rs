@@ -213,7 +213,8 @@ pub fn strip_comments_and_strings(text: &str) -> String {
                 }
             }
             b'r' if matches!(b.get(i + 1), Some(b'"' | b'#'))
-                && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_')) =>
+                && (starts_token(b, i)
+                    || (i > 0 && matches!(b[i - 1], b'b' | b'c') && starts_token(b, i - 1))) =>
             {
                 // A raw string: r"…", r#"…"#.
                 let mut j = i + 1;
@@ -261,13 +262,16 @@ pub fn strip_comments_and_strings(text: &str) -> String {
             }
             b'\'' => {
                 // A char literal ('x', '\n', '\u{1F600}') or a lifetime ('a).
+                // The escaped character is skipped ('\'' ends at i + 3), and a multi-byte
+                // one ('é') is one char.
                 let end = if b.get(i + 1) == Some(&b'\\') {
-                    b[i + 2..]
-                        .iter()
-                        .position(|&c| c == b'\'')
-                        .map(|p| i + 2 + p)
-                } else if b.get(i + 2) == Some(&b'\'') {
-                    Some(i + 2)
+                    b.get(i + 3..)
+                        .and_then(|rest| rest.iter().position(|&c| c == b'\''))
+                        .map(|p| i + 3 + p)
+                } else if let Some(&c) = b.get(i + 1)
+                    && b.get(i + 1 + utf8_len(c)) == Some(&b'\'')
+                {
+                    Some(i + 1 + utf8_len(c))
                 } else {
                     None
                 };
@@ -291,6 +295,11 @@ pub fn strip_comments_and_strings(text: &str) -> String {
         }
     }
     out
+}
+
+/// Whether `b[i]` starts a token: no identifier character right before it.
+fn starts_token(b: &[u8], i: usize) -> bool {
+    i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_')
 }
 
 fn utf8_len(first: u8) -> usize {
@@ -415,6 +424,22 @@ mod tests {
         let paths: Vec<String> = crate_paths(&code).into_iter().map(|(_, p)| p).collect();
         assert_eq!(paths, ["diag", "page", "region", "Node"]);
         assert_eq!(libc_calls(&code), [(6, "ioctl".to_string())]);
+    }
+
+    #[test]
+    fn escaped_quotes_multibyte_chars_and_prefixed_raw_strings() {
+        // Each line names one real path after a literal that once threw the lexer off:
+        // '\'' ended at its escaped quote, 'é' was read as a lifetime, br"\" and cr"\"
+        // were read as ordinary strings whose \" escaped the closing quote.
+        let code = strip_comments_and_strings(
+            "let q = ['\\'','\"']; use crate::diag; let s = \"\";\n\
+             let e = ('é','\"'); use crate::page; let s = \"\";\n\
+             let b = br\"\\\"; use crate::region; let s = \"\";\n\
+             let c = cr\"\\\"; use crate::node; let s = \"\";\n\
+             let s = \"crate::model\";\n",
+        );
+        let paths: Vec<String> = crate_paths(&code).into_iter().map(|(_, p)| p).collect();
+        assert_eq!(paths, ["diag", "page", "region", "node"], "{code}");
     }
 
     #[test]
