@@ -592,3 +592,68 @@ fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
     write_sparse(&gg, &head, len);
     bounded("alignment", checkpoint_fault(Checkpoint::open(&gg)).1);
 }
+
+/// DBRX's flattened experts (`ffn.experts.mlp.{w1,v1,w2}`, `[E·I, H]`): E from the
+/// router. A router claiming more than the ceiling, rows that do not divide into E, no
+/// router and no config: each a Shape error naming the tensor, nothing allocated per
+/// claimed expert, nothing packed. A consistent one packs E experts of I rows each.
+#[test]
+fn dbrx_flattened_experts_hostile_counts() {
+    const NAME: &str = "dbrx_flattened_experts_hostile_counts";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    let flat = |rows: u64| {
+        ["w1", "v1", "w2"].map(|w| {
+            (
+                format!("transformer.blocks.0.ffn.experts.mlp.{w}"),
+                vec![rows, 4],
+                rows * 8,
+            )
+        })
+    };
+    let router = "transformer.blocks.0.ffn.router.layer.weight";
+    let cases: [(&str, Option<u64>, u64, &str); 4] = [
+        ("huge", Some(70_000), 70_000, "at most 65536 experts"),
+        ("uneven", Some(4), 10, "does not divide into 4 experts"),
+        ("no-router", None, 8, "router.layer.weight"),
+        ("ok", Some(4), 8, ""),
+    ];
+    for (case, experts, rows, words) in cases {
+        let mut tensors: Vec<(String, &str, Vec<u64>, u64)> = flat(rows)
+            .into_iter()
+            .map(|(n, s, b)| (n, "F16", s, b))
+            .collect();
+        if let Some(e) = experts {
+            tensors.push((router.to_owned(), "F16", vec![e, 4], e * 8));
+        }
+        let refs: Vec<(&str, &str, Vec<u64>, u64)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), *b))
+            .collect();
+        let path = dir.join(format!("{case}.safetensors"));
+        write_st(&path, &refs);
+        let checkpoint = Checkpoint::open(&path).unwrap();
+        let plan = checkpoint.expert_plan();
+        if words.is_empty() {
+            let plan = plan.unwrap();
+            assert_eq!(plan.naming(), "generic");
+            let layer = plan.layer(0).unwrap();
+            assert_eq!(layer.experts().len(), 4);
+            assert_eq!(layer.weight_bytes(), 3 * 2 * 8);
+            let w1 = &layer.experts()[3].weights()[0];
+            assert_eq!(w1.len(), 16);
+            continue;
+        }
+        let (kind, e) = checkpoint_fault(plan);
+        assert_eq!(kind, CheckpointFault::Shape, "{case}: {e}");
+        assert!(
+            e.to_string().contains(words),
+            "{case}: {words:?} not in {e}"
+        );
+        let store = store();
+        assert!(checkpoint.pack(&store).is_err());
+        assert_eq!(store.stats().unwrap().layers, 0, "{case}: nothing packed");
+    }
+}
