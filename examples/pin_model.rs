@@ -39,7 +39,9 @@ use numapin::model::{Checkpoint, Naming};
 use numapin::store::{PinStore, Progress, ProgressHook, StoreOptions};
 use numapin::{NodeSet, diag};
 use support::args::PinModelArgs;
-use support::report::{BaselineJson, ModelJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson};
+use support::report::{
+    BaselineJson, LayerRolesJson, ModelJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson,
+};
 use support::{Run, measure, minor_faults, run_baseline, run_store};
 
 fn main() -> ExitCode {
@@ -179,6 +181,17 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         reads: report.reads,
         slots_verified: verify.slots,
         complete: plan.is_complete(),
+        layer_roles: plan
+            .layers()
+            .iter()
+            .map(|l| {
+                let roles = LayerRolesJson {
+                    roles: l.roles().map(|(_, n)| n.to_owned()).collect(),
+                    gate_up_layout: l.gate_up_layout().map(|g| g.name()),
+                };
+                (l.layer(), roles)
+            })
+            .collect(),
     };
     if !model.complete {
         return Err(format!(
@@ -197,6 +210,7 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         report.layers,
         layer_list(&model.experts_per_layer)
     );
+    print_roles(&model.layer_roles);
     println!(
         "  for the engine   {} tensors, {} (not experts: read them yourself)",
         model.engine_tensors,
@@ -268,6 +282,32 @@ fn progress_bar(args: &PinModelArgs, bytes: u64, layers: usize) -> Option<Progre
 fn finish(bar: &Option<ProgressBar>) {
     if let Some(bar) = bar {
         bar.finish_and_clear();
+    }
+}
+
+/// One line per run of consecutive layers with the same roles and gate_up layout.
+fn print_roles(layers: &BTreeMap<usize, LayerRolesJson>) {
+    let mut runs: Vec<(usize, usize, &LayerRolesJson)> = Vec::new();
+    for (&layer, roles) in layers {
+        match runs.last_mut() {
+            Some((_, last, r)) if *r == roles => *last = layer,
+            _ => runs.push((layer, layer, roles)),
+        }
+    }
+    for (first, last, r) in runs {
+        let layers = if first == last {
+            format!("layer {first}")
+        } else {
+            format!("layers {first}-{last}")
+        };
+        let layout = r
+            .gate_up_layout
+            .map(|g| format!("; gate_up {g}"))
+            .unwrap_or_default();
+        println!(
+            "  roles            {layers}: {}{layout}",
+            r.roles.join(", ")
+        );
     }
 }
 

@@ -116,12 +116,28 @@ fn check_fixture(test: &str, name: &str) -> Option<Checkpoint> {
     let plan = checkpoint.expert_plan().unwrap();
     assert_eq!(plan.naming(), naming.name());
     assert!(plan.is_complete());
-    let roles = if naming.name() == "fused" { 2 } else { 3 };
+    let roles = match fixture["roles"].as_array() {
+        Some(names) => names.len(),
+        None if naming.name() == "fused" => 2,
+        None => 3,
+    };
     let has_scales = fixture["has_scales"].as_bool().unwrap();
     for layer in plan.layers() {
         assert_eq!(
             layer.roles().count(),
             if has_scales { 2 * roles } else { roles }
+        );
+        if let Some(names) = fixture["roles"].as_array() {
+            let names: Vec<&str> = names.iter().map(|n| n.as_str().unwrap()).collect();
+            let have: Vec<&str> = layer.roles().map(|(_, n)| n).collect();
+            assert_eq!(have, names, "layer {}", layer.layer());
+        }
+        let layout = layer.gate_up_layout().map(|l| format!("{l:?}"));
+        assert_eq!(
+            layout.as_deref(),
+            fixture["gate_up_layout"].as_str(),
+            "layer {}",
+            layer.layer()
         );
     }
     let layers: BTreeMap<String, u64> = plan
@@ -282,38 +298,116 @@ fn fixture_gguf_split() {
     );
 }
 
-/// What `convert_hf_to_gguf.py --fuse-gate-up-exps` writes, by gguf-py's own writer: the
-/// GGUF preset has no fused gate_up, and must refuse rather than pack `down` alone.
+/// What `convert_hf_to_gguf.py --fuse-gate-up-exps` writes, by gguf-py's own writer:
+/// `ffn_gate_up_exps` beside `ffn_down_exps`. The generic naming packs each expert's
+/// gate_up slice whole (gate rows then up rows), then down: numpy's bytes in every slot.
+/// The GGUF preset chosen by hand still refuses it rather than pack `down` alone.
 #[test]
-fn fixture_gguf_fused_gate_up_is_refused() {
-    let Some(dir) = fixtures("fixture_gguf_fused_gate_up_is_refused") else {
+fn fixture_gguf_fused_gate_up_packs_whole() {
+    let Some(checkpoint) = check_fixture(
+        "fixture_gguf_fused_gate_up_packs_whole",
+        "gguf-fused-gate-up",
+    ) else {
         return;
     };
-    let root = dir.join("gguf-fused-gate-up");
-    let fixture: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
-    let checkpoint = Checkpoint::open(root.join(fixture["path"].as_str().unwrap())).unwrap();
-    let refused = &fixture["refused"];
-    match checkpoint.expert_plan() {
+    match checkpoint.expert_plan_with(&Naming::GgufMerged) {
         Err(Error::Checkpoint {
             kind: CheckpointFault::Missing,
             reason,
             ..
         }) => {
-            let names = format!(
-                "layer {} expert {} has no {}",
-                refused["layer"],
-                refused["expert"],
-                refused["role"].as_str().unwrap()
-            );
-            assert!(reason.contains(&names), "{reason}");
             assert!(
-                reason.contains(refused["tensor"].as_str().unwrap()),
+                reason.contains("layer 1 expert 0 has no ffn_gate_exps"),
                 "{reason}"
             );
+            assert!(reason.contains("blk.1.ffn_gate_up_exps.weight"), "{reason}");
+            assert!(reason.contains("\"generic\" packs it"), "{reason}");
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// Each family the generic naming reads, written with its exact names and shapes by
+/// `safetensors`: every slot equals numpy's bytes for that expert, the roles and the
+/// gate_up layout are the family's, and the look-alikes beside the experts (routers,
+/// router biases, shared experts, attention experts, a vision tower) are engine tensors.
+#[test]
+fn fixture_qwen35_moe_prefixed_per_expert() {
+    check_fixture("fixture_qwen35_moe_prefixed_per_expert", "fam-qwen35-moe");
+}
+
+#[test]
+fn fixture_qwen3_vl_moe_prefixed_gate_up_columns() {
+    check_fixture(
+        "fixture_qwen3_vl_moe_prefixed_gate_up_columns",
+        "fam-qwen3-vl-moe",
+    );
+}
+
+#[test]
+fn fixture_llama4_feed_forward_fused() {
+    check_fixture("fixture_llama4_feed_forward_fused", "fam-llama4");
+}
+
+#[test]
+fn fixture_jamba_feed_forward_per_expert() {
+    check_fixture("fixture_jamba_feed_forward_per_expert", "fam-jamba");
+}
+
+#[test]
+fn fixture_lfm2_moe_w1_w3_w2_beside_expert_bias() {
+    let Some(checkpoint) = check_fixture(
+        "fixture_lfm2_moe_w1_w3_w2_beside_expert_bias",
+        "fam-lfm2-moe",
+    ) else {
+        return;
+    };
+    assert!(
+        checkpoint
+            .tensor("model.layers.1.feed_forward.expert_bias")
+            .is_some()
+    );
+}
+
+#[test]
+fn fixture_granite_moe_input_output_linear() {
+    check_fixture("fixture_granite_moe_input_output_linear", "fam-granite-moe");
+}
+
+#[test]
+fn fixture_granite_moe_transformers_v5() {
+    check_fixture("fixture_granite_moe_transformers_v5", "fam-granite-moe-v5");
+}
+
+#[test]
+fn fixture_jetmoe_beside_attention_experts() {
+    let Some(checkpoint) = check_fixture("fixture_jetmoe_beside_attention_experts", "fam-jetmoe")
+    else {
+        return;
+    };
+    let plan = checkpoint.expert_plan().unwrap();
+    let attention = checkpoint
+        .tensors()
+        .iter()
+        .position(|t| t.name() == "model.layers.1.self_attention.experts.input_linear.weight")
+        .unwrap();
+    assert!(
+        plan.layers()
+            .iter()
+            .flat_map(|l| l.experts())
+            .flat_map(|e| e.weights())
+            .all(|p| p.tensor() != attention)
+    );
+}
+
+#[test]
+fn fixture_gpt_oss_interleaved_gate_up() {
+    check_fixture("fixture_gpt_oss_interleaved_gate_up", "fam-gpt-oss");
+}
+
+#[test]
+fn fixture_dbrx_flattened_experts() {
+    check_fixture("fixture_dbrx_flattened_experts", "fam-dbrx");
 }
 
 /// The sharded fixture's first shard copied alone is refused (it holds layer 1's experts

@@ -226,7 +226,7 @@ fn pack_fixture(test: &str, name: &str) {
     // Dense layers (and the one past the last) are absent.
     let last = *layers.keys().next_back().unwrap();
     let dense: Vec<usize> = (0..=last + 1).filter(|l| !layers.contains_key(l)).collect();
-    assert!(dense.contains(&0), "every fixture's layer 0 is dense");
+    assert!(dense.contains(&(last + 1)));
     for layer in dense {
         assert!(
             matches!(store.weights(layer, 0), Err(Error::NotPacked { layer: l, .. }) if l == layer),
@@ -282,6 +282,29 @@ fn pack_fused_experts() {
 #[test]
 fn pack_gguf() {
     pack_fixture("pack_gguf", "gguf-single");
+}
+
+#[test]
+fn pack_gguf_fused_gate_up() {
+    pack_fixture("pack_gguf_fused_gate_up", "gguf-fused-gate-up");
+}
+
+#[test]
+fn pack_every_family_of_the_generic_naming() {
+    for name in [
+        "fam-qwen35-moe",
+        "fam-qwen3-vl-moe",
+        "fam-llama4",
+        "fam-jamba",
+        "fam-lfm2-moe",
+        "fam-granite-moe",
+        "fam-granite-moe-v5",
+        "fam-jetmoe",
+        "fam-gpt-oss",
+        "fam-dbrx",
+    ] {
+        pack_fixture("pack_every_family_of_the_generic_naming", name);
+    }
 }
 
 #[test]

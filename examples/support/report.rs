@@ -147,6 +147,19 @@ pub struct ModelJson {
     /// or gate_up, down; and their scales): `ExpertPlan::is_complete`, derived from the
     /// plan. A checkpoint with a missing role does not pack at all.
     pub complete: bool,
+    /// Model layer → the roles every expert has, in slot order (weights, then scales,
+    /// as the naming calls them), and how a fused gate_up holds gate and up.
+    pub layer_roles: BTreeMap<usize, LayerRolesJson>,
+}
+
+/// One MoE layer's roles (see [`ModelJson::layer_roles`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerRolesJson {
+    /// `"gate_proj"`, …, `"gate_up"`, `"down"`, `"w1 scale"`, … in slot order.
+    pub roles: Vec<String>,
+    /// `GateUpLayout::name()` of the layer's gate_up role; absent without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gate_up_layout: Option<&'static str>,
 }
 
 /// `numapin::Support` field by field, in the form the library's `serde` feature gives it

@@ -25,7 +25,10 @@ pub const MAX_CONFIG: u64 = 1 << 20;
 
 /// Keys that place MoE layers in ways this reader does not model: with one of them, the
 /// layers are not checked.
-const UNMODELLED: [&str; 6] = [
+const UNMODELLED: [&str; 9] = [
+    "expert_layer_period",
+    "expert_layer_offset",
+    "num_dense_layers",
     "interleave_moe_layer_step",
     "moe_layer_start_index",
     "moe_layer_end_index",
@@ -129,10 +132,17 @@ impl ModelConfig {
     fn parse(bytes: &[u8], file: String) -> Option<ModelConfig> {
         let value: Value = serde_json::from_slice(bytes).ok()?;
         let config = value.as_object()?;
-        let experts = EXPERT_KEYS.iter().find_map(|&k| {
-            let n = config.get(k)?.as_u64()?;
-            Some((n, k.to_owned()))
-        });
+        let experts = EXPERT_KEYS
+            .iter()
+            .find_map(|&k| {
+                let n = config.get(k)?.as_u64()?;
+                Some((n, k.to_owned()))
+            })
+            .or_else(|| {
+                // DBRX nests it.
+                let n = config.get("ffn_config")?.get("moe_num_experts")?.as_u64()?;
+                Some((n, "ffn_config.moe_num_experts".to_owned()))
+            });
         let experts = experts.filter(|(n, _)| *n > 0)?;
         Some(ModelConfig {
             file,
@@ -181,6 +191,11 @@ impl ModelConfig {
             experts: Some((n, key)),
             layers: None,
         })
+    }
+
+    /// The routed experts per MoE layer the config gives.
+    pub(crate) fn experts(&self) -> Option<u64> {
+        self.experts.as_ref().map(|(n, _)| *n)
     }
 
     /// Every MoE layer the config names is in `plan`, with the experts it says.

@@ -47,8 +47,8 @@ pub use files::ReadAt;
 pub use ggml::GgmlType;
 pub use gguf::{GgufArray, GgufValue};
 pub use naming::{
-    CustomNaming, ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, PieceRole,
-    TensorPiece, TensorRef,
+    CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
+    PieceRole, TensorPiece, TensorRef, Vocabulary,
 };
 pub use pack::{ModelReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;

@@ -117,33 +117,92 @@ pub enum Naming {
     /// GGUF `blk.{L}.ffn_{gate,up,down}_exps.weight`, the expert outermost; quant blocks
     /// carry their scales, so there are no scale pieces.
     GgufMerged,
+    /// The vocabulary of MoE tensor names, any prefix (see [`Naming::GENERIC_VOCABULARY`]):
+    /// `….{layers,blocks,h,blk}.{L}.{mlp,feed_forward,block_sparse_moe,ffn}.…`, the role
+    /// from the name's last words. Per-expert tensors (`experts.{E}.{role}.weight`, scales
+    /// `….weight_scale(_inv)`), tensors holding every expert outermost (`experts.{role}`,
+    /// Granite's and JetMoE's `input_linear.weight` / `output_linear.weight`, GGUF's
+    /// `ffn_{gate,up,down,gate_up}_exps.weight`) and DBRX's flattened
+    /// `experts.mlp.{w1,v1,w2}` (`[E·I, H]`, E from the layer's `router.layer.weight`
+    /// or the config). Slot order gate, up, gate_up, down; a gate_up tensor is never
+    /// split (see [`GateUpLayout`]).
+    Generic,
     /// A naming built by the user.
     Custom(CustomNaming),
 }
 
 impl Naming {
     /// The presets, in detection order.
-    pub const PRESETS: [Naming; 4] = [
+    /// [`Naming::Generic`] is last: it recognises every tensor the others do, and
+    /// detection keeps the earlier preset on a tie.
+    pub const PRESETS: [Naming; 5] = [
         Naming::PerExpert,
         Naming::Mixtral,
         Naming::Fused,
         Naming::GgufMerged,
+        Naming::Generic,
     ];
 
-    /// Its name (`"per-expert"`, `"mixtral"`, `"fused"`, `"gguf-merged"`, or the custom
-    /// one's).
+    /// [`Naming::Generic`]'s vocabulary, as data: the words that may precede the layer
+    /// number, the feed-forward block's words, and each role's last words.
+    pub const GENERIC_VOCABULARY: Vocabulary = Vocabulary {
+        layer_words: &["layers", "blocks", "h", "blk"],
+        block_words: &["mlp", "feed_forward", "block_sparse_moe", "ffn"],
+        expert_words: &[
+            ("gate_proj", "gate"),
+            ("w1", "gate"),
+            ("up_proj", "up"),
+            ("w3", "up"),
+            ("v1", "up"),
+            ("gate_up_proj", "gate_up"),
+            ("down_proj", "down"),
+            ("w2", "down"),
+        ],
+        block_merged_words: &[
+            ("input_linear.weight", "gate_up"),
+            ("output_linear.weight", "down"),
+        ],
+        gguf_words: &[
+            ("ffn_gate_exps.weight", "gate"),
+            ("ffn_up_exps.weight", "up"),
+            ("ffn_gate_up_exps.weight", "gate_up"),
+            ("ffn_down_exps.weight", "down"),
+        ],
+        scale_words: &[
+            ("weight", false),
+            ("weight_scale", true),
+            ("weight_scale_inv", true),
+        ],
+    };
+
+    /// Its name (`"per-expert"`, `"mixtral"`, `"fused"`, `"gguf-merged"`, `"generic"`,
+    /// or the custom one's).
     pub fn name(&self) -> &str {
         match self {
             Naming::PerExpert => "per-expert",
             Naming::Mixtral => "mixtral",
             Naming::Fused => "fused",
             Naming::GgufMerged => "gguf-merged",
+            Naming::Generic => "generic",
             Naming::Custom(c) => &c.name,
         }
     }
 
     /// What this naming says about the tensor called `name`.
     pub fn classify(&self, name: &str) -> Option<TensorRef> {
+        self.classify_axis(name).map(|(r, _)| r)
+    }
+
+    /// [`Naming::classify`], and where the experts are in a tensor holding them all.
+    pub(crate) fn classify_axis(&self, name: &str) -> Option<(TensorRef, ExpertAxis)> {
+        if let Naming::Generic = self {
+            return Self::GENERIC_VOCABULARY.classify(name);
+        }
+        self.classify_preset(name)
+            .map(|r| (r, ExpertAxis::Outermost))
+    }
+
+    fn classify_preset(&self, name: &str) -> Option<TensorRef> {
         match self {
             Naming::PerExpert => per_expert(
                 name,
@@ -181,6 +240,7 @@ impl Naming {
                 })
             }
             Naming::Custom(c) => (c.classify)(name),
+            Naming::Generic => Self::GENERIC_VOCABULARY.classify(name).map(|(r, _)| r),
         }
     }
 
@@ -239,6 +299,7 @@ impl Naming {
             Naming::Mixtral => &["w1", "w3", "w2"],
             Naming::Fused => &["gate_up_proj", "down_proj"],
             Naming::GgufMerged => &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+            Naming::Generic => &GENERIC_ROLES,
             Naming::Custom(_) => &[],
         };
         let base = names
@@ -253,6 +314,14 @@ impl Naming {
         let weights: &[u8] = match self {
             Naming::PerExpert | Naming::Mixtral | Naming::GgufMerged => &[0, 1, 2],
             Naming::Fused => &[0, 1],
+            Naming::Generic => {
+                let has = |p: u8| seen.iter().any(|&(_, q)| q == p);
+                match (has(GATE) || has(UP), has(GATE_UP)) {
+                    (_, false) => &[GATE, UP, DOWN],
+                    (false, true) => &[GATE_UP, DOWN],
+                    (true, true) => &[GATE, UP, GATE_UP, DOWN],
+                }
+            }
             Naming::Custom(_) => &[],
         };
         let mut roles = seen.clone();
@@ -266,9 +335,183 @@ impl Naming {
         roles
     }
 
+    /// The piece of a fused gate_up role, if the naming has one.
+    pub(crate) fn gate_up_piece(&self) -> Option<u8> {
+        match self {
+            Naming::Fused => Some(0),
+            Naming::Generic => Some(GATE_UP),
+            _ => None,
+        }
+    }
+
     /// Whether this is a preset (checked against the model's config).
     pub(crate) fn is_preset(&self) -> bool {
         !matches!(self, Naming::Custom(_))
+    }
+}
+
+/// [`Naming::Generic`]'s pieces: slot order gate, up, gate_up, down.
+const GATE: u8 = 0;
+const UP: u8 = 1;
+const GATE_UP: u8 = 2;
+const DOWN: u8 = 3;
+const GENERIC_ROLES: [&str; 4] = ["gate", "up", "gate_up", "down"];
+
+/// Where the experts are in a tensor that holds every expert of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertAxis {
+    /// `[E, …]` (safetensors), `ne[last] = E` (GGUF).
+    Outermost,
+    /// `[E·I, …]`: DBRX's experts flattened into dimension 0; E from elsewhere.
+    Flattened,
+}
+
+/// A vocabulary of MoE tensor names: what [`Naming::Generic`] matches, as data.
+///
+/// A name is `{any prefix}{layer word}.{L}.` then either a GGUF word
+/// (`ffn_gate_exps.weight`, …) or `{block word}.` and then one of:
+/// `experts.{E}.{expert word}.{scale word}` (one expert), `experts.{expert word}` or
+/// `experts.{expert word}.weight` (every expert, outermost), `experts.mlp.{expert word}`
+/// (every expert, flattened into dimension 0: DBRX), `{block merged word}` (every expert,
+/// outermost: Granite, JetMoE). Anything else — routers (`mlp.gate.weight`),
+/// router biases (`expert_bias`, `e_score_correction_bias`), shared experts
+/// (`shared_expert(s).…`), attention experts (`self_attention.experts.…`) — is not an
+/// expert. Roles are `"gate"`, `"up"`, `"gate_up"`, `"down"`.
+#[derive(Debug, Clone, Copy)]
+pub struct Vocabulary {
+    /// Words right before the layer number.
+    pub layer_words: &'static [&'static str],
+    /// The feed-forward block's words, right after the layer number.
+    pub block_words: &'static [&'static str],
+    /// An expert tensor's last words → role.
+    pub expert_words: &'static [(&'static str, &'static str)],
+    /// Tensors holding every expert right under the block → role.
+    pub block_merged_words: &'static [(&'static str, &'static str)],
+    /// GGUF tensors holding every expert right after the layer number → role.
+    pub gguf_words: &'static [(&'static str, &'static str)],
+    /// A per-expert tensor's kind: weight (`false`) or scale (`true`).
+    pub scale_words: &'static [(&'static str, bool)],
+}
+
+impl Vocabulary {
+    fn piece(role: &str) -> Option<u8> {
+        GENERIC_ROLES
+            .iter()
+            .position(|r| *r == role)
+            .map(|p| p as u8)
+    }
+
+    fn lookup(words: &[(&str, &str)], word: &str) -> Option<u8> {
+        words
+            .iter()
+            .find(|(w, _)| *w == word)
+            .and_then(|(_, role)| Self::piece(role))
+    }
+
+    /// The layer number after the first `{layer word}.{digits}.` at a segment start,
+    /// and what follows it.
+    fn layer<'a>(&self, name: &'a str) -> Option<(usize, &'a str)> {
+        let starts = std::iter::once(0).chain(name.match_indices('.').map(|(i, _)| i + 1));
+        for start in starts {
+            let tail = &name[start..];
+            for word in self.layer_words {
+                let Some(after) = tail.strip_prefix(word).and_then(|t| t.strip_prefix('.')) else {
+                    continue;
+                };
+                if let Some((layer, rest)) = layer_of(after, "")
+                    && let Some(rest) = rest.strip_prefix('.')
+                {
+                    return Some((layer, rest));
+                }
+            }
+        }
+        None
+    }
+
+    /// What this vocabulary says about `name`.
+    fn classify(&self, name: &str) -> Option<(TensorRef, ExpertAxis)> {
+        let (layer, rest) = self.layer(name)?;
+        let merged = |piece, axis| {
+            Some((
+                TensorRef {
+                    layer,
+                    expert: None,
+                    piece,
+                    scale: false,
+                },
+                axis,
+            ))
+        };
+        if let Some(piece) = Self::lookup(self.gguf_words, rest) {
+            return merged(piece, ExpertAxis::Outermost);
+        }
+        let (block, rest) = rest.split_once('.')?;
+        if !self.block_words.contains(&block) {
+            return None;
+        }
+        if let Some(piece) = Self::lookup(self.block_merged_words, rest) {
+            return merged(piece, ExpertAxis::Outermost);
+        }
+        let rest = rest.strip_prefix("experts.")?;
+        if let Some(word) = rest.strip_prefix("mlp.") {
+            return merged(
+                Self::lookup(self.expert_words, word)?,
+                ExpertAxis::Flattened,
+            );
+        }
+        if let Some((expert, tail)) = layer_of(rest, "") {
+            let (word, kind) = tail.strip_prefix('.')?.split_once('.')?;
+            let piece = Self::lookup(self.expert_words, word)?;
+            let scale = self
+                .scale_words
+                .iter()
+                .find(|(w, _)| *w == kind)
+                .map(|(_, s)| *s)?;
+            return Some((
+                TensorRef {
+                    layer,
+                    expert: Some(expert),
+                    piece,
+                    scale,
+                },
+                ExpertAxis::Outermost,
+            ));
+        }
+        let word = rest.strip_suffix(".weight").unwrap_or(rest);
+        merged(
+            Self::lookup(self.expert_words, word)?,
+            ExpertAxis::Outermost,
+        )
+    }
+}
+
+/// How a fused gate_up tensor holds an expert's gate and up (its slice is kept whole;
+/// an engine reads it this way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GateUpLayout {
+    /// Gate rows then up rows, `[2I, H]` per expert: transformers v5's stacked
+    /// `gate_up_proj`, Granite's and JetMoE's `input_linear`, llama.cpp's
+    /// `ffn_gate_up_exps`.
+    GateThenUpRows,
+    /// Gate columns then up columns, `[H, 2I]` per expert: Llama4, Qwen3-VL-MoE.
+    GateThenUpColumns,
+    /// Gate and up columns alternating, `[H, 2I]` per expert: gpt-oss (told apart from
+    /// [`GateUpLayout::GateThenUpColumns`] by its `gate_up_proj_bias` beside it).
+    Interleaved,
+    /// The shapes do not say.
+    Unknown,
+}
+
+impl GateUpLayout {
+    /// Its name in a report.
+    pub fn name(&self) -> &'static str {
+        match self {
+            GateUpLayout::GateThenUpRows => "gate-then-up rows [2I, H]",
+            GateUpLayout::GateThenUpColumns => "gate-then-up columns [H, 2I]",
+            GateUpLayout::Interleaved => "interleaved gate/up [H, 2I]",
+            GateUpLayout::Unknown => "unknown",
+        }
     }
 }
 
@@ -319,11 +562,14 @@ pub(crate) fn no_experts(checkpoint: &Checkpoint, naming: &str) -> Error {
     } else {
         format!("names that look like experts: {}", quote_list(looks()))
     };
+    let how = "; for another naming, build a numapin::model::CustomNaming (a closure from \
+               tensor name to TensorRef {layer, expert, piece, scale}) and call \
+               Checkpoint::expert_plan_with or pack_with";
     Error::checkpoint(
         file,
         None,
         CheckpointFault::NoExperts,
-        format!("{naming} recognises an expert tensor; {seen}"),
+        format!("{naming} recognises an expert tensor; {seen}{how}"),
     )
 }
 
@@ -409,6 +655,8 @@ pub struct LayerPlan {
     pub(crate) scale_bytes: u64,
     /// The naming's roles for this layer, in slot order, weights then scales.
     pub(crate) roles: Vec<(PieceRole, String)>,
+    /// How a fused gate_up role holds gate and up, when the layer has one.
+    pub(crate) gate_up: Option<GateUpLayout>,
 }
 
 impl LayerPlan {
@@ -436,6 +684,11 @@ impl LayerPlan {
     /// the naming calls them (`"gate_proj"`, ..., `"gate_proj scale"`, ...).
     pub fn roles(&self) -> impl Iterator<Item = (PieceRole, &str)> + '_ {
         self.roles.iter().map(|(r, n)| (*r, n.as_str()))
+    }
+
+    /// How the layer's fused gate_up role holds gate and up (`None`: no gate_up role).
+    pub fn gate_up_layout(&self) -> Option<GateUpLayout> {
+        self.gate_up
     }
 
     /// Whether every expert has one piece for each of the layer's roles (and the layer
@@ -492,5 +745,165 @@ impl ExpertPlan {
     /// every layer has every role of the naming.
     pub fn is_complete(&self) -> bool {
         !self.layers.is_empty() && self.layers.iter().all(LayerPlan::is_complete)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (layer, expert, role, scale, axis)
+    type Seen = (usize, Option<usize>, &'static str, bool, ExpertAxis);
+
+    fn generic(name: &str) -> Option<Seen> {
+        let (r, axis) = Naming::Generic.classify_axis(name)?;
+        Some((
+            r.layer,
+            r.expert,
+            GENERIC_ROLES[usize::from(r.piece)],
+            r.scale,
+            axis,
+        ))
+    }
+
+    use ExpertAxis::{Flattened, Outermost};
+
+    #[test]
+    fn generic_names_of_every_family() {
+        let cases: &[(&str, Seen)] = &[
+            // Qwen3.5-MoE with vision, Qwen3-VL-MoE, other multimodal prefixes.
+            (
+                "model.language_model.layers.3.mlp.experts.7.up_proj.weight",
+                (3, Some(7), "up", false, Outermost),
+            ),
+            (
+                "model.language_model.layers.2.mlp.experts.gate_up_proj",
+                (2, None, "gate_up", false, Outermost),
+            ),
+            (
+                "language_model.model.layers.1.mlp.experts.down_proj",
+                (1, None, "down", false, Outermost),
+            ),
+            // Llama4, Jamba, LFM2-MoE.
+            (
+                "language_model.model.layers.0.feed_forward.experts.gate_up_proj",
+                (0, None, "gate_up", false, Outermost),
+            ),
+            (
+                "model.layers.1.feed_forward.experts.3.gate_proj.weight",
+                (1, Some(3), "gate", false, Outermost),
+            ),
+            (
+                "model.layers.4.feed_forward.experts.0.w3.weight",
+                (4, Some(0), "up", false, Outermost),
+            ),
+            (
+                "model.layers.4.feed_forward.experts.0.w2.weight",
+                (4, Some(0), "down", false, Outermost),
+            ),
+            // Granite (both layouts), JetMoE.
+            (
+                "model.layers.0.block_sparse_moe.input_linear.weight",
+                (0, None, "gate_up", false, Outermost),
+            ),
+            (
+                "model.layers.0.block_sparse_moe.output_linear.weight",
+                (0, None, "down", false, Outermost),
+            ),
+            (
+                "model.layers.5.block_sparse_moe.experts.gate_up_proj",
+                (5, None, "gate_up", false, Outermost),
+            ),
+            (
+                "model.layers.1.mlp.input_linear.weight",
+                (1, None, "gate_up", false, Outermost),
+            ),
+            // DBRX, flattened.
+            (
+                "transformer.blocks.9.ffn.experts.mlp.v1",
+                (9, None, "up", false, Flattened),
+            ),
+            (
+                "transformer.blocks.9.ffn.experts.mlp.w2",
+                (9, None, "down", false, Flattened),
+            ),
+            // GGUF, fused gate_up included; GPT-style h.N; scales.
+            (
+                "blk.12.ffn_gate_up_exps.weight",
+                (12, None, "gate_up", false, Outermost),
+            ),
+            (
+                "blk.0.ffn_down_exps.weight",
+                (0, None, "down", false, Outermost),
+            ),
+            (
+                "transformer.h.2.mlp.experts.1.w1.weight",
+                (2, Some(1), "gate", false, Outermost),
+            ),
+            (
+                "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv",
+                (1, Some(0), "down", true, Outermost),
+            ),
+        ];
+        for (name, want) in cases {
+            assert_eq!(generic(name), Some(*want), "{name}");
+        }
+    }
+
+    #[test]
+    fn look_alikes_are_not_experts() {
+        for name in [
+            // Routers and their biases.
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.1.feed_forward.expert_bias",
+            "model.layers.1.block_sparse_moe.router.layer.weight",
+            "transformer.blocks.1.ffn.router.layer.weight",
+            "blk.1.ffn_gate_inp.weight",
+            "blk.1.exp_probs_b.bias",
+            // Shared experts.
+            "model.layers.1.mlp.shared_expert.gate_proj.weight",
+            "model.layers.1.mlp.shared_experts.down_proj.weight",
+            "model.layers.1.feed_forward.shared_expert.up_proj.weight",
+            "blk.1.ffn_gate_shexp.weight",
+            // JetMoE's attention experts, and its MoE bias.
+            "model.layers.1.self_attention.experts.input_linear.weight",
+            "model.layers.1.self_attention.experts.output_linear.weight",
+            "model.layers.1.mlp.bias",
+            // Dense MLPs, attention, a layer word inside another word, no number.
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.mylayers.0.mlp.experts.0.gate_proj.weight",
+            "model.layers.x.mlp.experts.0.gate_proj.weight",
+            "model.layers.1234567890.mlp.experts.0.gate_proj.weight",
+            // Unknown kinds and roles.
+            "model.layers.1.mlp.experts.0.gate_proj.bias",
+            "model.layers.1.mlp.experts.0.gate_proj.input_scale",
+            "model.layers.1.mlp.experts.gate_up_proj_blocks",
+            "model.layers.1.mlp.experts.0.fc1.weight",
+            "",
+            ".",
+            "layers.",
+            "layers.1",
+            "layers.1.",
+        ] {
+            assert_eq!(generic(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn generic_required_roles() {
+        let roles = |seen: &[u8]| {
+            let seen = seen.iter().map(|&p| (false, p)).collect();
+            Naming::Generic
+                .required_roles(&seen)
+                .into_iter()
+                .map(|(_, p)| GENERIC_ROLES[usize::from(p)])
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(roles(&[DOWN]), ["gate", "up", "down"]);
+        assert_eq!(roles(&[GATE, DOWN]), ["gate", "up", "down"]);
+        assert_eq!(roles(&[GATE_UP]), ["gate_up", "down"]);
+        assert_eq!(roles(&[GATE_UP, UP]), ["gate", "up", "gate_up", "down"]);
     }
 }

@@ -11,10 +11,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::files::shape_text;
 use super::naming::{
-    ExpertPieces, ExpertPlan, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming, PieceRole, TensorPiece,
-    no_experts,
+    ExpertAxis, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
+    PieceRole, TensorPiece, no_experts,
 };
-use super::{Checkpoint, TensorInfo};
+use super::{Checkpoint, Dtype, TensorInfo};
 use crate::error::{CheckpointFault, Error, Result, quote};
 
 /// `(scale, piece)`: a role of an expert, in slot order (weights first, each by piece).
@@ -26,6 +26,8 @@ struct LayerTensors {
     per_expert: BTreeMap<usize, BTreeMap<Role, usize>>,
     /// role → tensor index, for tensors holding every expert.
     merged: BTreeMap<Role, usize>,
+    /// The merged tensors whose experts are flattened into dimension 0 (DBRX).
+    flattened: BTreeSet<usize>,
 }
 
 /// What the steps share: the naming, the checkpoint, and how to name a tensor's file.
@@ -76,8 +78,8 @@ impl Plan<'_> {
             if self.checkpoint.tensor(&fused).is_some() {
                 why.push_str(&format!(
                     "; the file has {fused}, gate and up fused into one tensor (as llama.cpp's \
-                     convert_hf_to_gguf.py --fuse-gate-up-exps writes), which this naming \
-                     does not take apart"
+                     convert_hf_to_gguf.py --fuse-gate-up-exps writes): the naming \
+                     \"generic\" packs it whole"
                 ));
             }
         }
@@ -119,8 +121,9 @@ pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<Exp
                 ),
             ));
         } else {
-            merged_layer(&plan, layer, &lt.merged)?
+            merged_layer(&plan, layer, &lt)?
         };
+        let gate_up = gate_up_layout(&plan, &lt);
         let bytes = |pieces: &[TensorPiece]| pieces.iter().map(|p| p.len).sum::<u64>();
         let (weight_bytes, scale_bytes) = experts
             .first()
@@ -143,6 +146,7 @@ pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<Exp
             weight_bytes,
             scale_bytes,
             roles,
+            gate_up,
         });
     }
     let expert_plan = ExpertPlan {
@@ -164,7 +168,7 @@ fn group(plan: &Plan<'_>) -> Result<(BTreeMap<usize, LayerTensors>, usize, u64)>
     let mut layers: BTreeMap<usize, LayerTensors> = BTreeMap::new();
     let (mut engine_tensors, mut engine_bytes) = (0usize, 0u64);
     for (index, t) in plan.checkpoint.tensors().iter().enumerate() {
-        let Some(r) = plan.naming.classify(t.name()) else {
+        let Some((r, axis)) = plan.naming.classify_axis(t.name()) else {
             engine_tensors += 1;
             engine_bytes = engine_bytes.saturating_add(t.len());
             continue;
@@ -184,6 +188,9 @@ fn group(plan: &Plan<'_>) -> Result<(BTreeMap<usize, LayerTensors>, usize, u64)>
             ));
         }
         let layer = layers.entry(r.layer).or_default();
+        if axis == ExpertAxis::Flattened {
+            layer.flattened.insert(index);
+        }
         let slot = match r.expert {
             Some(e) => layer.per_expert.entry(e).or_default(),
             None => &mut layer.merged,
@@ -276,8 +283,9 @@ fn per_expert_layer(
 fn merged_layer(
     plan: &Plan<'_>,
     layer: usize,
-    merged: &BTreeMap<Role, usize>,
+    lt: &LayerTensors,
 ) -> Result<(Vec<ExpertPieces>, BTreeSet<Role>)> {
+    let merged = &lt.merged;
     let seen: BTreeSet<Role> = merged.keys().copied().collect();
     let required = plan.naming.required_roles(&seen);
     if let Some(&role) = required.iter().find(|r| !merged.contains_key(r)) {
@@ -286,6 +294,9 @@ fn merged_layer(
     }
     let mut count: Option<(u64, &TensorInfo)> = None;
     for &index in merged.values() {
+        if lt.flattened.contains(&index) {
+            continue;
+        }
         let t = plan.tensor(index);
         let n = match t.outermost_dim() {
             Some(n) if n > 0 => n,
@@ -300,24 +311,7 @@ fn merged_layer(
                 ));
             }
         };
-        if n > MAX_EXPERTS_PER_LAYER as u64 {
-            return Err(plan.fault(
-                t,
-                CheckpointFault::Shape,
-                format!(
-                    "its shape {} says {n} experts of layer {layer}: a layer has at most \
-                     {MAX_EXPERTS_PER_LAYER} experts",
-                    shape_text(t.shape())
-                ),
-            ));
-        }
-        if !t.len().is_multiple_of(n) || t.len() < n {
-            return Err(plan.fault(
-                t,
-                CheckpointFault::Shape,
-                format!("{} bytes do not divide into {n} non-empty experts", t.len()),
-            ));
-        }
+        check_count(plan, t, layer, n, "its shape")?;
         match count {
             Some((c, other)) if c != n => {
                 return Err(plan.fault(
@@ -332,7 +326,30 @@ fn merged_layer(
             _ => count = Some((n, t)),
         }
     }
-    // n ≤ MAX_EXPERTS_PER_LAYER and n ≤ the tensor's bytes: checked above.
+    if let Some(&index) = lt.flattened.iter().next() {
+        let n = match count {
+            Some((n, _)) => n,
+            None => flattened_count(plan, layer, plan.tensor(index))?,
+        };
+        for &index in &lt.flattened {
+            let t = plan.tensor(index);
+            let rows = t.outermost_dim().unwrap_or(0);
+            if rows < n || !rows.is_multiple_of(n) {
+                return Err(plan.fault(
+                    t,
+                    CheckpointFault::Shape,
+                    format!(
+                        "its experts are flattened into dimension 0 ([E·I, …]), but its shape \
+                         {} does not divide into {n} experts of layer {layer}",
+                        shape_text(t.shape())
+                    ),
+                ));
+            }
+            check_count(plan, t, layer, n, "dimension 0")?;
+        }
+        count = Some((n, plan.tensor(index)));
+    }
+    // n ≤ MAX_EXPERTS_PER_LAYER and n ≤ each tensor's bytes: checked above.
     let n = count.map_or(0, |(n, _)| n);
     let mut out = Vec::with_capacity(MAX_EXPERTS_PER_LAYER.min(n as usize));
     for e in 0..n {
@@ -351,4 +368,103 @@ fn merged_layer(
         })));
     }
     Ok((out, required))
+}
+
+/// `n` experts in tensor `t` (`what` said so): at most [`MAX_EXPERTS_PER_LAYER`], and
+/// its bytes divide into `n` non-empty experts.
+fn check_count(plan: &Plan<'_>, t: &TensorInfo, layer: usize, n: u64, what: &str) -> Result<()> {
+    if n > MAX_EXPERTS_PER_LAYER as u64 {
+        return Err(plan.fault(
+            t,
+            CheckpointFault::Shape,
+            format!(
+                "{what} {} says {n} experts of layer {layer}: a layer has at most \
+                 {MAX_EXPERTS_PER_LAYER} experts",
+                shape_text(t.shape())
+            ),
+        ));
+    }
+    if n == 0 || !t.len().is_multiple_of(n) || t.len() < n {
+        return Err(plan.fault(
+            t,
+            CheckpointFault::Shape,
+            format!("{} bytes do not divide into {n} non-empty experts", t.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// The expert count of a layer whose tensors are all flattened (`t` one of them, named
+/// `….experts.mlp.{w}`): the outermost dimension of the layer's router
+/// `….router.layer.weight` `[E, H]`, else the config's count.
+fn flattened_count(plan: &Plan<'_>, layer: usize, t: &TensorInfo) -> Result<u64> {
+    let router = t
+        .name()
+        .rfind(".experts.mlp.")
+        .map(|at| format!("{}.router.layer.weight", &t.name()[..at]));
+    let from_router = router
+        .as_deref()
+        .and_then(|r| plan.checkpoint.tensor(r))
+        .and_then(TensorInfo::outermost_dim);
+    let from_config = || plan.checkpoint.config().and_then(|c| c.experts());
+    match from_router.or_else(from_config) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(plan.fault(
+            t,
+            CheckpointFault::Shape,
+            format!(
+                "layer {layer}'s experts are flattened into dimension 0 ([E·I, …]): E comes \
+                 from the router {} [E, H] or config.json's ffn_config.moe_num_experts, and \
+                 neither is there",
+                quote(router.as_deref().unwrap_or("router.layer.weight"))
+            ),
+        )),
+    }
+}
+
+/// How the layer's fused gate_up role (if any) holds gate and up, from its shape and
+/// down's: `[2I, H]` beside `[H, I]` is stacked rows, `[H, 2I]` beside `[I, H]` columns
+/// (interleaved when gpt-oss's `…_bias` is beside it); GGUF's fused tensor is rows.
+fn gate_up_layout(plan: &Plan<'_>, lt: &LayerTensors) -> Option<GateUpLayout> {
+    let piece = plan.naming.gate_up_piece()?;
+    // A layer has merged tensors or per-expert ones (expert 0's stand for all).
+    let roles = if lt.merged.is_empty() {
+        lt.per_expert.values().next()?
+    } else {
+        &lt.merged
+    };
+    let gate_up = *roles.get(&(false, piece))?;
+    let down = roles
+        .iter()
+        .filter(|&(&(scale, p), _)| !scale && p != piece)
+        .map(|(_, &i)| i)
+        .next_back();
+    let t = plan.tensor(gate_up);
+    if let Dtype::Ggml(_) = t.dtype() {
+        return Some(GateUpLayout::GateThenUpRows);
+    }
+    let per_expert = |t: &TensorInfo| -> Option<(u64, u64)> {
+        match (lt.merged.is_empty(), t.shape()) {
+            (true, &[a, b]) | (false, &[_, a, b]) => Some((a, b)),
+            _ => None,
+        }
+    };
+    let layout = match (per_expert(t), down.and_then(|d| per_expert(plan.tensor(d)))) {
+        (Some((a, b)), Some((c, d))) if Some(a) == d.checked_mul(2) && b == c => {
+            GateUpLayout::GateThenUpRows
+        }
+        (Some((a, b)), Some((c, d))) if Some(b) == c.checked_mul(2) && a == d => {
+            if plan
+                .checkpoint
+                .tensor(&format!("{}_bias", t.name()))
+                .is_some()
+            {
+                GateUpLayout::Interleaved
+            } else {
+                GateUpLayout::GateThenUpColumns
+            }
+        }
+        _ => GateUpLayout::Unknown,
+    };
+    Some(layout)
 }

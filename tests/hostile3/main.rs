@@ -109,35 +109,75 @@ fn store() -> PinStore {
 
 /// llama.cpp's `convert_hf_to_gguf.py --fuse-gate-up-exps` writes `ffn_gate_up_exps`
 /// beside `ffn_down_exps`. The GGUF preset used to pack `down` alone into each slot (and
-/// pin_model said verified); now the plan and the pack are refused naming layer 1,
-/// expert 0 and the missing role, with a word on the fused tensor.
+/// pin_model said verified); then it was refused; now the generic naming packs each
+/// expert's gate_up slice whole, then its down: the slots hold the bytes this test
+/// computes from the file it wrote. A genuinely missing role (gate without up) is still
+/// refused, under the preset and under the generic naming, naming layer, expert and role.
 #[test]
-fn gguf_fused_gate_up_is_refused_naming_layer_expert_and_role() {
-    const NAME: &str = "gguf_fused_gate_up_is_refused_naming_layer_expert_and_role";
+fn gguf_fused_gate_up_packs_whole_and_a_missing_role_is_refused() {
+    const NAME: &str = "gguf_fused_gate_up_packs_whole_and_a_missing_role_is_refused";
     if !child(NAME) {
         return;
     }
-    let path = scratch(NAME).join("fused.gguf");
+    let dir = scratch(NAME);
+    let path = dir.join("fused.gguf");
     let arch = ("general.architecture", 8, gstr("qwen3moe"));
     let (head, len) = gguf(
-        &[arch],
+        std::slice::from_ref(&arch),
         &[
             ("blk.1.ffn_gate_up_exps.weight", vec![4, 8, 2], F32, 256),
             ("blk.1.ffn_down_exps.weight", vec![4, 4, 2], F32, 128),
             ("blk.1.attn_q.weight", vec![4, 4], F32, 64),
         ],
     );
+    let mut bytes = head.clone();
+    bytes.extend((head.len() as u64..len).map(|i| (i * 7 + 3) as u8));
+    std::fs::write(&path, &bytes).unwrap();
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = checkpoint.expert_plan().unwrap();
+    assert_eq!(plan.naming(), "generic");
+    assert!(plan.is_complete());
+    let layer = plan.layer(1).unwrap();
+    assert_eq!(
+        layer.roles().map(|(_, n)| n).collect::<Vec<_>>(),
+        ["gate_up", "down"]
+    );
+    assert_eq!(
+        layer.gate_up_layout(),
+        Some(numapin::model::GateUpLayout::GateThenUpRows)
+    );
+    let packed = store();
+    checkpoint.pack(&packed).unwrap();
+    // Data starts right after the header; gate_up is 2 × 128 bytes, down (32-aligned
+    // after it) 2 × 64.
+    let data = head.len();
+    for e in 0..2 {
+        let mut want = bytes[data + e * 128..data + (e + 1) * 128].to_vec();
+        want.extend_from_slice(&bytes[data + 256 + e * 64..data + 256 + (e + 1) * 64]);
+        assert!(packed.weights(1, e).unwrap() == want, "expert {e}");
+    }
+    assert!(checkpoint.verify(&packed).unwrap().verified());
+
+    // gate and down, no up: refused by the detected preset and by the generic naming.
+    let path = dir.join("no-up.gguf");
+    let (head, len) = gguf(
+        &[arch],
+        &[
+            ("blk.1.ffn_gate_exps.weight", vec![4, 4, 2], F32, 128),
+            ("blk.1.ffn_down_exps.weight", vec![4, 4, 2], F32, 128),
+        ],
+    );
     write_sparse(&path, &head, len);
     let checkpoint = Checkpoint::open(&path).unwrap();
-    let (kind, e) = checkpoint_fault(checkpoint.expert_plan());
-    assert_eq!(kind, CheckpointFault::Missing, "{e}");
-    let msg = e.to_string();
-    for word in [
-        "layer 1 expert 0",
-        "no ffn_gate_exps",
-        "blk.1.ffn_gate_up_exps.weight",
+    for (naming, role) in [
+        (Naming::detect(&checkpoint).unwrap(), "no ffn_up_exps"),
+        (Naming::Generic, "no up"),
     ] {
-        assert!(msg.contains(word), "{word:?} not in {msg}");
+        let (kind, e) = checkpoint_fault(checkpoint.expert_plan_with(&naming));
+        assert_eq!(kind, CheckpointFault::Missing, "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("layer 1 expert 0"), "{msg}");
+        assert!(msg.contains(role), "{role:?} not in {msg}");
     }
     let store = store();
     let (kind, _) = checkpoint_fault(checkpoint.pack(&store));
@@ -551,4 +591,69 @@ fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
     let (head, len) = gguf(&[("general.alignment", 8, gstr(&big))], &[]);
     write_sparse(&gg, &head, len);
     bounded("alignment", checkpoint_fault(Checkpoint::open(&gg)).1);
+}
+
+/// DBRX's flattened experts (`ffn.experts.mlp.{w1,v1,w2}`, `[E·I, H]`): E from the
+/// router. A router claiming more than the ceiling, rows that do not divide into E, no
+/// router and no config: each a Shape error naming the tensor, nothing allocated per
+/// claimed expert, nothing packed. A consistent one packs E experts of I rows each.
+#[test]
+fn dbrx_flattened_experts_hostile_counts() {
+    const NAME: &str = "dbrx_flattened_experts_hostile_counts";
+    if !child(NAME) {
+        return;
+    }
+    let dir = scratch(NAME);
+    let flat = |rows: u64| {
+        ["w1", "v1", "w2"].map(|w| {
+            (
+                format!("transformer.blocks.0.ffn.experts.mlp.{w}"),
+                vec![rows, 4],
+                rows * 8,
+            )
+        })
+    };
+    let router = "transformer.blocks.0.ffn.router.layer.weight";
+    let cases: [(&str, Option<u64>, u64, &str); 4] = [
+        ("huge", Some(70_000), 70_000, "at most 65536 experts"),
+        ("uneven", Some(4), 10, "does not divide into 4 experts"),
+        ("no-router", None, 8, "router.layer.weight"),
+        ("ok", Some(4), 8, ""),
+    ];
+    for (case, experts, rows, words) in cases {
+        let mut tensors: Vec<(String, &str, Vec<u64>, u64)> = flat(rows)
+            .into_iter()
+            .map(|(n, s, b)| (n, "F16", s, b))
+            .collect();
+        if let Some(e) = experts {
+            tensors.push((router.to_owned(), "F16", vec![e, 4], e * 8));
+        }
+        let refs: Vec<(&str, &str, Vec<u64>, u64)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), *b))
+            .collect();
+        let path = dir.join(format!("{case}.safetensors"));
+        write_st(&path, &refs);
+        let checkpoint = Checkpoint::open(&path).unwrap();
+        let plan = checkpoint.expert_plan();
+        if words.is_empty() {
+            let plan = plan.unwrap();
+            assert_eq!(plan.naming(), "generic");
+            let layer = plan.layer(0).unwrap();
+            assert_eq!(layer.experts().len(), 4);
+            assert_eq!(layer.weight_bytes(), 3 * 2 * 8);
+            let w1 = &layer.experts()[3].weights()[0];
+            assert_eq!(w1.len(), 16);
+            continue;
+        }
+        let (kind, e) = checkpoint_fault(plan);
+        assert_eq!(kind, CheckpointFault::Shape, "{case}: {e}");
+        assert!(
+            e.to_string().contains(words),
+            "{case}: {words:?} not in {e}"
+        );
+        let store = store();
+        assert!(checkpoint.pack(&store).is_err());
+        assert_eq!(store.stats().unwrap().layers, 0, "{case}: nothing packed");
+    }
 }
