@@ -1,6 +1,14 @@
 //! One error type that keeps the story: which call, which errno, which arguments.
 
+mod invalid;
+mod quote;
+
 use std::fmt;
+
+pub use invalid::Invalid;
+use invalid::wide;
+use quote::{PATH_MAX, REASON_MAX, clip_owned};
+pub(crate) use quote::{QUOTE_MAX, clip, quote, quote_list};
 
 use crate::nodeset::{Node, NodeSet};
 
@@ -480,68 +488,6 @@ impl Error {
     }
 }
 
-/// The most bytes of one file-chosen string (a tensor name, a dtype, a key) an error
-/// quotes.
-pub(crate) const QUOTE_MAX: usize = 200;
-/// The most items of a file-chosen list an error quotes.
-pub(crate) const LIST_MAX: usize = 5;
-/// The most bytes of a path an error keeps (Linux's `PATH_MAX`).
-pub(crate) const PATH_MAX: usize = 4096;
-/// The most bytes of an error's reason: a backstop behind [`quote`] and [`quote_list`].
-pub(crate) const REASON_MAX: usize = 8192;
-
-/// The longest prefix of `text` of at most `max` bytes that ends on a character
-/// boundary, and whether anything was cut.
-pub(crate) fn clip(text: &str, max: usize) -> (&str, bool) {
-    if text.len() <= max {
-        return (text, false);
-    }
-    // `str::floor_char_boundary` is 1.91; the MSRV is 1.88. A char is at most 4 bytes.
-    let end = (max.saturating_sub(3)..=max)
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0);
-    (&text[..end], true)
-}
-
-fn clip_owned(mut text: String, max: usize) -> String {
-    if let (head, true) = clip(&text, max) {
-        let (cut, len) = (head.len(), text.len());
-        text.truncate(cut);
-        text.push_str(&format!("… ({len} bytes)"));
-    }
-    text
-}
-
-/// A file-chosen string quoted for a message: `"abc"`, or at most [`QUOTE_MAX`] bytes of
-/// it and its length, `"abc…" (4194304 bytes)`.
-pub(crate) fn quote(text: &str) -> String {
-    match clip(text, QUOTE_MAX) {
-        (text, false) => format!("{text:?}"),
-        (head, true) => format!("{:?} ({} bytes)", format!("{head}…"), text.len()),
-    }
-}
-
-/// At most [`LIST_MAX`] items of a file-chosen list, each [`quote`]d, and how many there
-/// are when some are left out: `"a", "b" and 3 more (5)`.
-pub(crate) fn quote_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
-    let mut out = String::new();
-    let mut count = 0usize;
-    for item in items {
-        if count < LIST_MAX {
-            if count > 0 {
-                out.push_str(", ");
-            }
-            out.push_str(&quote(item));
-        }
-        count += 1;
-    }
-    if count > LIST_MAX {
-        out.push_str(&format!(" and {} more ({count} in all)", count - LIST_MAX));
-    }
-    out
-}
-
 impl From<Error> for std::io::Error {
     /// OS errors become [`std::io::Error::from_raw_os_error`], so that
     /// [`raw_os_error`](std::io::Error::raw_os_error) and `kind()` work as for any
@@ -572,181 +518,6 @@ impl From<Error> for std::io::Error {
         };
         std::io::Error::new(kind, e)
     }
-}
-
-/// What was wrong with an argument: the detail of [`Error::InvalidArgument`].
-///
-/// The conditions a caller can react to are variants with the offending figures as
-/// fields; [`Invalid::Other`] is free text for the rest. The `what` fields name the
-/// argument for people (with its context: `"layer 3 expert 5 weights"`); match on the
-/// variant and the numbers, not on that text.
-///
-/// ```
-/// use numapin::{Error, Invalid, Region};
-/// let mut r = Region::anonymous(numapin::page_size()).unwrap();
-/// match r.release(1..numapin::page_size()) {
-///     Err(Error::InvalidArgument { reason: Invalid::Misaligned { value: 1, .. }, .. }) => {}
-///     other => panic!("{other:?}"),
-/// }
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Invalid {
-    /// An address, offset or length that must be a multiple of `align` is not.
-    Misaligned {
-        /// What it is (`"address"`, `"start"`).
-        what: String,
-        /// The value given.
-        value: u64,
-        /// The alignment it needs, in bytes (the page size, a huge page, direct I/O's).
-        align: u64,
-    },
-    /// A byte range (or a single offset: `start == end`) that does not lie inside what it
-    /// addresses: it runs past the end, or it is reversed (`start > end`).
-    OutOfBounds {
-        /// What it is (`"range"`, `"offset"`, with context).
-        what: String,
-        /// Its first byte.
-        start: u64,
-        /// Its end (exclusive); `start` for a single offset.
-        end: u64,
-        /// Bytes in what it should lie inside.
-        len: u64,
-        /// What it should lie inside (`"the region"`, `"the file"`).
-        within: &'static str,
-    },
-    /// Arithmetic on the arguments overflows (`usize` or `u64`): sizes that cannot exist.
-    Overflow {
-        /// The computation (`"len 4096 + align 2097152"`).
-        what: String,
-    },
-    /// An option or argument has a value it does not take.
-    BadValue {
-        /// The option or argument (`"SlotAlign"`, `"piece_align"`, `"read mode"`).
-        what: &'static str,
-        /// The value given, formatted.
-        value: String,
-        /// What it should be, or why it is refused.
-        why: String,
-    },
-    /// Bytes that do not fit where they must go.
-    TooLarge {
-        /// What they are (`"layer 0 expert 3 weights"`).
-        what: String,
-        /// Their size, in bytes.
-        size: u64,
-        /// The room there is, in bytes.
-        max: u64,
-        /// Where they must go (`"the slot"`, `"the buffer"`).
-        within: &'static str,
-    },
-    /// Two counts that must agree do not.
-    Mismatch {
-        /// What is counted, and against what.
-        what: String,
-        /// The count needed.
-        expected: u64,
-        /// The count given.
-        found: u64,
-    },
-    /// Something that needs at least one (a node set, a length, a thread count) has none.
-    Empty {
-        /// What there is none of (`"nodes in the cache's node set"`).
-        what: String,
-    },
-    /// A node id that cannot exist: beyond the ids a kernel mask holds, or beyond this
-    /// machine's possible nodes.
-    NoSuchNode {
-        /// What named it (a policy, a target set).
-        what: String,
-        /// The node id.
-        node: usize,
-        /// Ids below this one can exist.
-        limit: usize,
-        /// This machine's possible node ids and nodes with memory, when `limit` is the
-        /// machine's; `None` when it is the kernel mask's (`MAX_NODES`).
-        machine: Option<String>,
-    },
-    /// The mapping (or store) is not of a kind this operation works on: read-only, sealed,
-    /// lost, not a memfd, a shared file mapping that the page cache places.
-    WrongBacking {
-        /// What it is (with the addresses or file when they are known).
-        found: String,
-        /// What the operation needs.
-        needed: &'static str,
-    },
-    /// Anything else, in words.
-    Other(String),
-}
-
-impl fmt::Display for Invalid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Invalid::Misaligned { what, value, align } => {
-                write!(f, "{what} {value:#x} is not aligned to {align} bytes")
-            }
-            Invalid::OutOfBounds {
-                what,
-                start,
-                end,
-                len,
-                within,
-            } => {
-                if start > end {
-                    write!(
-                        f,
-                        "{what} {start}..{end} is reversed ({within} has {len} bytes)"
-                    )
-                } else if start == end {
-                    write!(
-                        f,
-                        "{what} {start} is past the end of {within} ({len} bytes)"
-                    )
-                } else {
-                    write!(
-                        f,
-                        "{what} {start}..{end} runs past the end of {within} ({len} bytes)"
-                    )
-                }
-            }
-            Invalid::Overflow { what } => write!(f, "{what} overflows"),
-            Invalid::BadValue { what, value, why } => write!(f, "{what} {value}: {why}"),
-            Invalid::TooLarge {
-                what,
-                size,
-                max,
-                within,
-            } => write!(f, "{what}: {size} bytes but {within} holds {max}"),
-            Invalid::Mismatch {
-                what,
-                expected,
-                found,
-            } => write!(f, "{what}: {expected} expected but {found} given"),
-            Invalid::Empty { what } => write!(f, "no {what}"),
-            Invalid::NoSuchNode {
-                what,
-                node,
-                limit,
-                machine,
-            } => match machine {
-                Some(machine) => write!(
-                    f,
-                    "{what}: node {node} does not exist on this machine, whose kernel has {machine}"
-                ),
-                None => write!(
-                    f,
-                    "{what}: node {node} is beyond the {limit} node ids a kernel mask holds"
-                ),
-            },
-            Invalid::WrongBacking { found, needed } => write!(f, "{found}; this needs {needed}"),
-            Invalid::Other(text) => f.write_str(text),
-        }
-    }
-}
-
-/// A size or count as `u64` (saturating: no size of this crate exceeds it on Linux).
-fn wide(n: impl TryInto<u64>) -> u64 {
-    n.try_into().unwrap_or(u64::MAX)
 }
 
 /// The kinds of [`Error::Checkpoint`].
