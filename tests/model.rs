@@ -10,7 +10,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use numapin::model::{
-    Checkpoint, Format, GgmlType, GgufArray, GgufValue, Naming, gguf, safetensors,
+    Checkpoint, Format, GateUpLayout, GgmlType, GgufArray, GgufValue, Naming, PieceRole, gguf,
+    safetensors,
 };
 use numapin::{CheckpointFault, Error};
 
@@ -116,17 +117,16 @@ fn check_fixture(test: &str, name: &str) -> Option<Checkpoint> {
     let plan = checkpoint.expert_plan().unwrap();
     assert_eq!(plan.naming(), naming.name());
     assert!(plan.is_complete());
+    // "roles", when given, is every role of a layer in slot order (weights, scales, biases).
+    let has_scales = fixture["has_scales"].as_bool().unwrap();
     let roles = match fixture["roles"].as_array() {
         Some(names) => names.len(),
         None if naming.name() == "fused" => 2,
+        None if has_scales => 6,
         None => 3,
     };
-    let has_scales = fixture["has_scales"].as_bool().unwrap();
     for layer in plan.layers() {
-        assert_eq!(
-            layer.roles().count(),
-            if has_scales { 2 * roles } else { roles }
-        );
+        assert_eq!(layer.roles().count(), roles);
         if let Some(names) = fixture["roles"].as_array() {
             let names: Vec<&str> = names.iter().map(|n| n.as_str().unwrap()).collect();
             let have: Vec<&str> = layer.roles().map(|(_, n)| n).collect();
@@ -400,9 +400,33 @@ fn fixture_jetmoe_beside_attention_experts() {
     );
 }
 
+/// gpt-oss bf16: gate_up interleaved; its per-expert biases in the scale slot (gate_up's,
+/// then down's).
 #[test]
-fn fixture_gpt_oss_interleaved_gate_up() {
-    check_fixture("fixture_gpt_oss_interleaved_gate_up", "fam-gpt-oss");
+fn fixture_gpt_oss_interleaved_gate_up_biases_in_the_scale_slot() {
+    check_fixture(
+        "fixture_gpt_oss_interleaved_gate_up_biases_in_the_scale_slot",
+        "fam-gpt-oss",
+    );
+}
+
+/// gpt-oss's MXFP4 checkpoint: blocks in the weight slot, scales then biases in the scale
+/// slot, the gate_up rows interleaved.
+#[test]
+fn fixture_gpt_oss_mxfp4_blocks_scales_and_biases() {
+    check_fixture(
+        "fixture_gpt_oss_mxfp4_blocks_scales_and_biases",
+        "fam-gpt-oss-mxfp4",
+    );
+}
+
+/// llama.cpp's gpt-oss GGUF: ffn_{gate,up,down}_exps.bias in the scale slot.
+#[test]
+fn fixture_gguf_expert_biases_in_the_scale_slot() {
+    check_fixture(
+        "fixture_gguf_expert_biases_in_the_scale_slot",
+        "gguf-expert-biases",
+    );
 }
 
 #[test]
@@ -980,6 +1004,81 @@ fn naming_layer_missing_an_expert_and_different_shapes() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A layer with a bias must have one for each weight role; a bias whose expert count
+/// disagrees with the weights' is a shape error naming it.
+#[test]
+fn naming_biases_complete_and_counted() {
+    let dir = scratch("biases");
+    let p = "model.layers.0.mlp.experts";
+    let (gu, dn) = (format!("{p}.gate_up_proj"), format!("{p}.down_proj"));
+    let (gub, dnb) = (format!("{gu}_bias"), format!("{dn}_bias"));
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    assert_eq!(Naming::detect(&checkpoint).unwrap().name(), "generic");
+    match checkpoint.expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Missing,
+            reason,
+            ..
+        }) => assert!(reason.contains("has no down bias"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+            (&dnb, "F32", &[3, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    match checkpoint.expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Shape,
+            tensor,
+            ..
+        }) => assert_eq!(tensor.as_deref(), Some(dnb.as_str())),
+        other => panic!("{other:?}"),
+    }
+
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+            (&dnb, "F32", &[4, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    let plan = checkpoint.expert_plan().unwrap();
+    let layer = plan.layer(0).unwrap();
+    let roles: Vec<(PieceRole, &str)> = layer.roles().collect();
+    assert_eq!(
+        roles,
+        [
+            (PieceRole::Weight, "gate_up"),
+            (PieceRole::Weight, "down"),
+            (PieceRole::Scale, "gate_up bias"),
+            (PieceRole::Scale, "down bias"),
+        ]
+    );
+    assert_eq!((layer.weight_bytes(), layer.scale_bytes()), (384, 64));
+    assert_eq!(layer.gate_up_layout(), Some(GateUpLayout::Interleaved));
 }
 
 #[test]
