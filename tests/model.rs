@@ -429,6 +429,25 @@ fn fixture_gguf_expert_biases_in_the_scale_slot() {
     );
 }
 
+/// DeepSeek-V3 FP8: F8_E4M3 weights in the weight slot, their F32 `weight_scale_inv`
+/// grids ([⌈out/128⌉, ⌈in/128⌉]) in the scale slot; layer 0 dense as config.json says.
+#[test]
+fn fixture_deepseek_v3_fp8_weight_and_scale_inv() {
+    let Some(checkpoint) = check_fixture(
+        "fixture_deepseek_v3_fp8_weight_and_scale_inv",
+        "fam-deepseek-v3-fp8",
+    ) else {
+        return;
+    };
+    let dtype = |name: &str| checkpoint.tensor(name).unwrap().dtype().to_string();
+    let e = "model.layers.1.mlp.experts.0";
+    assert_eq!(dtype(&format!("{e}.gate_proj.weight")), "F8_E4M3");
+    assert_eq!(dtype(&format!("{e}.gate_proj.weight_scale_inv")), "F32");
+    let shape = |name: &str| checkpoint.tensor(name).unwrap().shape().to_vec();
+    assert_eq!(shape(&format!("{e}.up_proj.weight_scale_inv")), [1, 2]);
+    assert_eq!(shape(&format!("{e}.down_proj.weight_scale_inv")), [2, 1]);
+}
+
 #[test]
 fn fixture_dbrx_flattened_experts() {
     check_fixture("fixture_dbrx_flattened_experts", "fam-dbrx");

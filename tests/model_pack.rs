@@ -290,6 +290,14 @@ fn pack_gguf_expert_biases() {
 }
 
 #[test]
+fn pack_deepseek_v3_fp8_fills_both_regions() {
+    pack_fixture(
+        "pack_deepseek_v3_fp8_fills_both_regions",
+        "fam-deepseek-v3-fp8",
+    );
+}
+
+#[test]
 fn pack_gguf_fused_gate_up() {
     pack_fixture("pack_gguf_fused_gate_up", "gguf-fused-gate-up");
 }
