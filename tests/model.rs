@@ -10,7 +10,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use numapin::model::{
-    Checkpoint, Format, GgmlType, GgufArray, GgufValue, Naming, gguf, safetensors,
+    Checkpoint, Format, GateUpLayout, GgmlType, GgufArray, GgufValue, Naming, PieceRole, gguf,
+    safetensors,
 };
 use numapin::{CheckpointFault, Error};
 
@@ -116,17 +117,16 @@ fn check_fixture(test: &str, name: &str) -> Option<Checkpoint> {
     let plan = checkpoint.expert_plan().unwrap();
     assert_eq!(plan.naming(), naming.name());
     assert!(plan.is_complete());
+    // "roles", when given, is every role of a layer in slot order (weights, scales, biases).
+    let has_scales = fixture["has_scales"].as_bool().unwrap();
     let roles = match fixture["roles"].as_array() {
         Some(names) => names.len(),
         None if naming.name() == "fused" => 2,
+        None if has_scales => 6,
         None => 3,
     };
-    let has_scales = fixture["has_scales"].as_bool().unwrap();
     for layer in plan.layers() {
-        assert_eq!(
-            layer.roles().count(),
-            if has_scales { 2 * roles } else { roles }
-        );
+        assert_eq!(layer.roles().count(), roles);
         if let Some(names) = fixture["roles"].as_array() {
             let names: Vec<&str> = names.iter().map(|n| n.as_str().unwrap()).collect();
             let have: Vec<&str> = layer.roles().map(|(_, n)| n).collect();
@@ -400,9 +400,52 @@ fn fixture_jetmoe_beside_attention_experts() {
     );
 }
 
+/// gpt-oss bf16: gate_up interleaved; its per-expert biases in the scale slot (gate_up's,
+/// then down's).
 #[test]
-fn fixture_gpt_oss_interleaved_gate_up() {
-    check_fixture("fixture_gpt_oss_interleaved_gate_up", "fam-gpt-oss");
+fn fixture_gpt_oss_interleaved_gate_up_biases_in_the_scale_slot() {
+    check_fixture(
+        "fixture_gpt_oss_interleaved_gate_up_biases_in_the_scale_slot",
+        "fam-gpt-oss",
+    );
+}
+
+/// gpt-oss's MXFP4 checkpoint: blocks in the weight slot, scales then biases in the scale
+/// slot, the gate_up rows interleaved.
+#[test]
+fn fixture_gpt_oss_mxfp4_blocks_scales_and_biases() {
+    check_fixture(
+        "fixture_gpt_oss_mxfp4_blocks_scales_and_biases",
+        "fam-gpt-oss-mxfp4",
+    );
+}
+
+/// llama.cpp's gpt-oss GGUF: ffn_{gate,up,down}_exps.bias in the scale slot.
+#[test]
+fn fixture_gguf_expert_biases_in_the_scale_slot() {
+    check_fixture(
+        "fixture_gguf_expert_biases_in_the_scale_slot",
+        "gguf-expert-biases",
+    );
+}
+
+/// DeepSeek-V3 FP8: F8_E4M3 weights in the weight slot, their F32 `weight_scale_inv`
+/// grids ([⌈out/128⌉, ⌈in/128⌉]) in the scale slot; layer 0 dense as config.json says.
+#[test]
+fn fixture_deepseek_v3_fp8_weight_and_scale_inv() {
+    let Some(checkpoint) = check_fixture(
+        "fixture_deepseek_v3_fp8_weight_and_scale_inv",
+        "fam-deepseek-v3-fp8",
+    ) else {
+        return;
+    };
+    let dtype = |name: &str| checkpoint.tensor(name).unwrap().dtype().to_string();
+    let e = "model.layers.1.mlp.experts.0";
+    assert_eq!(dtype(&format!("{e}.gate_proj.weight")), "F8_E4M3");
+    assert_eq!(dtype(&format!("{e}.gate_proj.weight_scale_inv")), "F32");
+    let shape = |name: &str| checkpoint.tensor(name).unwrap().shape().to_vec();
+    assert_eq!(shape(&format!("{e}.up_proj.weight_scale_inv")), [1, 2]);
+    assert_eq!(shape(&format!("{e}.down_proj.weight_scale_inv")), [2, 1]);
 }
 
 #[test]
@@ -982,6 +1025,81 @@ fn naming_layer_missing_an_expert_and_different_shapes() {
     }
 }
 
+/// A layer with a bias must have one for each weight role; a bias whose expert count
+/// disagrees with the weights' is a shape error naming it.
+#[test]
+fn naming_biases_complete_and_counted() {
+    let dir = scratch("biases");
+    let p = "model.layers.0.mlp.experts";
+    let (gu, dn) = (format!("{p}.gate_up_proj"), format!("{p}.down_proj"));
+    let (gub, dnb) = (format!("{gu}_bias"), format!("{dn}_bias"));
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    assert_eq!(Naming::detect(&checkpoint).unwrap().name(), "generic");
+    match checkpoint.expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Missing,
+            reason,
+            ..
+        }) => assert!(reason.contains("has no down bias"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+            (&dnb, "F32", &[3, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    match checkpoint.expert_plan() {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Shape,
+            tensor,
+            ..
+        }) => assert_eq!(tensor.as_deref(), Some(dnb.as_str())),
+        other => panic!("{other:?}"),
+    }
+
+    write_st(
+        &dir,
+        "m.safetensors",
+        &[
+            (&gu, "F32", &[4, 8, 8]),
+            (&dn, "F32", &[4, 4, 8]),
+            (&gub, "F32", &[4, 8]),
+            (&dnb, "F32", &[4, 8]),
+        ],
+    );
+    let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+    let plan = checkpoint.expert_plan().unwrap();
+    let layer = plan.layer(0).unwrap();
+    let roles: Vec<(PieceRole, &str)> = layer.roles().collect();
+    assert_eq!(
+        roles,
+        [
+            (PieceRole::Weight, "gate_up"),
+            (PieceRole::Weight, "down"),
+            (PieceRole::Scale, "gate_up bias"),
+            (PieceRole::Scale, "down bias"),
+        ]
+    );
+    assert_eq!((layer.weight_bytes(), layer.scale_bytes()), (384, 64));
+    assert_eq!(layer.gate_up_layout(), Some(GateUpLayout::Interleaved));
+}
+
 #[test]
 fn naming_no_experts_lists_lookalikes_and_custom_naming_works() {
     let dir = scratch("no-experts");
@@ -1204,4 +1322,98 @@ fn gguf_mutated_headers_never_panic_or_escape_the_file() {
         worst.0, worst.1
     );
     assert!(accepted > 0 && accepted < cases);
+}
+
+// ---------------------------------------------------------------------------------------
+// Randomized expert headers: names from the generic vocabulary (per-expert, merged,
+// flattened, biases, MXFP4 blocks and scales), shapes consistent or not.
+
+mod random_experts {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One tensor: (layer, expert or merged, word, suffix or kind, dims, F32?).
+    fn tensor() -> impl Strategy<Value = (String, bool, Vec<u64>)> {
+        let layer = prop_oneof![0usize..3, Just(999_999_999)];
+        let expert = prop_oneof![
+            4 => (0usize..4).prop_map(Some),
+            1 => prop_oneof![Just(65_535usize), Just(65_536), Just(999_999_999)].prop_map(Some),
+            4 => Just(None),
+        ];
+        let word = prop::sample::select(vec![
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "gate_up_proj",
+            "w1",
+            "v1",
+            "w2",
+            "input_linear",
+            "output_linear",
+        ]);
+        let kind = prop::sample::select(vec![
+            ".weight",
+            ".weight_scale_inv",
+            "_bias",
+            "_blocks",
+            "_scales",
+            "",
+            ".mlp",
+        ]);
+        let dims = prop::collection::vec(0u64..6, 0..4);
+        (layer, expert, word, kind, dims, any::<bool>()).prop_map(
+            |(layer, expert, word, kind, dims, f32)| {
+                let p = format!("model.layers.{layer}.mlp");
+                let name = match (expert, kind) {
+                    (Some(e), _) => format!("{p}.experts.{e}.{word}{kind}"),
+                    (None, ".mlp") => format!("transformer.blocks.{layer}.ffn.experts.mlp.{word}"),
+                    (None, _) if word.ends_with("linear") => format!("{p}.{word}{kind}"),
+                    (None, _) => format!("{p}.experts.{word}{kind}"),
+                };
+                (name, f32, dims)
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(192))]
+
+        /// No panic; a plan is complete with every piece inside its file and one piece per
+        /// role, or the error is a typed checkpoint error.
+        #[test]
+        fn random_expert_headers_plan_whole_or_fail_typed(
+            tensors in prop::collection::vec(tensor(), 1..12)
+        ) {
+            let dir = scratch("random-experts");
+            let mut seen = std::collections::BTreeSet::new();
+            let tensors: Vec<(&str, &str, &[u64])> = tensors
+                .iter()
+                .filter(|(n, _, _)| seen.insert(n.clone()))
+                .map(|(n, f32, d)| (n.as_str(), if *f32 { "F32" } else { "F16" }, d.as_slice()))
+                .collect();
+            write_st(&dir, "m.safetensors", &tensors);
+            let checkpoint = Checkpoint::open(dir.join("m.safetensors")).unwrap();
+            let file_len = checkpoint.files()[0].file().metadata().unwrap().len();
+            for naming in Naming::PRESETS {
+                match naming.plan(&checkpoint) {
+                    Ok(plan) => {
+                        prop_assert!(plan.is_complete());
+                        for layer in plan.layers() {
+                            prop_assert!(layer.experts().len() <= numapin::model::MAX_EXPERTS_PER_LAYER);
+                            for e in layer.experts() {
+                                let w: u64 = e.weights().iter().map(|p| p.len()).sum();
+                                let s: u64 = e.scales().iter().map(|p| p.len()).sum();
+                                prop_assert_eq!((w, s), (layer.weight_bytes(), layer.scale_bytes()));
+                                for p in e.weights().iter().chain(e.scales()) {
+                                    prop_assert!(p.offset() + p.len() <= file_len);
+                                }
+                            }
+                        }
+                    }
+                    Err(Error::Checkpoint { .. }) => {}
+                    Err(other) => prop_assert!(false, "{}: {other:?}", naming.name()),
+                }
+            }
+        }
+    }
 }

@@ -285,6 +285,19 @@ fn pack_gguf() {
 }
 
 #[test]
+fn pack_gguf_expert_biases() {
+    pack_fixture("pack_gguf_expert_biases", "gguf-expert-biases");
+}
+
+#[test]
+fn pack_deepseek_v3_fp8_fills_both_regions() {
+    pack_fixture(
+        "pack_deepseek_v3_fp8_fills_both_regions",
+        "fam-deepseek-v3-fp8",
+    );
+}
+
+#[test]
 fn pack_gguf_fused_gate_up() {
     pack_fixture("pack_gguf_fused_gate_up", "gguf-fused-gate-up");
 }
@@ -301,6 +314,7 @@ fn pack_every_family_of_the_generic_naming() {
         "fam-granite-moe-v5",
         "fam-jetmoe",
         "fam-gpt-oss",
+        "fam-gpt-oss-mxfp4",
         "fam-dbrx",
     ] {
         pack_fixture("pack_every_family_of_the_generic_naming", name);

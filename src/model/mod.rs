@@ -48,7 +48,7 @@ pub use ggml::GgmlType;
 pub use gguf::{GgufArray, GgufValue};
 pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
-    PieceRole, TensorPiece, TensorRef, Vocabulary,
+    PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
 };
 pub use pack::{ModelReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;

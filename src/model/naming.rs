@@ -31,8 +31,23 @@ pub struct TensorRef {
     /// Position in the slot: pieces are laid out by increasing `piece`
     /// (presets: gate 0, up 1, down 2; fused gate_up 0, down 1).
     pub piece: u8,
-    /// A scale tensor (goes to the scale slot) rather than a weight.
+    /// A tensor of the scale slot rather than a weight: a scale, or (in
+    /// [`Naming::Generic`], pieces [`Naming::GENERIC_BIAS_PIECE`] and up) a per-expert
+    /// bias, laid out after the scales.
     pub scale: bool,
+}
+
+/// What a tensor of an expert holds, as its name's last words say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TensorKind {
+    /// Weights (or quant blocks: MXFP4's `…_blocks`): the weight slot.
+    Weight,
+    /// Scales (`….weight_scale(_inv)`, MXFP4's `…_scales`): the scale slot.
+    Scale,
+    /// A per-expert bias (gpt-oss's `…_bias`, GGUF's `ffn_*_exps.bias`): the scale slot,
+    /// after the scales.
+    Bias,
 }
 
 type Classify = dyn Fn(&str) -> Option<TensorRef> + Send + Sync;
@@ -126,6 +141,18 @@ pub enum Naming {
     /// `experts.mlp.{w1,v1,w2}` (`[E·I, H]`, E from the layer's `router.layer.weight`
     /// or the config). Slot order gate, up, gate_up, down; a gate_up tensor is never
     /// split (see [`GateUpLayout`]).
+    ///
+    /// Per-expert scales and biases go to the expert's scale slot, scales first, then
+    /// biases, each in slot order: gpt-oss's `experts.{gate_up_proj,down_proj}_bias`
+    /// `[E, …]` and GGUF's `ffn_{gate,up,down}_exps.bias` are biases; gpt-oss's original
+    /// MXFP4 `experts.{gate_up_proj,down_proj}_blocks` (U8 `[E, R, C/32, 16]`) are
+    /// weights and their `…_scales` (U8 `[E, R, C/32]`) scales. So
+    /// [`PinStore::scales`](crate::store::PinStore::scales) of an expert holds its scales
+    /// and then its biases; [`LayerPlan::roles`] names each piece of the slot map
+    /// ([`PinStore::slot_map`](crate::store::PinStore::slot_map)) in order
+    /// (`"gate_up scale"`, …, `"gate_up bias"`, `"down bias"`). A layer with a bias must
+    /// have one for each of its weight roles, as a layer with a scale must have a scale for
+    /// each.
     Generic,
     /// A naming built by the user.
     Custom(CustomNaming),
@@ -163,17 +190,27 @@ impl Naming {
             ("output_linear.weight", "down"),
         ],
         gguf_words: &[
-            ("ffn_gate_exps.weight", "gate"),
-            ("ffn_up_exps.weight", "up"),
-            ("ffn_gate_up_exps.weight", "gate_up"),
-            ("ffn_down_exps.weight", "down"),
+            ("ffn_gate_exps", "gate"),
+            ("ffn_up_exps", "up"),
+            ("ffn_gate_up_exps", "gate_up"),
+            ("ffn_down_exps", "down"),
         ],
-        scale_words: &[
-            ("weight", false),
-            ("weight_scale", true),
-            ("weight_scale_inv", true),
+        gguf_kind_words: &[("weight", TensorKind::Weight), ("bias", TensorKind::Bias)],
+        kind_words: &[
+            ("weight", TensorKind::Weight),
+            ("weight_scale", TensorKind::Scale),
+            ("weight_scale_inv", TensorKind::Scale),
+        ],
+        merged_kind_suffixes: &[
+            ("_blocks", TensorKind::Weight),
+            ("_scales", TensorKind::Scale),
+            ("_bias", TensorKind::Bias),
         ],
     };
+
+    /// In [`Naming::Generic`], the piece of a role's bias is the role's piece plus this
+    /// (gate 0, up 1, gate_up 2, down 3; their biases 4 to 7, all `scale: true`).
+    pub const GENERIC_BIAS_PIECE: u8 = BIAS;
 
     /// Its name (`"per-expert"`, `"mixtral"`, `"fused"`, `"gguf-merged"`, `"generic"`,
     /// or the custom one's).
@@ -302,6 +339,12 @@ impl Naming {
             Naming::Generic => &GENERIC_ROLES,
             Naming::Custom(_) => &[],
         };
+        if let Naming::Generic = self
+            && scale
+            && let Some(role) = GENERIC_ROLES.get(usize::from(piece.wrapping_sub(BIAS)))
+        {
+            return format!("{role} bias");
+        }
         let base = names
             .get(usize::from(piece))
             .map_or_else(|| format!("piece {piece}"), |n| (*n).to_owned());
@@ -315,7 +358,7 @@ impl Naming {
             Naming::PerExpert | Naming::Mixtral | Naming::GgufMerged => &[0, 1, 2],
             Naming::Fused => &[0, 1],
             Naming::Generic => {
-                let has = |p: u8| seen.iter().any(|&(_, q)| q == p);
+                let has = |p: u8| seen.iter().any(|&(_, q)| q == p || q == p + BIAS);
                 match (has(GATE) || has(UP), has(GATE_UP)) {
                     (_, false) => &[GATE, UP, DOWN],
                     (false, true) => &[GATE_UP, DOWN],
@@ -324,10 +367,15 @@ impl Naming {
             }
             Naming::Custom(_) => &[],
         };
+        let generic = matches!(self, Naming::Generic);
+        let is_bias = |&(scale, piece): &(bool, u8)| generic && scale && piece >= BIAS;
         let mut roles = seen.clone();
         roles.extend(weights.iter().map(|&p| (false, p)));
-        if seen.iter().any(|&(scale, _)| scale) {
+        if seen.iter().any(|r| r.0 && !is_bias(r)) {
             roles.extend(weights.iter().map(|&p| (true, p)));
+        }
+        if seen.iter().any(is_bias) {
+            roles.extend(weights.iter().map(|&p| (true, p + BIAS)));
         }
         if let Naming::Custom(c) = self {
             roles.extend(c.roles.iter().copied());
@@ -355,6 +403,8 @@ const GATE: u8 = 0;
 const UP: u8 = 1;
 const GATE_UP: u8 = 2;
 const DOWN: u8 = 3;
+/// A role's bias is its piece plus this, in the scale slot (after every scale).
+const BIAS: u8 = 4;
 const GENERIC_ROLES: [&str; 4] = ["gate", "up", "gate_up", "down"];
 
 /// Where the experts are in a tensor that holds every expert of a layer.
@@ -370,13 +420,15 @@ pub(crate) enum ExpertAxis {
 ///
 /// A name is `{any prefix}{layer word}.{L}.` then either a GGUF word
 /// (`ffn_gate_exps.weight`, …) or `{block word}.` and then one of:
-/// `experts.{E}.{expert word}.{scale word}` (one expert), `experts.{expert word}` or
-/// `experts.{expert word}.weight` (every expert, outermost), `experts.mlp.{expert word}`
+/// `experts.{E}.{expert word}.{kind word}` (one expert), `experts.{expert word}`,
+/// `experts.{expert word}.weight` or `experts.{expert word}{merged kind suffix}` (every
+/// expert, outermost: gpt-oss's `_bias`, `_blocks`, `_scales`), `experts.mlp.{expert word}`
 /// (every expert, flattened into dimension 0: DBRX), `{block merged word}` (every expert,
 /// outermost: Granite, JetMoE). Anything else — routers (`mlp.gate.weight`),
 /// router biases (`expert_bias`, `e_score_correction_bias`), shared experts
 /// (`shared_expert(s).…`), attention experts (`self_attention.experts.…`) — is not an
-/// expert. Roles are `"gate"`, `"up"`, `"gate_up"`, `"down"`.
+/// expert. Roles are `"gate"`, `"up"`, `"gate_up"`, `"down"`; a GGUF word is followed by
+/// `.{GGUF kind word}` (`.weight`, `.bias`).
 #[derive(Debug, Clone, Copy)]
 pub struct Vocabulary {
     /// Words right before the layer number.
@@ -389,8 +441,12 @@ pub struct Vocabulary {
     pub block_merged_words: &'static [(&'static str, &'static str)],
     /// GGUF tensors holding every expert right after the layer number → role.
     pub gguf_words: &'static [(&'static str, &'static str)],
-    /// A per-expert tensor's kind: weight (`false`) or scale (`true`).
-    pub scale_words: &'static [(&'static str, bool)],
+    /// A GGUF tensor's kind, the word after its role's.
+    pub gguf_kind_words: &'static [(&'static str, TensorKind)],
+    /// A per-expert tensor's kind, its last word.
+    pub kind_words: &'static [(&'static str, TensorKind)],
+    /// A tensor holding every expert: its kind, from the suffix after its role's word.
+    pub merged_kind_suffixes: &'static [(&'static str, TensorKind)],
 }
 
 impl Vocabulary {
@@ -431,57 +487,64 @@ impl Vocabulary {
     /// What this vocabulary says about `name`.
     fn classify(&self, name: &str) -> Option<(TensorRef, ExpertAxis)> {
         let (layer, rest) = self.layer(name)?;
-        let merged = |piece, axis| {
+        let at = |piece: u8, kind: TensorKind, expert, axis| {
+            let (piece, scale) = match kind {
+                TensorKind::Weight => (piece, false),
+                TensorKind::Scale => (piece, true),
+                TensorKind::Bias => (piece + BIAS, true),
+            };
             Some((
                 TensorRef {
                     layer,
-                    expert: None,
+                    expert,
                     piece,
-                    scale: false,
+                    scale,
                 },
                 axis,
             ))
         };
-        if let Some(piece) = Self::lookup(self.gguf_words, rest) {
-            return merged(piece, ExpertAxis::Outermost);
+        if let Some((word, kind)) = rest.rsplit_once('.')
+            && let Some(piece) = Self::lookup(self.gguf_words, word)
+        {
+            let kind = Self::kind(self.gguf_kind_words, kind)?;
+            return at(piece, kind, None, ExpertAxis::Outermost);
         }
         let (block, rest) = rest.split_once('.')?;
         if !self.block_words.contains(&block) {
             return None;
         }
         if let Some(piece) = Self::lookup(self.block_merged_words, rest) {
-            return merged(piece, ExpertAxis::Outermost);
+            return at(piece, TensorKind::Weight, None, ExpertAxis::Outermost);
         }
         let rest = rest.strip_prefix("experts.")?;
         if let Some(word) = rest.strip_prefix("mlp.") {
-            return merged(
-                Self::lookup(self.expert_words, word)?,
-                ExpertAxis::Flattened,
-            );
+            let piece = Self::lookup(self.expert_words, word)?;
+            return at(piece, TensorKind::Weight, None, ExpertAxis::Flattened);
         }
         if let Some((expert, tail)) = layer_of(rest, "") {
             let (word, kind) = tail.strip_prefix('.')?.split_once('.')?;
             let piece = Self::lookup(self.expert_words, word)?;
-            let scale = self
-                .scale_words
-                .iter()
-                .find(|(w, _)| *w == kind)
-                .map(|(_, s)| *s)?;
-            return Some((
-                TensorRef {
-                    layer,
-                    expert: Some(expert),
-                    piece,
-                    scale,
-                },
-                ExpertAxis::Outermost,
-            ));
+            let kind = Self::kind(self.kind_words, kind)?;
+            return at(piece, kind, Some(expert), ExpertAxis::Outermost);
         }
-        let word = rest.strip_suffix(".weight").unwrap_or(rest);
-        merged(
-            Self::lookup(self.expert_words, word)?,
-            ExpertAxis::Outermost,
-        )
+        if let Some(word) = rest.strip_suffix(".weight") {
+            let piece = Self::lookup(self.expert_words, word)?;
+            return at(piece, TensorKind::Weight, None, ExpertAxis::Outermost);
+        }
+        if let Some(piece) = Self::lookup(self.expert_words, rest) {
+            return at(piece, TensorKind::Weight, None, ExpertAxis::Outermost);
+        }
+        // `{expert word}{suffix}`: gpt-oss's `gate_up_proj_bias`, `down_proj_blocks`, ….
+        self.merged_kind_suffixes
+            .iter()
+            .find_map(|&(suffix, kind)| {
+                let piece = Self::lookup(self.expert_words, rest.strip_suffix(suffix)?)?;
+                at(piece, kind, None, ExpertAxis::Outermost)
+            })
+    }
+
+    fn kind(words: &[(&str, TensorKind)], word: &str) -> Option<TensorKind> {
+        words.iter().find(|(w, _)| *w == word).map(|(_, k)| *k)
     }
 }
 
@@ -499,6 +562,9 @@ pub enum GateUpLayout {
     /// Gate and up columns alternating, `[H, 2I]` per expert: gpt-oss (told apart from
     /// [`GateUpLayout::GateThenUpColumns`] by its `gate_up_proj_bias` beside it).
     Interleaved,
+    /// Gate and up rows alternating, `[2I, …]` per expert: gpt-oss's original MXFP4
+    /// `gate_up_proj_blocks` `[E, 2I, H/32, 16]` (with its `gate_up_proj_bias` beside).
+    InterleavedRows,
     /// The shapes do not say.
     Unknown,
 }
@@ -510,6 +576,7 @@ impl GateUpLayout {
             GateUpLayout::GateThenUpRows => "gate-then-up rows [2I, H]",
             GateUpLayout::GateThenUpColumns => "gate-then-up columns [H, 2I]",
             GateUpLayout::Interleaved => "interleaved gate/up [H, 2I]",
+            GateUpLayout::InterleavedRows => "interleaved gate/up rows [2I, …]",
             GateUpLayout::Unknown => "unknown",
         }
     }
@@ -632,7 +699,8 @@ impl ExpertPieces {
         &self.weights
     }
 
-    /// The scale pieces in the same order (empty without scales).
+    /// The scale slot's pieces: the scales in the weights' order, then (in
+    /// [`Naming::Generic`]) the expert's biases in the same order; empty without either.
     pub fn scales(&self) -> &[TensorPiece] {
         &self.scales
     }
@@ -851,6 +919,83 @@ mod tests {
     }
 
     #[test]
+    fn generic_biases_blocks_and_scales() {
+        let at = |name: &str| {
+            let (r, axis) = Naming::Generic.classify_axis(name)?;
+            Some((r.layer, r.expert, r.piece, r.scale, axis))
+        };
+        type At = (usize, Option<usize>, u8, bool, ExpertAxis);
+        let cases: &[(&str, At)] = &[
+            // gpt-oss bf16 and MXFP4.
+            (
+                "model.layers.3.mlp.experts.gate_up_proj_bias",
+                (3, None, GATE_UP + BIAS, true, Outermost),
+            ),
+            (
+                "model.layers.3.mlp.experts.down_proj_bias",
+                (3, None, DOWN + BIAS, true, Outermost),
+            ),
+            (
+                "model.layers.3.mlp.experts.gate_up_proj_blocks",
+                (3, None, GATE_UP, false, Outermost),
+            ),
+            (
+                "model.layers.3.mlp.experts.down_proj_scales",
+                (3, None, DOWN, true, Outermost),
+            ),
+            // GGUF.
+            (
+                "blk.2.ffn_up_exps.bias",
+                (2, None, UP + BIAS, true, Outermost),
+            ),
+            (
+                "blk.2.ffn_gate_exps.bias",
+                (2, None, GATE + BIAS, true, Outermost),
+            ),
+            ("blk.2.ffn_up_exps.weight", (2, None, UP, false, Outermost)),
+        ];
+        for (name, want) in cases {
+            assert_eq!(at(name), Some(*want), "{name}");
+        }
+        let n = |piece| Naming::Generic.role_name(piece, true);
+        assert_eq!(n(GATE_UP), "gate_up scale");
+        assert_eq!(n(GATE_UP + BIAS), "gate_up bias");
+        assert_eq!(n(DOWN + BIAS), "down bias");
+        assert_eq!(Naming::Generic.role_name(DOWN, false), "down");
+    }
+
+    #[test]
+    fn generic_biases_are_required_for_every_weight_role() {
+        let roles = |seen: &[(bool, u8)]| {
+            let seen = seen.iter().copied().collect();
+            Naming::Generic
+                .required_roles(&seen)
+                .into_iter()
+                .map(|(s, p)| Naming::Generic.role_name(p, s))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            roles(&[(false, GATE_UP), (true, DOWN + BIAS)]),
+            ["gate_up", "down", "gate_up bias", "down bias"]
+        );
+        assert_eq!(
+            roles(&[(false, GATE_UP), (true, GATE_UP), (true, DOWN + BIAS)]),
+            [
+                "gate_up",
+                "down",
+                "gate_up scale",
+                "down scale",
+                "gate_up bias",
+                "down bias"
+            ]
+        );
+        assert_eq!(
+            roles(&[(true, UP + BIAS)]),
+            ["gate", "up", "down", "gate bias", "up bias", "down bias"]
+        );
+    }
+
+    #[test]
     fn look_alikes_are_not_experts() {
         for name in [
             // Routers and their biases.
@@ -879,7 +1024,10 @@ mod tests {
             // Unknown kinds and roles.
             "model.layers.1.mlp.experts.0.gate_proj.bias",
             "model.layers.1.mlp.experts.0.gate_proj.input_scale",
-            "model.layers.1.mlp.experts.gate_up_proj_blocks",
+            "model.layers.1.mlp.experts.gate_up_proj_weird",
+            "model.layers.1.mlp.experts.gate_up_proj_bias.weight",
+            "blk.1.ffn_gate_exps.scale",
+            "blk.1.ffn_gate_exps",
             "model.layers.1.mlp.experts.0.fc1.weight",
             "",
             ".",

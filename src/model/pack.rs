@@ -144,7 +144,7 @@ impl Checkpoint {
     /// number, the expert naming detected (see [`Naming::detect`]). Dense layers are not
     /// packed. An expert's weight slot holds its weight pieces in the naming's order
     /// (gate, up, down; fused: gate_up, down), its scale slot the scale pieces in the same
-    /// order; each piece is read from its own file straight into the slot, so an expert
+    /// order and then the expert's biases, if any ([`Naming::Generic`]); each piece is read from its own file straight into the slot, so an expert
     /// split across two shards costs a read per shard and no copy. Where the pieces went
     /// inside a slot: [`PinStore::slot_map`].
     ///

@@ -424,7 +424,8 @@ fn flattened_count(plan: &Plan<'_>, layer: usize, t: &TensorInfo) -> Result<u64>
 
 /// How the layer's fused gate_up role (if any) holds gate and up, from its shape and
 /// down's: `[2I, H]` beside `[H, I]` is stacked rows, `[H, 2I]` beside `[I, H]` columns
-/// (interleaved when gpt-oss's `…_bias` is beside it); GGUF's fused tensor is rows.
+/// (interleaved when gpt-oss's `…_bias` is beside it); GGUF's fused tensor is rows;
+/// gpt-oss's MXFP4 `…_blocks` interleaved rows (with its `…_bias`).
 fn gate_up_layout(plan: &Plan<'_>, lt: &LayerTensors) -> Option<GateUpLayout> {
     let piece = plan.naming.gate_up_piece()?;
     // A layer has merged tensors or per-expert ones (expert 0's stand for all).
@@ -443,6 +444,15 @@ fn gate_up_layout(plan: &Plan<'_>, lt: &LayerTensors) -> Option<GateUpLayout> {
     if let Dtype::Ggml(_) = t.dtype() {
         return Some(GateUpLayout::GateThenUpRows);
     }
+    let has_bias = |stem: &str| plan.checkpoint.tensor(&format!("{stem}_bias")).is_some();
+    if let Some(stem) = t.name().strip_suffix("_blocks") {
+        // gpt-oss's MXFP4 blocks [E, 2I, H/32, 16]: rows, gate and up alternating.
+        return Some(if has_bias(stem) {
+            GateUpLayout::InterleavedRows
+        } else {
+            GateUpLayout::Unknown
+        });
+    }
     let per_expert = |t: &TensorInfo| -> Option<(u64, u64)> {
         match (lt.merged.is_empty(), t.shape()) {
             (true, &[a, b]) | (false, &[_, a, b]) => Some((a, b)),
@@ -454,11 +464,7 @@ fn gate_up_layout(plan: &Plan<'_>, lt: &LayerTensors) -> Option<GateUpLayout> {
             GateUpLayout::GateThenUpRows
         }
         (Some((a, b)), Some((c, d))) if Some(b) == c.checked_mul(2) && a == d => {
-            if plan
-                .checkpoint
-                .tensor(&format!("{}_bias", t.name()))
-                .is_some()
-            {
+            if has_bias(t.name()) {
                 GateUpLayout::Interleaved
             } else {
                 GateUpLayout::GateThenUpColumns

@@ -1,7 +1,7 @@
 //! `cargo xtask fixtures`: checkpoint fixtures written by the official writers.
 //!
-//! A venv under the target directory (`target/fixtures-venv`) gets `safetensors`, `numpy`
-//! and `gguf` (llama.cpp's gguf-py) from PyPI, then `xtask/fixtures/make_fixtures.py`
+//! A venv under the target directory (`target/fixtures-venv`) gets `safetensors`, `numpy`,
+//! `gguf` (llama.cpp's gguf-py) and `ml-dtypes` (float8 for numpy) from PyPI, then `xtask/fixtures/make_fixtures.py`
 //! writes the models and their expected slot bytes into `target/fixtures`. Tests find
 //! them through `NUMAPIN_FIXTURES`: the host stage sets it, the container stage passes it
 //! into the sandbox, the VM stage copies the directory into its initramfs. No Python, no
@@ -13,7 +13,7 @@ use std::process::Command;
 use crate::{root, run};
 
 /// The packages the generator imports.
-const PACKAGES: &[&str] = &["safetensors", "numpy", "gguf"];
+const PACKAGES: &[&str] = &["safetensors", "numpy", "gguf", "ml-dtypes"];
 
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
