@@ -137,20 +137,32 @@ fn test_host() -> Result<(), String> {
 }
 
 /// The main job on real checkpoints: `pin_model --model` on the sharded safetensors
-/// fixture and the split GGUF, each read mode once, must pin and verify every slot.
+/// fixture and the split GGUF, each read mode once, and on two fused gate_up families
+/// (whose report must name the gate_up layout), must pin, complete and verify every slot.
 fn main_job_on_checkpoints() -> Result<(), String> {
     let pin_model = binaries::build_example("pin_model")?;
     let dir = fixtures::dir();
+    let rows = "\"layer_roles\":{\"1\":{\"roles\":[\"gate_up\",\"down\"],\
+                \"gate_up_layout\":\"gate-then-up rows [2I, H]\"}";
+    let columns = "\"layer_roles\":{\"1\":{\"roles\":[\"gate_up\",\"down\"],\
+                   \"gate_up_layout\":\"gate-then-up columns [H, 2I]\"}";
     let cases = [
-        (dir.join("st-sharded/model"), "buffered"),
-        (dir.join("st-sharded/model"), "direct"),
+        (dir.join("st-sharded/model"), "buffered", ""),
+        (dir.join("st-sharded/model"), "direct", ""),
         (
             dir.join("gguf-split/model-00001-of-00003.gguf"),
             "drop-behind",
+            "",
         ),
-        (dir.join("gguf-single/model.gguf"), "direct"),
+        (dir.join("gguf-single/model.gguf"), "direct", ""),
+        (dir.join("gguf-fused-gate-up/model.gguf"), "direct", rows),
+        (
+            dir.join("fam-qwen3-vl-moe/model.safetensors"),
+            "buffered",
+            columns,
+        ),
     ];
-    for (model, read) in cases {
+    for (model, read, expected) in cases {
         let mut cmd = Command::new(&pin_model);
         cmd.arg("--model")
             .arg(&model)
@@ -162,7 +174,8 @@ fn main_job_on_checkpoints() -> Result<(), String> {
             && text.contains("\"verified\":true")
             && text.contains("\"complete\":true")
             && text.contains("\"model\":{")
-            && text.contains("\"experts_per_layer\":{\"1\":4,\"2\":4}");
+            && text.contains("\"experts_per_layer\":{\"1\":4,\"2\":4}")
+            && text.contains(expected);
         if !ok {
             return Err(format!(
                 "pin_model --model {} --read {read}: {}\n{text}{}",
