@@ -292,6 +292,21 @@ fn probe_migrate_pages() -> std::result::Result<MempolicySupport, Errno> {
     })
 }
 
+/// Whether this kernel names anonymous mappings (`PR_SET_VMA_ANON_NAME`, Linux 5.17 with
+/// `CONFIG_ANON_VMA_NAME`): asked once, with a fixed good name on a probe page. `EINVAL`
+/// there means "not built in"; any other refusal (a seccomp profile's `EPERM`, say) also
+/// means names are not to be had.
+pub fn anon_vma_names_supported() -> bool {
+    static WORKS: OnceLock<bool> = OnceLock::new();
+    *WORKS.get_or_init(|| {
+        with_probe_page(|ptr, page| {
+            // SAFETY: our own fresh page and a NUL-terminated name; naming changes no memory.
+            unsafe { sys::prctl_set_vma_anon_name(ptr, page, c"numapin probe".as_ptr()) }
+        })
+        .is_ok()
+    })
+}
+
 pub(crate) fn populate_write_works() -> bool {
     static WORKS: OnceLock<bool> = OnceLock::new();
     *WORKS.get_or_init(|| {

@@ -30,12 +30,12 @@ pub use node::{KernelMask, NodeContext, possible_node_count};
 pub use nodeset::{MAX_NODES, Node, NodeSet, NodeSetIter};
 pub use page::page_size;
 pub use probe::{
-    MempolicySupport, Support, SyscallGroup, ThpMode, group_support, mempolicy_support,
-    page_calls_support, probe,
+    MempolicySupport, Support, SyscallGroup, ThpMode, anon_vma_names_supported, group_support,
+    mempolicy_support, page_calls_support, probe,
 };
 pub use region::{
-    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals,
-    anon_vma_names_supported, bind_range, migrate_process, range_placement, resident_pages,
+    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
+    migrate_process, range_placement, resident_pages,
 };
 
 // The pages in docs/ that the README links to: their Rust snippets are doc tests too.

@@ -6,7 +6,8 @@ use std::fmt;
 
 use crate::calls::populate_write_works;
 pub use crate::calls::{
-    MempolicySupport, SyscallGroup, group_support, mempolicy_support, page_calls_support,
+    MempolicySupport, SyscallGroup, anon_vma_names_supported, group_support, mempolicy_support,
+    page_calls_support,
 };
 use crate::diag;
 use crate::error::Result;
@@ -149,7 +150,7 @@ pub fn probe() -> Result<Support> {
         )
         .unwrap_or(false),
         populate_write: populate_write_works(),
-        anon_vma_names: crate::region::anon_vma_names_supported(),
+        anon_vma_names: anon_vma_names_supported(),
     })
 }
 

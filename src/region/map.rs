@@ -31,15 +31,8 @@ impl Region {
     /// fails.
     pub fn anonymous_aligned(len: usize, align: usize) -> Result<Region> {
         const OP: &str = "Region::anonymous_aligned";
+        check_align(OP, align)?;
         let page = page_size();
-        if !align.is_power_of_two() || align < page {
-            return Err(Error::bad_value(
-                OP,
-                "align",
-                align,
-                format!("not a power of two at least the page size {page}"),
-            ));
-        }
         let len = round_len(OP, len, page)?;
         let span = len
             .checked_add(align)
@@ -100,15 +93,7 @@ impl Region {
     /// `mmap`/`mprotect` fails.
     pub fn anonymous_fenced_aligned(len: usize, align: usize) -> Result<Region> {
         const OP: &str = "Region::anonymous_fenced_aligned";
-        let page = page_size();
-        if !align.is_power_of_two() || align < page {
-            return Err(Error::bad_value(
-                OP,
-                "align",
-                align,
-                format!("not a power of two at least the page size {page}"),
-            ));
-        }
+        check_align(OP, align)?;
         map_fenced(OP, len, align)
     }
 
@@ -294,4 +279,18 @@ pub(super) fn round_len(op: &'static str, len: usize, page: usize) -> Result<usi
     }
     len.checked_next_multiple_of(page)
         .ok_or_else(|| Error::overflow(op, format!("length {len} rounded to pages")))
+}
+
+/// An alignment the aligned constructors take: a power of two at least the page size.
+fn check_align(op: &'static str, align: usize) -> Result<()> {
+    let page = page_size();
+    if align.is_power_of_two() && align >= page {
+        return Ok(());
+    }
+    Err(Error::bad_value(
+        op,
+        "align",
+        align,
+        format!("not a power of two at least the page size {page}"),
+    ))
 }

@@ -25,7 +25,6 @@ mod shmem;
 
 pub use bind::bind_range;
 pub(crate) use bind::mbind_checked;
-pub use name::anon_vma_names_supported;
 #[cfg(test)]
 pub(crate) use name::invalid_name_reason;
 pub(crate) use pages::page_histogram;

@@ -8,7 +8,6 @@
 //! is unique (a store number and a region number).
 
 use std::ffi::CString;
-use std::sync::OnceLock;
 
 use numapin_sys as sys;
 
@@ -33,18 +32,6 @@ pub(crate) fn invalid_name_reason(name: &str) -> Option<String> {
         "byte {bad} ({:#04x}) is not printable ASCII or is one of [ ] \\ $ `",
         name.as_bytes()[bad]
     ))
-}
-
-/// Whether this kernel names anonymous mappings: asked once, with a fixed good name on a
-/// scratch mapping of one page (`EINVAL` there means "not built in"; any other answer,
-/// a seccomp profile's `EPERM` say, also means names are not to be had).
-pub fn anon_vma_names_supported() -> bool {
-    static SUPPORTED: OnceLock<bool> = OnceLock::new();
-    *SUPPORTED.get_or_init(|| {
-        Region::anonymous(crate::page::page_size())
-            .and_then(|scratch| scratch.set_name("numapin probe"))
-            .unwrap_or(false)
-    })
 }
 
 impl Region {
@@ -142,7 +129,7 @@ mod tests {
     fn the_answer_matches_the_probe_and_the_kernel_config() {
         let region = Region::anonymous(crate::page::page_size()).unwrap();
         let named = region.set_name("numapin unit test").unwrap();
-        assert_eq!(named, anon_vma_names_supported());
+        assert_eq!(named, crate::calls::anon_vma_names_supported());
         let (start, end) = (region.as_ptr() as usize, region.as_ptr() as usize + 4096);
         let maps = crate::diag::maps_entries_in(start, end).unwrap();
         let shown = maps

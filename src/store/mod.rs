@@ -310,7 +310,7 @@ impl PinStore {
     /// tells which mapping is which layer; `n` numbers the store's regions, keeping names
     /// (and so mappings) apart. A memfd arena already carries its file's name.
     fn name_region(&self, region: &Region, layer: usize, kind: Kind) -> Result<()> {
-        if self.options.shared || !crate::region::anon_vma_names_supported() {
+        if self.options.shared || !crate::calls::anon_vma_names_supported() {
             return Ok(());
         }
         let n = self.regions_named.fetch_add(1, Ordering::Relaxed);

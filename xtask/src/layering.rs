@@ -21,9 +21,9 @@ pub const LAYERS: &[&[&str]] = &[
     &["error"],
     &["node", "capability", "jemalloc"],
     &["calls", "diag", "topology"],
-    &["policy"],
+    &["policy", "probe"],
     &["region"],
-    &["probe", "source"],
+    &["source"],
     &["store"],
     &["cache", "model"],
 ];
