@@ -65,6 +65,9 @@ impl Drop for TempDir {
 }
 
 fn run(args: &PinModelArgs) -> Result<(), String> {
+    if let (Some(path), Some(plan)) = (&args.model, &args.plan) {
+        return support::whole::run_whole(args, path, plan);
+    }
     if let Some(path) = &args.model {
         return run_checkpoint(args, path);
     }

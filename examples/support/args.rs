@@ -130,6 +130,17 @@ pub struct PinModelArgs {
     /// says `"complete":true`.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
+    /// With --model: place every tensor of the checkpoint, not only the experts, under a
+    /// plan: the default plan over --nodes (`default`), changed by `KEY=VALUE` items
+    /// separated by `,` or `;`. KEY: `experts`, `dense` (every dense class), a class
+    /// (`shared`, `attention`, `dense_mlp`, `norms`, `embeddings`, `head`, `global`) or a
+    /// name pattern (`*.self_attn.*`, `?` one character). VALUE: `split:NODES`,
+    /// `interleave:NODES`, `replicate:NODES`, `layer-per-node:NODES` (experts),
+    /// `replicate:NODES`, `interleave:NODES`, `bind:NODE`, `unplaced` (dense). E.g.
+    /// `experts=split:all,dense=replicate:all,embeddings=interleave:all`
+    /// (docs/whole-model.md).
+    #[arg(long, value_name = "PLAN", requires = "model")]
+    pub plan: Option<String>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
     #[arg(long)]
     pub no_progress: bool,

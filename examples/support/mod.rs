@@ -4,6 +4,7 @@
 
 pub mod args;
 pub mod report;
+pub mod whole;
 
 use std::collections::BTreeMap;
 use std::fs::File;

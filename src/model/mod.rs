@@ -38,6 +38,7 @@ mod pack;
 mod plan;
 #[doc(hidden)]
 pub mod safetensors;
+mod whole;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -52,6 +53,11 @@ pub use naming::{
 };
 pub use pack::{ModelReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
+pub use whole::{
+    Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, ExpertPieceView, PlacedModel,
+    PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
+    expert_layout_text,
+};
 
 use crate::error::{CheckpointFault, Error, Result};
 use files::{display, parent_dir};

@@ -35,6 +35,9 @@ pub use shared::Export;
 pub use slot_map::{SlotMap, SlotPiece};
 pub use spec::{LayerReport, LayerSpec};
 pub use stats::{PAGE_SAMPLE, StoreStats};
+// For whole-model plans (`model::whole`), which check every store's needs at once.
+pub(crate) use budget::HEAP_MARGIN;
+pub(crate) use replica::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
 use crate::error::{Error, Result};
 use crate::policy::{MemPolicy, Placement};

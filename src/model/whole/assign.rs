@@ -1,0 +1,415 @@
+//! A plan applied to a checkpoint, nothing reserved: every tensor's class, layer and
+//! layout; the dense tensors grouped (one group per class, layer and layout: a store
+//! layer of one slot); and what it would cost ([`PlacementCost`]), counted from the
+//! layouts alone, so that ~700 GB of DeepSeek-V3 can be priced on a laptop.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::classes::TensorClass;
+use super::plan::{DenseLayout, PlacementPlan, expert_layout_text};
+use crate::error::{CheckpointFault, Error, Result};
+use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, TensorInfo};
+use crate::node::{Node, NodeSet};
+use crate::store::Layout;
+
+/// Dense tensors start at multiples of this inside their group's slot at least: GGUF's
+/// default alignment is 32 and AVX-512 loads want 64.
+pub const DENSE_ALIGN: usize = 64;
+
+/// One dense group: the tensors of one class and layer under one layout, packed as the
+/// single slot of one layer of that class's store.
+#[derive(Debug, Clone)]
+pub(crate) struct Group {
+    pub(crate) class: TensorClass,
+    pub(crate) layout: DenseLayout,
+    /// Checkpoint tensor indices, in file then offset order (the read order).
+    pub(crate) tensors: Vec<usize>,
+    /// Index of its store in [`Assigned::stores`], and its layer in that store.
+    pub(crate) store: usize,
+    pub(crate) slot_layer: usize,
+}
+
+/// A plan applied to a checkpoint.
+pub(crate) struct Assigned {
+    pub(crate) naming: Option<Naming>,
+    pub(crate) experts: Option<ExpertPlan>,
+    /// Per checkpoint tensor: its class and model layer.
+    pub(crate) class_of: Vec<(TensorClass, Option<usize>)>,
+    pub(crate) groups: Vec<Group>,
+    /// The dense stores: one per (class, layout) that has a group.
+    pub(crate) stores: Vec<(TensorClass, DenseLayout)>,
+    pub(crate) piece_align: usize,
+}
+
+/// The routed experts' naming and plan, or none for a checkpoint without experts.
+fn experts_of(checkpoint: &Checkpoint) -> Result<Option<(Naming, ExpertPlan)>> {
+    let naming = match Naming::detect(checkpoint) {
+        Ok(n) => n,
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::NoExperts,
+            ..
+        }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let plan = naming.plan(checkpoint)?;
+    Ok(Some((naming, plan)))
+}
+
+/// Every tensor's bytes against its dtype and shape (the parsers check this at open; a
+/// checkpoint built otherwise is checked again here, as a view trusts it).
+fn check_size(checkpoint: &Checkpoint, t: &TensorInfo) -> Result<()> {
+    let expected = match t.dtype() {
+        Dtype::Ggml(g) => g.tensor_bytes(t.shape()),
+        Dtype::Safetensors(d) => {
+            let bits = t
+                .shape()
+                .iter()
+                .try_fold(d.bits(), |acc, &n| acc.checked_mul(n))
+                .ok_or_else(|| "the element count overflows 64 bits".to_owned());
+            bits.and_then(|b| {
+                if b % 8 == 0 {
+                    Ok(b / 8)
+                } else {
+                    Err(format!("{b} bits are not whole bytes"))
+                }
+            })
+        }
+    };
+    match expected {
+        Ok(n) if n == t.len() => Ok(()),
+        Ok(n) => Err(size_fault(
+            checkpoint,
+            t,
+            format!("{} bytes, but its dtype and shape say {n}", t.len()),
+        )),
+        Err(why) => Err(size_fault(checkpoint, t, why)),
+    }
+}
+
+fn size_fault(checkpoint: &Checkpoint, t: &TensorInfo, why: String) -> Error {
+    let file = checkpoint
+        .files()
+        .get(t.file())
+        .map(|f| f.path().display().to_string())
+        .unwrap_or_default();
+    Error::checkpoint(file, Some(t.name()), CheckpointFault::Size, why)
+}
+
+/// Applies `plan` to `checkpoint`: classes, layouts, groups; errors for a pattern that
+/// matches no dense tensor and for a tensor whose bytes are not its dtype × shape.
+pub(crate) fn assign(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    piece_align: usize,
+) -> Result<Assigned> {
+    let experts = experts_of(checkpoint)?;
+    let expert_tensors: BTreeSet<usize> = experts
+        .iter()
+        .flat_map(|(_, p)| p.layers())
+        .flat_map(|l| l.experts())
+        .flat_map(|e| e.weights().iter().chain(e.scales()))
+        .map(|p| p.tensor())
+        .collect();
+    let mut class_of = Vec::with_capacity(checkpoint.tensors().len());
+    let mut used = vec![false; plan.patterns().len()];
+    let mut keyed: BTreeMap<(TensorClass, usize, Option<usize>), Vec<usize>> = BTreeMap::new();
+    let mut layouts: Vec<DenseLayout> = Vec::new();
+    for (index, t) in checkpoint.tensors().iter().enumerate() {
+        check_size(checkpoint, t)?;
+        if expert_tensors.contains(&index) {
+            let layer = TensorClass::of(t.name()).1;
+            class_of.push((TensorClass::RoutedExperts, layer));
+            continue;
+        }
+        let (class, layer) = TensorClass::of(t.name());
+        class_of.push((class, layer));
+        let (layout, pattern) = plan.dense_layout(class, t.name());
+        if let Some(i) = pattern {
+            used[i] = true;
+        }
+        let l = match layouts.iter().position(|&x| x == layout) {
+            Some(l) => l,
+            None => {
+                layouts.push(layout);
+                layouts.len() - 1
+            }
+        };
+        keyed.entry((class, l, layer)).or_default().push(index);
+    }
+    if let Some(i) = used.iter().position(|u| !u) {
+        let (pattern, _) = &plan.patterns()[i];
+        return Err(Error::bad_value(
+            "PlacementPlan",
+            "name pattern",
+            pattern,
+            format!(
+                "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
+                 placed by the experts' layout, not by patterns)",
+                checkpoint.tensors().len()
+            ),
+        ));
+    }
+    let mut stores: Vec<(TensorClass, DenseLayout)> = Vec::new();
+    let mut per_store: Vec<usize> = Vec::new();
+    let mut groups = Vec::with_capacity(keyed.len());
+    for ((class, l, _layer), mut tensors) in keyed {
+        let layout = layouts[l];
+        let store = match stores.iter().position(|&s| s == (class, layout)) {
+            Some(s) => s,
+            None => {
+                stores.push((class, layout));
+                per_store.push(0);
+                stores.len() - 1
+            }
+        };
+        let t = checkpoint.tensors();
+        tensors.sort_by_key(|&i| (t[i].file(), t[i].offset()));
+        groups.push(Group {
+            class,
+            layout,
+            tensors,
+            store,
+            slot_layer: per_store[store],
+        });
+        per_store[store] += 1;
+    }
+    let (naming, experts) = match experts {
+        Some((n, p)) => (Some(n), Some(p)),
+        None => (None, None),
+    };
+    Ok(Assigned {
+        naming,
+        experts,
+        class_of,
+        groups,
+        stores,
+        piece_align,
+    })
+}
+
+/// What a plan costs, counted from the layouts before anything is reserved: the whole
+/// checkpoint and each class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct PlacementCost {
+    /// Per class with tensors, in [`TensorClass::ALL`] order.
+    pub classes: Vec<ClassCost>,
+    /// Mappings of every region of every copy (the map budget checks this).
+    pub mappings: usize,
+    /// `mbind` calls the plan makes where placement works.
+    pub mbind_calls: usize,
+    /// The mappings of one allocation per tensor per copy (an expert's piece of a merged
+    /// tensor counts as a tensor, as engines that allocate per expert do).
+    pub per_tensor_mappings: usize,
+    /// Bytes each node is asked to hold (replicas, bound groups, split blocks, interleaved
+    /// shares rounded up), padding included.
+    pub node_bytes: BTreeMap<Node, u64>,
+    /// Bytes placed on no node (unplaced layouts), padding included.
+    pub unbound_bytes: u64,
+    /// One copy of everything, padding included: what placement needs where it degrades
+    /// (one unplaced copy is built then).
+    pub one_copy_bytes: u64,
+}
+
+/// One class's share of a [`PlacementCost`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClassCost {
+    /// The class.
+    pub class: TensorClass,
+    /// Its layout(s) in the text form of plans; several joined by `+` where patterns
+    /// moved some of its tensors.
+    pub layout: String,
+    /// Why it has that layout (the default plan's branch, or "chosen by the caller").
+    pub why: String,
+    /// Tensors.
+    pub tensors: usize,
+    /// Their bytes, as in the files.
+    pub bytes: u64,
+    /// Store layers: dense groups, or MoE layers for the routed experts.
+    pub groups: usize,
+    /// Mappings of all its copies.
+    pub mappings: usize,
+    /// `mbind` calls.
+    pub mbind_calls: usize,
+    /// One mapping per tensor per copy instead.
+    pub per_tensor_mappings: usize,
+    /// Bytes per node, padding included.
+    pub node_bytes: BTreeMap<Node, u64>,
+}
+
+fn align_up(n: u64, a: u64) -> u64 {
+    n.div_ceil(a.max(1)).saturating_mul(a.max(1))
+}
+
+/// The slot extent of pieces of `lens` laid out at multiples of `align`, rounded to the
+/// slot alignment `slot`.
+pub(crate) fn slot_bytes(lens: impl Iterator<Item = u64>, align: u64, slot: u64) -> u64 {
+    let end = lens
+        .filter(|&n| n > 0)
+        .fold(0u64, |at, n| align_up(at, align).saturating_add(n));
+    align_up(end, slot)
+}
+
+/// Adds `bytes` spread over `set` page by page (rounded up per node).
+fn spread(into: &mut BTreeMap<Node, u64>, set: NodeSet, bytes: u64) {
+    let n = set.len().max(1) as u64;
+    for node in set.iter() {
+        *into.entry(node).or_default() += bytes.div_ceil(n);
+    }
+}
+
+impl Assigned {
+    /// The cost of the assignment under `plan`; `slot` is the store's slot alignment.
+    pub(crate) fn cost(
+        &self,
+        checkpoint: &Checkpoint,
+        plan: &PlacementPlan,
+        slot: u64,
+    ) -> PlacementCost {
+        let mut classes: BTreeMap<TensorClass, ClassCost> = BTreeMap::new();
+        let mut unbound = 0u64;
+        let mut one_copy = 0u64;
+        let entry = |class: TensorClass| -> ClassCost {
+            ClassCost {
+                class,
+                layout: String::new(),
+                why: plan.why(class).to_owned(),
+                tensors: 0,
+                bytes: 0,
+                groups: 0,
+                mappings: 0,
+                mbind_calls: 0,
+                per_tensor_mappings: 0,
+                node_bytes: BTreeMap::new(),
+            }
+        };
+        let tensors = checkpoint.tensors();
+        for g in &self.groups {
+            let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
+            let copy = slot_bytes(
+                g.tensors.iter().map(|&i| tensors[i].len()),
+                self.piece_align as u64,
+                slot,
+            );
+            one_copy = one_copy.saturating_add(copy);
+            let text = g.layout.to_string();
+            if !c.layout.split('+').any(|l| l == text) {
+                if !c.layout.is_empty() {
+                    c.layout.push('+');
+                }
+                c.layout.push_str(&text);
+            }
+            c.tensors += g.tensors.len();
+            c.bytes += g.tensors.iter().map(|&i| tensors[i].len()).sum::<u64>();
+            c.groups += 1;
+            c.mappings += g.layout.copies();
+            c.mbind_calls += g.layout.mbind_calls();
+            c.per_tensor_mappings += g.tensors.len() * g.layout.copies();
+            match g.layout {
+                DenseLayout::Replicate(set) => {
+                    for node in set.iter() {
+                        *c.node_bytes.entry(node).or_default() += copy;
+                    }
+                }
+                DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
+                DenseLayout::Bind(node) => *c.node_bytes.entry(node).or_default() += copy,
+                DenseLayout::Unplaced => unbound = unbound.saturating_add(copy),
+            }
+        }
+        if let Some(experts) = &self.experts {
+            let mut c = entry(TensorClass::RoutedExperts);
+            c.layout = expert_layout_text(&plan.experts);
+            let (u, o) = expert_cost(&mut c, experts, plan.experts, self.piece_align as u64, slot);
+            unbound = unbound.saturating_add(u);
+            one_copy = one_copy.saturating_add(o);
+            classes.insert(TensorClass::RoutedExperts, c);
+        }
+        let classes: Vec<ClassCost> = classes.into_values().collect();
+        let mut node_bytes = BTreeMap::new();
+        for c in &classes {
+            for (&n, &b) in &c.node_bytes {
+                *node_bytes.entry(n).or_default() += b;
+            }
+        }
+        PlacementCost {
+            mappings: classes.iter().map(|c| c.mappings).sum(),
+            mbind_calls: classes.iter().map(|c| c.mbind_calls).sum(),
+            per_tensor_mappings: classes.iter().map(|c| c.per_tensor_mappings).sum(),
+            classes,
+            node_bytes,
+            unbound_bytes: unbound,
+            one_copy_bytes: one_copy,
+        }
+    }
+}
+
+/// The routed experts' share: per MoE layer and tensor kind (weights, scales) one region
+/// per copy, split in one block per node for [`Layout::SplitExperts`]. Returns the
+/// unbound bytes and one copy's bytes.
+fn expert_cost(
+    c: &mut ClassCost,
+    experts: &ExpertPlan,
+    layout: Layout,
+    align: u64,
+    slot: u64,
+) -> (u64, u64) {
+    let (mut unbound, mut one_copy) = (0u64, 0u64);
+    for layer in experts.layers() {
+        let count = layer.experts().len();
+        let Some(first) = layer.experts().first() else {
+            continue;
+        };
+        c.groups += 1;
+        c.tensors += count * (first.weights().len() + first.scales().len());
+        c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
+        for pieces in [first.weights(), first.scales()] {
+            if pieces.is_empty() {
+                continue;
+            }
+            let stride = slot_bytes(pieces.iter().map(|p| p.len()), align, slot);
+            let bytes = stride.saturating_mul(count as u64);
+            one_copy = one_copy.saturating_add(bytes);
+            let per_copy_tensors = count * pieces.len();
+            let (maps, calls, copies) = match layout {
+                Layout::Interleave(set) => {
+                    spread(&mut c.node_bytes, set, bytes);
+                    (1, 1, 1)
+                }
+                Layout::LayerPerNode(set) => {
+                    if let Some(node) = set.nth(layer.layer() % set.len().max(1)) {
+                        *c.node_bytes.entry(node).or_default() += bytes;
+                    }
+                    (1, 1, 1)
+                }
+                Layout::Replicate(set) => {
+                    for node in set.iter() {
+                        *c.node_bytes.entry(node).or_default() += bytes;
+                    }
+                    (set.len(), set.len(), set.len())
+                }
+                Layout::SplitExperts(set) => {
+                    let n = set.len().max(1);
+                    let mut blocks = 0;
+                    for (i, node) in set.iter().enumerate() {
+                        let start = |i: usize| (i * count).div_ceil(n);
+                        let len = start(i + 1) - start(i);
+                        if len > 0 {
+                            blocks += 1;
+                            *c.node_bytes.entry(node).or_default() += stride * len as u64;
+                        }
+                    }
+                    (blocks.max(1), blocks, 1)
+                }
+                Layout::Unplaced => {
+                    unbound = unbound.saturating_add(bytes);
+                    (1, 0, 1)
+                }
+            };
+            c.mappings += maps;
+            c.mbind_calls += calls;
+            c.per_tensor_mappings += per_copy_tensors * copies;
+        }
+    }
+    (unbound, one_copy)
+}

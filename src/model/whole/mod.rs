@@ -1,0 +1,46 @@
+//! The whole model placed: every tensor of a checkpoint under a layout per tensor class
+//! ([`PlacementPlan`]), packed so that dense tensors cost O(layers) mappings, with typed
+//! views ([`PlacedModel::tensor`], [`PlacedModel::expert`]), a verification of every copy
+//! and a report per class.
+//!
+//! The rooms: `classes` (what a name is for), `plan` (layouts per class and pattern),
+//! `assign` (a plan applied to a checkpoint and priced, nothing reserved), `place` (the
+//! checks, then the stores), `views` (lookups), `report` (what was done and verified).
+//!
+//! # Shape: one store per class and layout
+//! Dense tensors reuse [`PinStore`](crate::store::PinStore): each (class, model layer,
+//! layout) group is one layer of its store with a single slot holding the group's
+//! tensors in file order at multiples of `max(piece_align, 64)`. So binding before first
+//! touch, replicas, the map budget, loaders and the slot map are the store's, and a
+//! group costs one mapping per copy.
+//!
+//! # Example
+//! ```no_run
+//! use numapin::model::{Checkpoint, DenseLayout, PlacementPlan, TensorClass};
+//! use numapin::store::{Layout, StoreOptions};
+//! use numapin::NodeSet;
+//!
+//! let checkpoint = Checkpoint::open("/models/deepseek-v3")?;
+//! let all = NodeSet::allowed()?;
+//! let plan = PlacementPlan::new(Layout::SplitExperts(all), DenseLayout::Replicate(all))
+//!     .class(TensorClass::Embeddings, DenseLayout::Interleave(all));
+//! println!("{:?}", checkpoint.placement_cost(&plan, &StoreOptions::default())?);
+//! let model = checkpoint.place(&plan, StoreOptions::default())?;
+//! let q = model.tensor("model.layers.0.self_attn.q_a_proj.weight")?;
+//! println!("{} {:?} {} bytes", q.dtype(), q.shape(), q.bytes().unwrap_or_default().len());
+//! assert!(model.verify(&checkpoint)?.verified());
+//! # Ok::<(), numapin::Error>(())
+//! ```
+
+mod assign;
+mod classes;
+mod place;
+mod plan;
+mod report;
+mod views;
+
+pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};
+pub use classes::TensorClass;
+pub use plan::{DenseLayout, PlacementPlan, expert_layout_text};
+pub use report::{ClassMeasured, WholeReport, WholeVerify};
+pub use views::{Block, ExpertPieceView, PlacedModel, TensorView};

@@ -1,0 +1,340 @@
+//! Placing a whole checkpoint: the plan applied and priced, every budget and memory check
+//! made for all of it, then one store per (class, layout) packed group by group and the
+//! experts packed as [`Checkpoint::pack`] does.
+
+use std::collections::HashMap;
+
+use super::assign::{Assigned, DENSE_ALIGN, PlacementCost, assign};
+use super::classes::TensorClass;
+use super::plan::{DenseLayout, PlacementPlan};
+use super::report::WholeReport;
+use super::views::{DenseStore, Place, PlacedModel, PlacedTensor, normalized_shape};
+use crate::diag;
+use crate::error::{Error, Result};
+use crate::model::Checkpoint;
+use crate::node::{Node, NodeSet};
+use crate::store::{
+    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PinStore,
+    StoreOptions, available_bytes,
+};
+
+const OP: &str = "Checkpoint::place";
+
+impl Checkpoint {
+    /// What `plan` would cost here, nothing reserved: per class its tensors, bytes,
+    /// groups, mappings, `mbind` calls, bytes per node, against one mapping per tensor.
+    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)`, as
+    /// [`Checkpoint::place`] does.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::place`]'s plan errors: a pattern that matches no dense tensor, a
+    /// tensor whose bytes are not its dtype × shape, the expert naming's errors.
+    pub fn placement_cost(
+        &self,
+        plan: &PlacementPlan,
+        options: &StoreOptions,
+    ) -> Result<PlacementCost> {
+        let (assigned, slot) = self.assigned(plan, options)?;
+        Ok(assigned.cost(self, plan, slot))
+    }
+
+    fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
+        let align = options.piece_align.max(DENSE_ALIGN);
+        let slot = options.slot_align.bytes()? as u64;
+        Ok((assign(self, plan, align)?, slot))
+    }
+
+    /// The default plan over `nodes`, which looks at free memory per node: routed experts
+    /// split ([`Layout::SplitExperts`]); embeddings interleaved (a token reads a few rows);
+    /// every other dense class replicated where every node has room for its copy plus its
+    /// share of the rest, else interleaved. [`PlacementPlan::why`] says which branch was
+    /// taken and the figures.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::placement_cost`]; a node's meminfo cannot be read.
+    pub fn default_plan(&self, nodes: NodeSet) -> Result<PlacementPlan> {
+        if nodes.is_empty() {
+            return Err(Error::empty("Checkpoint::default_plan", "nodes"));
+        }
+        let mut plan =
+            PlacementPlan::new(Layout::SplitExperts(nodes), DenseLayout::Replicate(nodes));
+        plan.experts_why = format!(
+            "default: each expert on one home node, {} node(s) holding a contiguous block each",
+            nodes.len()
+        );
+        let embeddings = "default: interleaved, a token reads a few rows of the table, so one \
+                          copy spread over the nodes is enough";
+        plan.set_class(
+            TensorClass::Embeddings,
+            DenseLayout::Interleave(nodes),
+            embeddings.to_owned(),
+        );
+        let cost = self.placement_cost(&plan, &StoreOptions::default())?;
+        let mut short: Option<(Node, u64, Option<u64>)> = None;
+        for node in nodes.iter() {
+            let needed = cost.node_bytes.get(&node).copied().unwrap_or(0);
+            let available = available_bytes(node)?;
+            if available.is_none_or(|a| a < needed) {
+                short = Some((node, needed, available));
+                break;
+            }
+        }
+        let (dense, why) = match short {
+            None => (
+                DenseLayout::Replicate(nodes),
+                format!(
+                    "default: replicated, every node of {nodes} has room for a copy and its \
+                     share of the rest ({} bytes on the busiest node; the figure is \
+                     {NODE_MEMORY_FIGURE})",
+                    cost.node_bytes.values().max().copied().unwrap_or(0)
+                ),
+            ),
+            Some((node, needed, available)) => (
+                DenseLayout::Interleave(nodes),
+                match available {
+                    Some(a) => format!(
+                        "default: interleaved, node {} has {a} bytes available but a replica \
+                         and its share of the rest need {needed}",
+                        node.0
+                    ),
+                    None => format!(
+                        "default: interleaved, node {}'s free memory is unknown (no meminfo)",
+                        node.0
+                    ),
+                },
+            ),
+        };
+        for class in TensorClass::DENSE {
+            if class != TensorClass::Embeddings {
+                plan.set_class(class, dense, why.clone());
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Places every tensor of the checkpoint under `plan`: the routed experts in a store
+    /// of the plan's expert layout (as [`Checkpoint::pack`]), each dense class in a store
+    /// of its layout where each group (class, model layer, layout) is one layer of one
+    /// slot holding its tensors at multiples of `max(options.piece_align, 64)` in file
+    /// order. Every region is bound once before it is touched; replicas are copied from
+    /// the first copy.
+    ///
+    /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
+    /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
+    /// L × copies mappings (+1 for a global group); the experts cost what the store
+    /// costs (2 regions per MoE layer per copy, one per block when split).
+    /// [`PlacementCost::mappings`] is the exact sum.
+    ///
+    /// Before anything is reserved, the whole plan is checked: its mappings against the
+    /// map budget, and the bytes each node is asked to hold against what the node has
+    /// (or, where placement is denied or unsupported, one copy against all nodes' memory).
+    ///
+    /// # Errors
+    /// [`Error::MapBudget`], [`Error::NodeMemory`] with the figures, before any
+    /// allocation; a pattern that matches no dense tensor ([`Error::InvalidArgument`] naming it);
+    /// [`Error::Checkpoint`] for a tensor whose bytes are not its dtype × shape and for
+    /// the expert naming's faults; what [`PinStore::pack_layer`] returns.
+    pub fn place(&self, plan: &PlacementPlan, options: StoreOptions) -> Result<PlacedModel> {
+        let (assigned, slot) = self.assigned(plan, &options)?;
+        let cost = assigned.cost(self, plan, slot);
+        check_budget(&cost, &options)?;
+        check_memory(&cost)?;
+        let dense_options = options.clone().piece_align(assigned.piece_align);
+        let mut stores = Vec::with_capacity(assigned.stores.len());
+        for &(class, layout) in &assigned.stores {
+            stores.push(DenseStore {
+                class,
+                store: PinStore::new(layout.store_layout(), dense_options.clone())?,
+                reads: 0,
+            });
+        }
+        let mut places: HashMap<usize, Place> = HashMap::new();
+        for g in &assigned.groups {
+            let packed: Vec<usize> = g
+                .tensors
+                .iter()
+                .copied()
+                .filter(|&i| !self.tensors[i].is_empty())
+                .collect();
+            if packed.is_empty() {
+                continue;
+            }
+            let pieces = packed
+                .iter()
+                .map(|&i| self.piece(i))
+                .collect::<Result<Vec<_>>>()?;
+            let sources = [ExpertSource::File {
+                weights: pieces,
+                scales: Vec::new(),
+            }];
+            let spec = LayerSpec::fitting(&sources)?;
+            let dense = &mut stores[g.store];
+            let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
+            dense.reads += report.reads;
+            let map = dense.store.slot_map(g.slot_layer)?;
+            let slots = map.pieces(0, Kind::Weights).unwrap_or_default();
+            for (&i, sp) in packed.iter().zip(slots) {
+                let (store, layer, offset, len) = (g.store, g.slot_layer, sp.offset, sp.len);
+                places.insert(
+                    i,
+                    Place::Dense {
+                        store,
+                        layer,
+                        offset,
+                        len,
+                    },
+                );
+            }
+        }
+        let (experts, expert_report) = match &assigned.naming {
+            Some(naming) => {
+                let store = PinStore::new(plan.experts, options.clone())?;
+                let report = self.pack_with(&store, naming)?;
+                (Some(store), Some(report))
+            }
+            None => (None, None),
+        };
+        if let (Some(store), Some(plan)) = (&experts, &assigned.experts) {
+            super::views::expert_places(store, plan, self, &mut places)?;
+        }
+        let tensors = self.placed_tensors(&assigned, &mut places);
+        let mut model = PlacedModel {
+            by_name: tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.clone(), i))
+                .collect(),
+            tensors,
+            stores,
+            experts,
+            expert_plan: assigned.experts,
+            naming: assigned.naming,
+            report: None,
+        };
+        let measured = model.measure()?;
+        model.report = Some(WholeReport {
+            plan: plan.to_string(),
+            naming: expert_report.as_ref().map(|r| r.naming.clone()),
+            files: self.files.len(),
+            tensors: self.tensors.len(),
+            bytes: self.tensors.iter().map(|t| t.len()).sum(),
+            cost,
+            measured,
+            experts: expert_report,
+        });
+        Ok(model)
+    }
+
+    fn placed_tensors(
+        &self,
+        assigned: &Assigned,
+        places: &mut HashMap<usize, Place>,
+    ) -> Vec<PlacedTensor> {
+        self.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let (class, layer) = assigned.class_of[i];
+                let place = places
+                    .remove(&i)
+                    .unwrap_or(if class == TensorClass::RoutedExperts {
+                        Place::Experts
+                    } else {
+                        Place::Empty
+                    });
+                PlacedTensor {
+                    name: t.name().to_owned(),
+                    class,
+                    layer,
+                    dtype: t.dtype(),
+                    shape: normalized_shape(t),
+                    file: t.file(),
+                    offset: t.offset(),
+                    len: t.len(),
+                    place,
+                }
+            })
+            .collect()
+    }
+
+    /// The store's [`Piece`] for tensor `index`.
+    fn piece(&self, index: usize) -> Result<Piece<'_>> {
+        let t = &self.tensors[index];
+        let file = self.files.get(t.file()).ok_or_else(|| {
+            Error::invalid(
+                OP,
+                format!("a tensor names file {} of {}", t.file(), self.files.len()),
+            )
+        })?;
+        let len = usize::try_from(t.len()).map_err(|_| {
+            Error::overflow(OP, format!("{}: {} bytes as a usize", t.name(), t.len()))
+        })?;
+        Ok(Piece::new(file.file(), t.offset(), len))
+    }
+}
+
+/// The plan's mappings (plus the store's heap margin) against the map budget.
+fn check_budget(cost: &PlacementCost, options: &StoreOptions) -> Result<()> {
+    let limit = match options.vma_budget {
+        Some(budget) => budget,
+        None => diag::max_map_count()?,
+    };
+    let current = diag::map_count()?;
+    let needed = cost.mappings.saturating_add(HEAP_MARGIN);
+    let available = limit.saturating_sub(current);
+    if needed > available {
+        return Err(Error::MapBudget {
+            what: format!(
+                "the placement plan ({} classes, {} mappings, {HEAP_MARGIN} kept free)",
+                cost.classes.len(),
+                cost.mappings
+            ),
+            needed,
+            available,
+            limit,
+            current,
+        });
+    }
+    Ok(())
+}
+
+/// The bytes each node is asked to hold against what it has; where placement is denied
+/// or unsupported (one unplaced copy is built), one copy against all nodes together.
+fn check_memory(cost: &PlacementCost) -> Result<()> {
+    let bound =
+        crate::calls::NumaCall::Mbind.support()? == crate::calls::MempolicySupport::Available;
+    if bound {
+        for (&node, &needed) in &cost.node_bytes {
+            if let Some(available) = available_bytes(node)?
+                && available < needed
+            {
+                return Err(Error::NodeMemory {
+                    what: format!("the placement plan's share of node {}", node.0),
+                    needed,
+                    available: vec![(node, available)],
+                    figure: NODE_MEMORY_FIGURE,
+                });
+            }
+        }
+        return Ok(());
+    }
+    let mut available = Vec::new();
+    for node in NodeSet::allowed().unwrap_or_default().iter() {
+        if let Some(bytes) = available_bytes(node)? {
+            available.push((node, bytes));
+        }
+    }
+    let total: u64 = available.iter().map(|&(_, b)| b).sum();
+    if !available.is_empty() && total < cost.one_copy_bytes {
+        return Err(Error::NodeMemory {
+            what: format!(
+                "the placement plan's one unplaced copy (placement is denied or unsupported \
+                 here; the nodes together have {total} bytes)"
+            ),
+            needed: cost.one_copy_bytes,
+            available,
+            figure: NODE_MEMORY_FIGURE,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,398 @@
+//! [`PlacementPlan`]: a layout per tensor class, overrides by class and by name pattern,
+//! and the text form `pin_model --plan` takes.
+
+use std::fmt;
+
+use super::classes::TensorClass;
+use crate::error::{Error, Result};
+use crate::node::{Node, NodeSet};
+use crate::store::Layout;
+
+/// How the tensors of a dense class (every class but the routed experts) are placed.
+/// `#[non_exhaustive]`: layouts can be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DenseLayout {
+    /// A copy on each node of the set, each bound to its node; a reader gets its own
+    /// node's copy ([`TensorView::bytes`](super::TensorView::bytes)).
+    Replicate(NodeSet),
+    /// One copy interleaved page by page over the set.
+    Interleave(NodeSet),
+    /// One copy bound to the node.
+    Bind(Node),
+    /// One copy, no policy.
+    Unplaced,
+}
+
+impl DenseLayout {
+    /// The store layout that places it: a class's groups are the layers of one store.
+    pub(crate) fn store_layout(self) -> Layout {
+        match self {
+            DenseLayout::Replicate(set) => Layout::Replicate(set),
+            DenseLayout::Interleave(set) => Layout::Interleave(set),
+            DenseLayout::Bind(node) => Layout::LayerPerNode(std::iter::once(node).collect()),
+            DenseLayout::Unplaced => Layout::Unplaced,
+        }
+    }
+
+    /// Copies of each group (the nodes of [`DenseLayout::Replicate`], else 1).
+    pub(crate) fn copies(self) -> usize {
+        match self {
+            DenseLayout::Replicate(set) => set.len().max(1),
+            _ => 1,
+        }
+    }
+
+    /// `mbind` calls per group: one per copy, none unplaced.
+    pub(crate) fn mbind_calls(self) -> usize {
+        match self {
+            DenseLayout::Unplaced => 0,
+            other => other.copies(),
+        }
+    }
+
+    fn parse(text: &str) -> Result<DenseLayout> {
+        let (kind, nodes) = text.split_once(':').unwrap_or((text, ""));
+        let set = || NodeSet::parse(nodes);
+        Ok(match kind {
+            "replicate" => DenseLayout::Replicate(set()?),
+            "interleave" => DenseLayout::Interleave(set()?),
+            "bind" => DenseLayout::Bind(Node(nodes.parse::<u16>().map_err(|_| {
+                Error::bad_value("PlacementPlan", "bind node", nodes, "not a node number")
+            })?)),
+            "unplaced" if nodes.is_empty() => DenseLayout::Unplaced,
+            _ => {
+                return Err(Error::bad_value(
+                    "PlacementPlan",
+                    "dense layout",
+                    text,
+                    "not replicate:NODES, interleave:NODES, bind:NODE or unplaced",
+                ));
+            }
+        })
+    }
+}
+
+impl fmt::Display for DenseLayout {
+    /// The text form: `replicate:0-3`, `interleave:0,1`, `bind:2`, `unplaced`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DenseLayout::Replicate(set) => write!(f, "replicate:{set}"),
+            DenseLayout::Interleave(set) => write!(f, "interleave:{set}"),
+            DenseLayout::Bind(node) => write!(f, "bind:{}", node.0),
+            DenseLayout::Unplaced => f.write_str("unplaced"),
+        }
+    }
+}
+
+/// The text form of an expert [`Layout`]: `split:NODES`, `interleave:NODES`,
+/// `replicate:NODES`, `layer-per-node:NODES`, `unplaced`.
+pub fn expert_layout_text(layout: &Layout) -> String {
+    match layout {
+        Layout::SplitExperts(set) => format!("split:{set}"),
+        Layout::Interleave(set) => format!("interleave:{set}"),
+        Layout::Replicate(set) => format!("replicate:{set}"),
+        Layout::LayerPerNode(set) => format!("layer-per-node:{set}"),
+        Layout::Unplaced => "unplaced".to_owned(),
+    }
+}
+
+fn parse_expert_layout(text: &str) -> Result<Layout> {
+    let (kind, nodes) = text.split_once(':').unwrap_or((text, ""));
+    let set = || NodeSet::parse(nodes);
+    Ok(match kind {
+        "split" => Layout::SplitExperts(set()?),
+        "interleave" => Layout::Interleave(set()?),
+        "replicate" => Layout::Replicate(set()?),
+        "layer-per-node" => Layout::LayerPerNode(set()?),
+        "unplaced" if nodes.is_empty() => Layout::Unplaced,
+        _ => {
+            return Err(Error::bad_value(
+                "PlacementPlan",
+                "experts layout",
+                text,
+                "not split:NODES, interleave:NODES, replicate:NODES, layer-per-node:NODES or \
+                 unplaced",
+            ));
+        }
+    })
+}
+
+/// A layout for every tensor of a checkpoint: the routed experts keep a store
+/// [`Layout`]; each dense class gets a [`DenseLayout`]; name patterns override classes
+/// (the last matching pattern wins). Built with [`PlacementPlan::new`] or
+/// [`Checkpoint::default_plan`](super::super::Checkpoint::default_plan), then by-value
+/// setters.
+///
+/// # Example
+/// ```
+/// use numapin::model::{DenseLayout, PlacementPlan, TensorClass};
+/// use numapin::store::Layout;
+/// use numapin::{Node, NodeSet};
+///
+/// let all = NodeSet::parse("0")?;
+/// let plan = PlacementPlan::new(Layout::SplitExperts(all), DenseLayout::Replicate(all))
+///     .class(TensorClass::Embeddings, DenseLayout::Interleave(all))
+///     .pattern("*.self_attn.*", DenseLayout::Bind(Node(0)));
+/// assert_eq!(plan.layout_of(TensorClass::Embeddings), DenseLayout::Interleave(all));
+/// // The same plan in the text form `pin_model --plan` takes:
+/// let same = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced)
+///     .apply("experts=split:0,dense=replicate:0,embeddings=interleave:0,*.self_attn.*=bind:0")?;
+/// assert_eq!(same, plan);
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementPlan {
+    pub(super) experts: Layout,
+    /// One per class of [`TensorClass::DENSE`], in that order: the layout and why.
+    pub(super) dense: Vec<(TensorClass, DenseLayout, String)>,
+    pub(super) patterns: Vec<(String, DenseLayout)>,
+    pub(super) experts_why: String,
+}
+
+const CALLER: &str = "chosen by the caller";
+
+impl PlacementPlan {
+    /// Routed experts under `experts`, every dense class under `dense`.
+    pub fn new(experts: Layout, dense: DenseLayout) -> PlacementPlan {
+        PlacementPlan {
+            experts,
+            dense: TensorClass::DENSE
+                .into_iter()
+                .map(|c| (c, dense, CALLER.to_owned()))
+                .collect(),
+            patterns: Vec::new(),
+            experts_why: CALLER.to_owned(),
+        }
+    }
+
+    /// The routed experts' layout.
+    #[must_use]
+    pub fn experts(mut self, layout: Layout) -> Self {
+        self.experts = layout;
+        self.experts_why = CALLER.to_owned();
+        self
+    }
+
+    /// `class`'s layout ([`TensorClass::RoutedExperts`]: ignored, see
+    /// [`PlacementPlan::experts`]).
+    #[must_use]
+    pub fn class(mut self, class: TensorClass, layout: DenseLayout) -> Self {
+        self.set_class(class, layout, CALLER.to_owned());
+        self
+    }
+
+    pub(super) fn set_class(&mut self, class: TensorClass, layout: DenseLayout, why: String) {
+        if let Some(entry) = self.dense.iter_mut().find(|(c, _, _)| *c == class) {
+            entry.1 = layout;
+            entry.2 = why;
+        }
+    }
+
+    /// Every dense tensor whose checkpoint name matches `glob` (`*`: any run of
+    /// characters, dots included; `?`: one character) gets `layout`, whatever its class;
+    /// a later pattern wins over an earlier one. Routed experts are not matched (their
+    /// layout is the experts'). Placing a plan with a pattern that matches no tensor is
+    /// an error naming the pattern.
+    #[must_use]
+    pub fn pattern(mut self, glob: impl Into<String>, layout: DenseLayout) -> Self {
+        self.patterns.push((glob.into(), layout));
+        self
+    }
+
+    /// The layout of the routed experts.
+    pub fn experts_layout(&self) -> Layout {
+        self.experts
+    }
+
+    /// The layout of `class` (before patterns); the experts' layout is not a
+    /// [`DenseLayout`]: [`TensorClass::RoutedExperts`] answers [`DenseLayout::Unplaced`].
+    pub fn layout_of(&self, class: TensorClass) -> DenseLayout {
+        self.dense
+            .iter()
+            .find(|(c, _, _)| *c == class)
+            .map_or(DenseLayout::Unplaced, |e| e.1)
+    }
+
+    /// Why `class` has its layout: [`Checkpoint::default_plan`]'s branch and its figures,
+    /// or "chosen by the caller".
+    ///
+    /// [`Checkpoint::default_plan`]: super::super::Checkpoint::default_plan
+    pub fn why(&self, class: TensorClass) -> &str {
+        if class == TensorClass::RoutedExperts {
+            return &self.experts_why;
+        }
+        self.dense
+            .iter()
+            .find(|(c, _, _)| *c == class)
+            .map_or("", |e| e.2.as_str())
+    }
+
+    /// The patterns, in order.
+    pub fn patterns(&self) -> &[(String, DenseLayout)] {
+        &self.patterns
+    }
+
+    /// The layout of a dense tensor of `class` named `name`: the last pattern matching
+    /// it, else its class's. Also the index of that pattern.
+    pub(super) fn dense_layout(
+        &self,
+        class: TensorClass,
+        name: &str,
+    ) -> (DenseLayout, Option<usize>) {
+        match self.patterns.iter().rposition(|(p, _)| glob_match(p, name)) {
+            Some(i) => (self.patterns[i].1, Some(i)),
+            None => (self.layout_of(class), None),
+        }
+    }
+
+    /// Applies the text form: `KEY=VALUE` items separated by `,` or `;` (an item without
+    /// `=` continues the node list of the one before: `dense=replicate:0,1`). KEY is
+    /// `experts`, `dense` (every dense class), a class name ([`TensorClass::name`]), or
+    /// else a name pattern. VALUE for experts: `split:NODES`, `interleave:NODES`,
+    /// `replicate:NODES`, `layer-per-node:NODES`, `unplaced`; for the others
+    /// `replicate:NODES`, `interleave:NODES`, `bind:NODE`, `unplaced`. NODES in numactl
+    /// syntax (`all`, `0-3`, `0,2`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the item that does not parse.
+    pub fn apply(mut self, text: &str) -> Result<Self> {
+        let mut items: Vec<String> = Vec::new();
+        for part in text
+            .split([',', ';'])
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            match items.last_mut() {
+                Some(last) if !part.contains('=') => {
+                    last.push(',');
+                    last.push_str(part);
+                }
+                _ => items.push(part.to_owned()),
+            }
+        }
+        for item in items {
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(Error::bad_value(
+                    "PlacementPlan",
+                    "plan item",
+                    item,
+                    "not KEY=VALUE",
+                ));
+            };
+            let (key, value) = (key.trim(), value.trim());
+            match (key, TensorClass::from_name(key)) {
+                ("experts", _) => self = self.experts(parse_expert_layout(value)?),
+                ("dense", _) => {
+                    let layout = DenseLayout::parse(value)?;
+                    for class in TensorClass::DENSE {
+                        self = self.class(class, layout);
+                    }
+                }
+                (_, Some(class)) => self = self.class(class, DenseLayout::parse(value)?),
+                (pattern, None) if !pattern.is_empty() => {
+                    self = self.pattern(pattern, DenseLayout::parse(value)?)
+                }
+                _ => {
+                    return Err(Error::bad_value(
+                        "PlacementPlan",
+                        "plan item",
+                        item.clone(),
+                        "an empty key",
+                    ));
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+impl fmt::Display for PlacementPlan {
+    /// The text form [`PlacementPlan::apply`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "experts={}", expert_layout_text(&self.experts))?;
+        for (class, layout, _) in &self.dense {
+            write!(f, ";{class}={layout}")?;
+        }
+        for (pattern, layout) in &self.patterns {
+            write!(f, ";{pattern}={layout}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `name` matches `glob` (`*` any run of bytes, `?` one byte), without recursion:
+/// the classic two-pointer match with the last `*` to fall back to.
+pub(crate) fn glob_match(glob: &str, name: &str) -> bool {
+    let (p, s) = (glob.as_bytes(), name.as_bytes());
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < s.len() {
+        if i < p.len() && (p[i] == b'?' || p[i] == s[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == b'*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&b| b == b'*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        let yes = [
+            ("*.self_attn.*", "model.layers.0.self_attn.q_proj.weight"),
+            ("*", ""),
+            ("blk.?.attn_*", "blk.3.attn_q.weight"),
+            ("a*b*c", "axxbyyc"),
+            ("*norm*", "output_norm.weight"),
+        ];
+        let no = [
+            ("*.self_attn.*", "model.layers.0.mlp.gate.weight"),
+            ("blk.?.attn_*", "blk.13.attn_q.weight"),
+            ("a*b*c", "axxbyy"),
+            ("", "x"),
+        ];
+        for (g, n) in yes {
+            assert!(glob_match(g, n), "{g} {n}");
+        }
+        for (g, n) in no {
+            assert!(!glob_match(g, n), "{g} {n}");
+        }
+    }
+
+    #[test]
+    fn text_form_round_trips_and_refuses_junk() {
+        let base = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced);
+        let plan = base
+            .clone()
+            .apply("experts=split:0;dense=replicate:0,norms=bind:0;*.q_proj.*=interleave:0")
+            .unwrap();
+        assert_eq!(base.clone().apply(&plan.to_string()).unwrap(), plan);
+        assert_eq!(
+            plan.layout_of(TensorClass::NormsAndRouters),
+            DenseLayout::Bind(Node(0))
+        );
+        assert_eq!(plan.patterns().len(), 1);
+        for junk in [
+            "experts",
+            "=x",
+            "dense=sideways:0",
+            "experts=split",
+            "attention=bind:x",
+        ] {
+            assert!(base.clone().apply(junk).is_err(), "{junk}");
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! What [`Checkpoint::place`](crate::model::Checkpoint::place) did ([`WholeReport`]), and
+//! the check of every placed tensor, every copy, against the files ([`WholeVerify`]).
+
+use std::fmt;
+use std::os::unix::fs::FileExt;
+
+use super::assign::PlacementCost;
+use super::classes::TensorClass;
+use super::views::{Place, PlacedModel};
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, ModelReport, VerifyReport};
+use crate::store::PinStore;
+
+/// What placing a checkpoint whole did: the plan, its cost as counted before anything
+/// was reserved, and what each class's stores measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct WholeReport {
+    /// The plan in its text form.
+    pub plan: String,
+    /// The expert naming (none: the checkpoint has no routed experts).
+    pub naming: Option<String>,
+    /// Files of the checkpoint.
+    pub files: usize,
+    /// Tensors of the checkpoint, every one placed.
+    pub tensors: usize,
+    /// Their bytes, as in the files.
+    pub bytes: u64,
+    /// The plan's cost, per class (with why each class has its layout).
+    pub cost: PlacementCost,
+    /// Measured per class, in the order of `cost.classes`.
+    pub measured: Vec<ClassMeasured>,
+    /// The experts' pack report, as [`Checkpoint::pack`](crate::model::Checkpoint::pack)
+    /// gives it.
+    pub experts: Option<ModelReport>,
+}
+
+/// One class's stores, measured after packing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClassMeasured {
+    /// The class.
+    pub class: TensorClass,
+    /// Mappings its stores occupy, counted in `/proc/self/smaps`.
+    pub mappings: usize,
+    /// `mbind` calls its stores made.
+    pub mbind_calls: usize,
+    /// `pread` calls its loads made (dense classes; the experts' are in their report).
+    pub reads: usize,
+    /// `bound`, `unplaced`, or `degraded: REASON` (one copy, no policy).
+    pub placement: String,
+}
+
+impl PlacedModel {
+    /// Measures every class's stores.
+    pub(crate) fn measure(&self) -> Result<Vec<ClassMeasured>> {
+        let mut out: Vec<ClassMeasured> = Vec::new();
+        let stores = self
+            .stores
+            .iter()
+            .map(|s| (s.class, &s.store, s.reads))
+            .chain(
+                self.experts
+                    .iter()
+                    .map(|s| (TensorClass::RoutedExperts, s, 0)),
+            );
+        for (class, store, reads) in stores {
+            let stats = store.stats()?;
+            let placement = placement_text(store, stats.placement);
+            match out.iter_mut().find(|m| m.class == class) {
+                Some(m) => {
+                    m.mappings += stats.vmas;
+                    m.mbind_calls += stats.mbind_calls;
+                    m.reads += reads;
+                    if m.placement != placement {
+                        m.placement = format!("{}, {placement}", m.placement);
+                    }
+                }
+                None => out.push(ClassMeasured {
+                    class,
+                    mappings: stats.vmas,
+                    mbind_calls: stats.mbind_calls,
+                    reads,
+                    placement,
+                }),
+            }
+        }
+        out.sort_by_key(|m| m.class);
+        Ok(out)
+    }
+
+    /// Re-reads every placed tensor from the files and compares it with every copy of it
+    /// (each replica of a replicated class); the routed experts as
+    /// [`Checkpoint::verify_with`] does (each slot's pieces, padding zero).
+    ///
+    /// # Errors
+    /// `checkpoint` is not the one placed (its tensor names differ); a read fails; a
+    /// store read fails.
+    pub fn verify(&self, checkpoint: &Checkpoint) -> Result<WholeVerify> {
+        let same = checkpoint.tensors().len() == self.tensors.len()
+            && checkpoint
+                .tensors()
+                .iter()
+                .zip(&self.tensors)
+                .all(|(a, b)| a.name() == b.name && a.len() == b.len);
+        if !same {
+            return Err(Error::invalid(
+                "PlacedModel::verify",
+                "the checkpoint is not the one placed (its tensors differ)",
+            ));
+        }
+        let mut report = WholeVerify::default();
+        let mut buffer = Vec::new();
+        for t in &self.tensors {
+            if !matches!(t.place, Place::Dense { .. } | Place::ExpertPiece { .. }) {
+                continue;
+            }
+            let file = checkpoint.files().get(t.file).ok_or_else(|| {
+                Error::invalid(
+                    "PlacedModel::verify",
+                    format!("file {} of a tensor", t.file),
+                )
+            })?;
+            let len = usize::try_from(t.len).map_err(|_| {
+                Error::overflow(
+                    "PlacedModel::verify",
+                    format!("{}: {} bytes", t.name, t.len),
+                )
+            })?;
+            buffer.resize(len, 0);
+            file.file()
+                .read_exact_at(&mut buffer, t.offset)
+                .map_err(|e| Error::io("pread", file.path().display().to_string(), e))?;
+            report.reads += 1;
+            report.tensors += 1;
+            for (node, held) in self.tensor_copies(&t.name)? {
+                report.copies += 1;
+                report.bytes += held.len() as u64;
+                if held != &buffer[..] {
+                    report.mismatched += 1;
+                    if report.mismatches.len() < VerifyReport::MAX_LISTED {
+                        let at = held.iter().zip(&buffer).position(|(a, b)| a != b);
+                        report.mismatches.push(format!(
+                            "{} (copy on node {}): {} bytes held, {} in the file, first \
+                             difference at byte {}",
+                            t.name,
+                            node.map_or("-".to_owned(), |n| n.0.to_string()),
+                            held.len(),
+                            buffer.len(),
+                            at.unwrap_or(held.len().min(buffer.len()))
+                        ));
+                    }
+                }
+            }
+        }
+        if let (Some(store), Some(naming)) = (&self.experts, &self.naming) {
+            report.experts = Some(checkpoint.verify_with(store, naming)?);
+        }
+        Ok(report)
+    }
+}
+
+fn placement_text(store: &PinStore, placement: Option<crate::policy::Placement>) -> String {
+    match (store.degraded(), placement) {
+        (Some(reason), _) => format!("degraded: {reason:?}"),
+        (None, Some(_)) => "bound".to_owned(),
+        (None, None) => "unplaced".to_owned(),
+    }
+}
+
+/// What [`PlacedModel::verify`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct WholeVerify {
+    /// Tensors re-read and compared (dense ones and per-expert ones; the pieces of
+    /// tensors holding every expert are in `experts`).
+    pub tensors: usize,
+    /// Copies compared (a replicated tensor has one per node).
+    pub copies: usize,
+    /// Bytes compared over every copy.
+    pub bytes: u64,
+    /// `pread` calls.
+    pub reads: usize,
+    /// Copies that differ.
+    pub mismatched: usize,
+    /// The first [`VerifyReport::MAX_LISTED`] of them.
+    pub mismatches: Vec<String>,
+    /// The experts' slots, compared as [`Checkpoint::verify_with`] does.
+    pub experts: Option<VerifyReport>,
+}
+
+impl WholeVerify {
+    /// Whether every copy of every tensor, and every expert slot, is exactly the file's.
+    pub fn verified(&self) -> bool {
+        self.mismatched == 0 && self.experts.as_ref().is_none_or(VerifyReport::verified)
+    }
+}
+
+impl fmt::Display for WholeVerify {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.verified() {
+            write!(
+                f,
+                "verified: {} tensors in {} copies ({} bytes) equal to the files",
+                self.tensors, self.copies, self.bytes
+            )?;
+        } else {
+            write!(f, "NOT verified: {} copies differ", self.mismatched)?;
+            if let Some(m) = self.mismatches.first() {
+                write!(f, "; first: {m}")?;
+            }
+        }
+        if let Some(e) = &self.experts {
+            write!(f, "; experts {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for WholeReport {
+    /// A table: per class its layout, tensors, bytes, groups, mappings (planned and
+    /// measured), `mbind` calls, one-mapping-per-tensor, and why.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "plan {} ({} tensors, {} bytes, {} file(s), naming {})",
+            self.plan,
+            self.tensors,
+            self.bytes,
+            self.files,
+            self.naming.as_deref().unwrap_or("none")
+        )?;
+        writeln!(
+            f,
+            "  {:<11} {:<22} {:>7} {:>12} {:>6} {:>9} {:>9} {:>6} {:>10}  placement; why",
+            "class",
+            "layout",
+            "tensors",
+            "bytes",
+            "groups",
+            "mappings",
+            "measured",
+            "mbind",
+            "per-tensor"
+        )?;
+        for c in &self.cost.classes {
+            let m = self.measured.iter().find(|m| m.class == c.class);
+            writeln!(
+                f,
+                "  {:<11} {:<22} {:>7} {:>12} {:>6} {:>9} {:>9} {:>6} {:>10}  {}; {}",
+                c.class.name(),
+                c.layout,
+                c.tensors,
+                c.bytes,
+                c.groups,
+                c.mappings,
+                m.map_or(0, |m| m.mappings),
+                m.map_or(0, |m| m.mbind_calls),
+                c.per_tensor_mappings,
+                m.map_or("", |m| m.placement.as_str()),
+                c.why
+            )?;
+        }
+        let nodes: Vec<String> = self
+            .cost
+            .node_bytes
+            .iter()
+            .map(|(n, b)| format!("node {}: {b}", n.0))
+            .collect();
+        write!(
+            f,
+            "  total: {} mappings planned ({} measured), {} mbind calls planned, against {} \
+             for one mapping per tensor; bytes per node {}",
+            self.cost.mappings,
+            self.measured.iter().map(|m| m.mappings).sum::<usize>(),
+            self.cost.mbind_calls,
+            self.cost.per_tensor_mappings,
+            if nodes.is_empty() {
+                "none bound".to_owned()
+            } else {
+                nodes.join(", ")
+            }
+        )
+    }
+}

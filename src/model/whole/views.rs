@@ -1,0 +1,435 @@
+//! [`PlacedModel`]: a whole checkpoint in its stores, and typed views of it — a tensor by
+//! its checkpoint name (dtype, shape row-major outermost first in elements, bytes from
+//! the reading thread's node's copy), an expert by its pieces' roles, every tensor.
+
+use std::collections::HashMap;
+
+use super::classes::TensorClass;
+use super::report::WholeReport;
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, TensorInfo};
+use crate::store::{Kind, PinStore};
+
+/// Where a placed tensor's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// In a dense store: `layer`'s single slot, at `offset`.
+    Dense {
+        store: usize,
+        layer: usize,
+        offset: usize,
+        len: usize,
+    },
+    /// A per-expert tensor: one piece of one expert's slot.
+    ExpertPiece {
+        layer: usize,
+        expert: usize,
+        kind: Kind,
+        offset: usize,
+        len: usize,
+    },
+    /// A tensor holding every expert of a layer: its experts are in the expert store
+    /// (see [`PlacedModel::expert`]), not in one run of bytes.
+    Experts,
+    /// No bytes.
+    Empty,
+}
+
+/// One placed tensor's metadata.
+#[derive(Debug, Clone)]
+pub(crate) struct PlacedTensor {
+    pub(crate) name: String,
+    pub(crate) class: TensorClass,
+    pub(crate) layer: Option<usize>,
+    pub(crate) dtype: Dtype,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) file: usize,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) place: Place,
+}
+
+/// One dense store: a class under one layout.
+#[derive(Debug)]
+pub(crate) struct DenseStore {
+    pub(crate) class: TensorClass,
+    pub(crate) store: PinStore,
+    pub(crate) reads: usize,
+}
+
+/// A checkpoint placed whole by [`Checkpoint::place`]: its stores and a view of every
+/// tensor. Owns its memory; does not borrow the checkpoint.
+#[derive(Debug)]
+pub struct PlacedModel {
+    pub(crate) tensors: Vec<PlacedTensor>,
+    pub(crate) by_name: HashMap<String, usize>,
+    pub(crate) stores: Vec<DenseStore>,
+    pub(crate) experts: Option<PinStore>,
+    pub(crate) expert_plan: Option<ExpertPlan>,
+    pub(crate) naming: Option<Naming>,
+    pub(crate) report: Option<WholeReport>,
+}
+
+/// A tensor's element type as a block: ggml's quantised types pack `elements` elements
+/// into `bytes` bytes; a plain type is a block of one element (sub-byte safetensors
+/// types: the fewest elements that fill whole bytes, F4 2 in 1, F6 4 in 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Block {
+    /// Elements per block.
+    pub elements: u64,
+    /// Bytes per block.
+    pub bytes: u64,
+}
+
+impl Block {
+    /// The block of `dtype`.
+    pub fn of(dtype: Dtype) -> Block {
+        match dtype {
+            Dtype::Ggml(t) => Block {
+                elements: u64::from(t.block_size()),
+                bytes: u64::from(t.type_size()),
+            },
+            Dtype::Safetensors(d) => {
+                let bits = d.bits().max(1);
+                let elements = 8 / gcd(bits, 8);
+                Block {
+                    elements,
+                    bytes: bits * elements / 8,
+                }
+            }
+        }
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The shape row-major, outermost first, in elements: safetensors' as written, GGUF's
+/// `ne` reversed.
+pub(crate) fn normalized_shape(t: &TensorInfo) -> Vec<u64> {
+    match t.dtype() {
+        Dtype::Safetensors(_) => t.shape().to_vec(),
+        Dtype::Ggml(_) => t.shape().iter().rev().copied().collect(),
+    }
+}
+
+/// A tensor looked up by its checkpoint name.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    name: &'a str,
+    class: TensorClass,
+    layer: Option<usize>,
+    dtype: Dtype,
+    shape: &'a [u64],
+    bytes: Option<&'a [u8]>,
+}
+
+impl<'a> TensorView<'a> {
+    /// Its checkpoint name.
+    pub fn name(&self) -> &'a str {
+        self.name
+    }
+
+    /// Its class.
+    pub fn class(&self) -> TensorClass {
+        self.class
+    }
+
+    /// Its model layer, if its name has one.
+    pub fn layer(&self) -> Option<usize> {
+        self.layer
+    }
+
+    /// Its element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Elements and bytes per block of its type ([`Block`]).
+    pub fn block(&self) -> Block {
+        Block::of(self.dtype)
+    }
+
+    /// Its shape, row-major, outermost first, in elements (numpy's and torch's order;
+    /// GGUF's `ne` reversed).
+    pub fn shape(&self) -> &'a [u64] {
+        self.shape
+    }
+
+    /// Its bytes: for a replicated class, the copy on the calling thread's node (or the
+    /// nearest); `None` for a tensor holding every expert of a layer, whose experts are
+    /// read with [`PlacedModel::expert`].
+    pub fn bytes(&self) -> Option<&'a [u8]> {
+        self.bytes
+    }
+}
+
+/// One piece of an expert: its role, dtype, shape and bytes.
+#[derive(Debug, Clone)]
+pub struct ExpertPieceView<'a> {
+    /// Weight or scale slot.
+    pub slot: PieceRole,
+    /// The role as the naming spells it (`"gate_proj"`, `"ffn_down_exps"`,
+    /// `"down_proj scale"`, `"gate_up bias"`).
+    pub role: &'a str,
+    /// The tensor it comes from.
+    pub tensor: &'a str,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// This expert's shape (the tensor's without its experts dimension), row-major,
+    /// outermost first.
+    pub shape: Vec<u64>,
+    /// Its bytes (the calling thread's node's copy when the experts are replicated).
+    pub bytes: &'a [u8],
+}
+
+impl PlacedModel {
+    /// The tensor called `name`.
+    ///
+    /// # Errors
+    /// No such tensor ([`Error::InvalidArgument`] naming it); a store read fails (a released
+    /// slot, the topology cannot be read).
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let index = self.by_name.get(name).copied().ok_or_else(|| {
+            Error::bad_value(
+                "PlacedModel::tensor",
+                "tensor name",
+                crate::error::quote(name),
+                "no tensor of the checkpoint has this name",
+            )
+        })?;
+        self.view(&self.tensors[index])
+    }
+
+    fn view<'a>(&'a self, t: &'a PlacedTensor) -> Result<TensorView<'a>> {
+        let bytes = match t.place {
+            Place::Dense {
+                store,
+                layer,
+                offset,
+                len,
+            } => Some(piece(
+                self.stores[store].store.weights_local(layer, 0)?,
+                offset,
+                len,
+            )),
+            Place::ExpertPiece {
+                layer,
+                expert,
+                kind,
+                offset,
+                len,
+            } => {
+                let store = self.expert_store()?;
+                let slot = match kind {
+                    Kind::Weights => store.weights_local(layer, expert)?,
+                    Kind::Scales => store.scales_local(layer, expert)?,
+                };
+                Some(piece(slot, offset, len))
+            }
+            Place::Experts => None,
+            Place::Empty => Some(&[][..]),
+        };
+        Ok(TensorView {
+            name: &t.name,
+            class: t.class,
+            layer: t.layer,
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes,
+        })
+    }
+
+    /// Every tensor, in checkpoint order.
+    ///
+    /// # Errors
+    /// As [`PlacedModel::tensor`].
+    pub fn tensors(&self) -> impl Iterator<Item = Result<TensorView<'_>>> + '_ {
+        self.tensors.iter().map(|t| self.view(t))
+    }
+
+    /// Tensors placed.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether the checkpoint had no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Expert `expert` of MoE layer `layer` (model layer number): its pieces by role in
+    /// slot order, weights then scales (and biases).
+    ///
+    /// # Errors
+    /// The model has no experts, or not that layer or expert.
+    pub fn expert(&self, layer: usize, expert: usize) -> Result<Vec<ExpertPieceView<'_>>> {
+        let store = self.expert_store()?;
+        let plan = self
+            .expert_plan
+            .as_ref()
+            .and_then(|p| p.layer(layer))
+            .ok_or(Error::NotPacked {
+                op: "PlacedModel::expert",
+                layer,
+            })?;
+        let experts = plan.experts().len();
+        let pieces = plan.experts().get(expert).ok_or(Error::OutOfRange {
+            op: "PlacedModel::expert",
+            what: format!("expert of layer {layer}"),
+            index: expert,
+            len: experts,
+        })?;
+        let map = store.slot_map(layer)?;
+        let roles: Vec<(PieceRole, &str)> = plan.roles().collect();
+        let mut out = Vec::new();
+        for (role, kind) in [
+            (PieceRole::Weight, Kind::Weights),
+            (PieceRole::Scale, Kind::Scales),
+        ] {
+            let slot = match kind {
+                Kind::Weights => store.weights_local(layer, expert)?,
+                Kind::Scales => store.scales_local(layer, expert)?,
+            };
+            let names = roles.iter().filter(|(r, _)| *r == role).map(|(_, n)| *n);
+            let places = map.pieces(expert, kind).unwrap_or_default();
+            for ((p, sp), name) in pieces.pieces(role).iter().zip(places).zip(names) {
+                let t = &self.tensors[p.tensor()];
+                out.push(ExpertPieceView {
+                    slot: role,
+                    role: name,
+                    tensor: &t.name,
+                    dtype: t.dtype,
+                    shape: expert_shape(&t.shape, t.len, p.len(), experts),
+                    bytes: piece(slot, sp.offset, sp.len),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The routed experts' store (the slot map stays there for callers who want
+    /// offsets: [`PinStore::slot_map`]).
+    ///
+    /// # Errors
+    /// The checkpoint has no routed experts.
+    pub fn expert_store(&self) -> Result<&PinStore> {
+        self.experts
+            .as_ref()
+            .ok_or_else(|| Error::invalid("PlacedModel", "the checkpoint has no routed experts"))
+    }
+
+    /// The expert naming used, if the checkpoint has experts.
+    pub fn naming(&self) -> Option<&Naming> {
+        self.naming.as_ref()
+    }
+
+    /// What [`Checkpoint::place`] did.
+    pub fn report(&self) -> Option<&WholeReport> {
+        self.report.as_ref()
+    }
+
+    /// The dense store holding `class` (several where patterns gave some of its tensors
+    /// other layouts), for callers who want its stats or slot maps.
+    pub fn class_stores(&self, class: TensorClass) -> impl Iterator<Item = &PinStore> + '_ {
+        self.stores
+            .iter()
+            .filter(move |s| s.class == class)
+            .map(|s| &s.store)
+    }
+
+    /// The node copies of tensor `name`'s bytes: `(node, bytes)` for each replica of a
+    /// replicated dense class, else one entry with no node.
+    ///
+    /// # Errors
+    /// As [`PlacedModel::tensor`]; a routed expert tensor.
+    pub fn tensor_copies(&self, name: &str) -> Result<Vec<(Option<crate::node::Node>, &[u8])>> {
+        let index = self.by_name.get(name).copied().ok_or_else(|| {
+            Error::bad_value(
+                "PlacedModel::tensor_copies",
+                "tensor name",
+                crate::error::quote(name),
+                "no tensor of the checkpoint has this name",
+            )
+        })?;
+        let Place::Dense {
+            store,
+            layer,
+            offset,
+            len,
+        } = self.tensors[index].place
+        else {
+            let bytes = self.view(&self.tensors[index])?.bytes().unwrap_or_default();
+            return Ok(vec![(None, bytes)]);
+        };
+        let store = &self.stores[store].store;
+        let nodes = store.replica_nodes(layer)?;
+        if nodes.is_empty() {
+            return Ok(vec![(None, piece(store.weights(layer, 0)?, offset, len))]);
+        }
+        nodes
+            .iter()
+            .map(|n| Ok((Some(n), piece(store.weights_on(n, layer, 0)?, offset, len))))
+            .collect()
+    }
+}
+
+/// `slot[offset..offset + len]`, empty where the slot is shorter (never a panic).
+fn piece(slot: &[u8], offset: usize, len: usize) -> &[u8] {
+    slot.get(offset..offset.saturating_add(len))
+        .unwrap_or_default()
+}
+
+/// One expert's shape in a tensor of `shape` (normalized) and `len` bytes whose piece is
+/// `piece` bytes: the tensor's own for a per-expert tensor; without the outermost
+/// dimension for `[E, …]`; the outermost divided by E for DBRX's flattened `[E·I, …]`.
+fn expert_shape(shape: &[u64], len: u64, piece: u64, experts: usize) -> Vec<u64> {
+    let e = experts as u64;
+    match shape.split_first() {
+        _ if piece == len => shape.to_vec(),
+        Some((&first, rest)) if first == e => rest.to_vec(),
+        Some((&first, rest)) if e > 0 && first % e == 0 => std::iter::once(first / e)
+            .chain(rest.iter().copied())
+            .collect(),
+        _ => shape.to_vec(),
+    }
+}
+
+/// Records where each per-expert tensor went (a tensor that is exactly one expert's
+/// piece); tensors holding every expert stay [`Place::Experts`].
+pub(crate) fn expert_places(
+    store: &PinStore,
+    plan: &ExpertPlan,
+    checkpoint: &Checkpoint,
+    places: &mut HashMap<usize, Place>,
+) -> Result<()> {
+    for layer in plan.layers() {
+        let map = store.slot_map(layer.layer())?;
+        for (e, pieces) in layer.experts().iter().enumerate() {
+            for kind in Kind::ALL {
+                let list = match kind {
+                    Kind::Weights => pieces.weights(),
+                    Kind::Scales => pieces.scales(),
+                };
+                let slots = map.pieces(e, kind).unwrap_or_default();
+                for (p, sp) in list.iter().zip(slots) {
+                    let whole = checkpoint.tensors().get(p.tensor()).map(|t| t.len());
+                    if whole == Some(p.len()) {
+                        places.insert(
+                            p.tensor(),
+                            Place::ExpertPiece {
+                                layer: layer.layer(),
+                                expert: e,
+                                kind,
+                                offset: sp.offset,
+                                len: sp.len,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,641 @@
+//! The whole model placed (`Checkpoint::place`): every tensor of the sharded safetensors,
+//! GGUF (single and split) and DeepSeek-V3 FP8 fixtures under `experts: SplitExperts(all),
+//! dense: Replicate(all)`, each tensor's bytes (every copy) compared with the bytes numpy
+//! wrote (`tensors.json` beside each fixture), shapes with numpy's; the mappings counted
+//! from /proc against the plan's count; bad plans refused before anything is reserved;
+//! the DeepSeek-V3-shaped dry run of docs/whole-model.md. The node checks (each dense
+//! replica wholly on its node, each expert on its home node) run in the VM.
+#![cfg(feature = "model")]
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use numapin::model::{Checkpoint, DenseLayout, PlacementPlan, TensorClass};
+use numapin::store::{Layout, StoreOptions};
+use numapin::{CheckpointFault, Error, NodeSet};
+
+const FIXTURES: [&str; 4] = [
+    "st-sharded",
+    "gguf-single",
+    "gguf-split",
+    "fam-deepseek-v3-fp8",
+];
+
+fn fixtures(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("NUMAPIN_FIXTURES") {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "NOT RUN: {test}: set NUMAPIN_FIXTURES (`cargo xtask fixtures`)"
+            );
+            None
+        }
+    }
+}
+
+/// numpy's side: (name, shape, bytes) of every tensor.
+fn numpy_tensors(root: &Path) -> Vec<(String, Vec<u64>, Vec<u8>)> {
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("tensors.json")).unwrap()).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let shape = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            let bytes = std::fs::read(root.join("tensors").join(t["file"].as_str().unwrap()));
+            (
+                t["name"].as_str().unwrap().to_owned(),
+                shape,
+                bytes.unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn open(dir: &Path, name: &str) -> Checkpoint {
+    let root = dir.join(name);
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
+    Checkpoint::open(root.join(json["path"].as_str().unwrap())).unwrap()
+}
+
+fn plan(nodes: NodeSet) -> PlacementPlan {
+    PlacementPlan::new(Layout::SplitExperts(nodes), DenseLayout::Replicate(nodes))
+}
+
+fn options() -> StoreOptions {
+    StoreOptions::default().loader_threads(2)
+}
+
+#[test]
+fn every_tensor_of_every_fixture_equals_numpys() {
+    let Some(dir) = fixtures("every_tensor_of_every_fixture_equals_numpys") else {
+        return;
+    };
+    let nodes = common::nodes();
+    for name in FIXTURES {
+        let checkpoint = open(&dir, name);
+        let model = checkpoint.place(&plan(nodes), options()).unwrap();
+        let numpy = numpy_tensors(&dir.join(name));
+        assert_eq!(numpy.len(), checkpoint.tensors().len(), "{name}");
+        assert_eq!(model.len(), numpy.len(), "{name}: every tensor placed");
+        let mut classes = std::collections::BTreeSet::new();
+        let mut copies = 0;
+        for (tensor, shape, bytes) in &numpy {
+            let view = model.tensor(tensor).unwrap();
+            classes.insert(view.class());
+            if view.bytes().is_some() {
+                copies += match view.class() {
+                    TensorClass::RoutedExperts => 1,
+                    _ => copies_here(nodes),
+                };
+            }
+            assert_eq!(view.shape(), &shape[..], "{name} {tensor}: numpy's shape");
+            match view.bytes() {
+                Some(held) => {
+                    assert!(
+                        held == &bytes[..],
+                        "{name} {tensor}: bytes differ from numpy's"
+                    );
+                    for (node, copy) in model.tensor_copies(tensor).unwrap() {
+                        assert!(copy == &bytes[..], "{name} {tensor} copy on {node:?}");
+                    }
+                }
+                None => {
+                    // A tensor holding every expert: expert e's piece is numpy's e-th
+                    // slice of it.
+                    assert_eq!(view.class(), TensorClass::RoutedExperts, "{tensor}");
+                    let layer = view.layer().unwrap();
+                    let experts = shape[0] as usize;
+                    let per = bytes.len() / experts;
+                    for e in 0..experts {
+                        let pieces = model.expert(layer, e).unwrap();
+                        let piece = pieces.iter().find(|p| p.tensor == tensor).unwrap();
+                        assert!(
+                            piece.bytes == &bytes[e * per..(e + 1) * per],
+                            "{tensor} {e}"
+                        );
+                        assert_eq!(piece.shape, shape[1..], "{tensor}: one expert's shape");
+                    }
+                }
+            }
+        }
+        for class in [
+            TensorClass::RoutedExperts,
+            TensorClass::Attention,
+            TensorClass::NormsAndRouters,
+            TensorClass::Embeddings,
+            TensorClass::DenseMlp,
+        ] {
+            // The DeepSeek-V3 fixture has no attention tensors (norms, MLPs and routers).
+            if class == TensorClass::Attention && name == "fam-deepseek-v3-fp8" {
+                continue;
+            }
+            assert!(classes.contains(&class), "{name}: no {class} tensor");
+        }
+        if name != "st-sharded" {
+            assert!(classes.contains(&TensorClass::SharedExperts), "{name}");
+        }
+        let verify = model.verify(&checkpoint).unwrap();
+        assert!(verify.verified(), "{name}: {verify}");
+        assert_eq!(
+            verify.copies, copies,
+            "{name}: every copy of every tensor compared"
+        );
+        check_mappings(name, &model);
+    }
+}
+
+/// Copies a replicated tensor has here: one per node where placement works, else one.
+fn copies_here(nodes: NodeSet) -> usize {
+    if common::degrade_here().is_some() {
+        1
+    } else {
+        nodes.len()
+    }
+}
+
+/// The mappings each class's stores occupy (smaps) are the plan's count where placement
+/// works (one per copy of a dense group; per MoE layer and kind one per block), and at
+/// most it where it degrades (one copy).
+fn check_mappings(name: &str, model: &numapin::model::PlacedModel) {
+    let report = model.report().unwrap();
+    for cost in &report.cost.classes {
+        let measured = report
+            .measured
+            .iter()
+            .find(|m| m.class == cost.class)
+            .unwrap();
+        if common::degrade_here().is_none() {
+            assert_eq!(measured.mappings, cost.mappings, "{name} {}", cost.class);
+            assert_eq!(
+                measured.mbind_calls, cost.mbind_calls,
+                "{name} {}",
+                cost.class
+            );
+        } else {
+            assert!(measured.mappings <= cost.mappings, "{name} {}", cost.class);
+        }
+        if cost.class != TensorClass::RoutedExperts {
+            // O(layers × nodes): a group per (class, layer), a mapping per copy.
+            assert_eq!(
+                cost.mappings,
+                cost.groups * copies_planned(&report.plan, cost)
+            );
+        }
+    }
+}
+
+fn copies_planned(_plan: &str, cost: &numapin::model::ClassCost) -> usize {
+    match cost.layout.strip_prefix("replicate:") {
+        Some(nodes) => NodeSet::parse(nodes).unwrap().len(),
+        None => 1,
+    }
+}
+
+#[test]
+fn the_gguf_shapes_are_numpys_not_ggmls() {
+    let Some(dir) = fixtures("the_gguf_shapes_are_numpys_not_ggmls") else {
+        return;
+    };
+    let checkpoint = open(&dir, "gguf-single");
+    let model = checkpoint.place(&plan(common::nodes()), options()).unwrap();
+    // gguf-py wrote token_embd from a numpy (128, 64) array: ggml's ne is [64, 128].
+    let embd = model.tensor("token_embd.weight").unwrap();
+    assert_eq!(embd.shape(), &[128, 64]);
+    assert_eq!(
+        checkpoint.tensor("token_embd.weight").unwrap().shape(),
+        &[64, 128]
+    );
+    let q8 = model.tensor("blk.1.ffn_up_exps.weight").unwrap();
+    assert_eq!(q8.shape(), &[4, 32, 64]);
+    assert_eq!((q8.block().elements, q8.block().bytes), (32, 34), "Q8_0");
+    assert_eq!(
+        model.tensor("output.weight").unwrap().class(),
+        TensorClass::OutputHead
+    );
+    assert_eq!(
+        model.tensor("blk.1.ffn_gate_shexp.weight").unwrap().class(),
+        TensorClass::SharedExperts
+    );
+    assert!(model.tensor("no.such.tensor").is_err());
+}
+
+#[test]
+fn overrides_by_class_and_pattern_move_tensors_to_other_stores() {
+    let Some(dir) = fixtures("overrides_by_class_and_pattern_move_tensors_to_other_stores") else {
+        return;
+    };
+    let nodes = common::nodes();
+    let first = nodes.nth(0).unwrap();
+    let checkpoint = open(&dir, "st-sharded");
+    let plan = plan(nodes)
+        .class(TensorClass::Embeddings, DenseLayout::Interleave(nodes))
+        .pattern("*.self_attn.o_proj.*", DenseLayout::Bind(first));
+    let model = checkpoint.place(&plan, options()).unwrap();
+    let report = model.report().unwrap();
+    let attention = report
+        .cost
+        .classes
+        .iter()
+        .find(|c| c.class == TensorClass::Attention)
+        .unwrap();
+    // q_proj replicated, o_proj bound: two layouts, one store each.
+    assert_eq!(
+        attention.layout,
+        format!("replicate:{nodes}+bind:{}", first.0)
+    );
+    assert_eq!(model.class_stores(TensorClass::Attention).count(), 2);
+    assert_eq!(attention.groups, 6, "3 layers × 2 layouts");
+    assert!(model.verify(&checkpoint).unwrap().verified());
+
+    // A pattern matching nothing is an error naming it, before anything is reserved.
+    let bad = self::plan(nodes).pattern("*.no_such_proj.*", DenseLayout::Unplaced);
+    let err = checkpoint.place(&bad, options()).unwrap_err();
+    assert!(err.to_string().contains("*.no_such_proj.*"), "{err}");
+    // Routed experts are not matched by patterns.
+    let experts_only = self::plan(nodes).pattern("*.experts.*", DenseLayout::Unplaced);
+    assert!(
+        checkpoint
+            .placement_cost(&experts_only, &options())
+            .is_err()
+    );
+}
+
+#[test]
+fn the_default_plan_says_why() {
+    let Some(dir) = fixtures("the_default_plan_says_why") else {
+        return;
+    };
+    let checkpoint = open(&dir, "fam-deepseek-v3-fp8");
+    let nodes = common::nodes();
+    let plan = checkpoint.default_plan(nodes).unwrap();
+    // A few KiB of dense tensors fit on any node: replicated; embeddings interleaved.
+    assert_eq!(
+        plan.layout_of(TensorClass::Attention),
+        DenseLayout::Replicate(nodes)
+    );
+    assert_eq!(
+        plan.layout_of(TensorClass::Embeddings),
+        DenseLayout::Interleave(nodes)
+    );
+    assert!(
+        plan.why(TensorClass::Attention)
+            .starts_with("default: replicated")
+    );
+    assert!(plan.why(TensorClass::Embeddings).contains("a few rows"));
+    assert_eq!(plan.experts_layout(), Layout::SplitExperts(nodes));
+}
+
+#[test]
+fn a_plan_over_the_map_budget_is_refused_with_the_figures() {
+    let Some(dir) = fixtures("a_plan_over_the_map_budget_is_refused_with_the_figures") else {
+        return;
+    };
+    let checkpoint = open(&dir, "gguf-single");
+    let current = numapin::diag::map_count().unwrap();
+    let options = options().vma_budget(Some(current + 4));
+    match checkpoint.place(&plan(common::nodes()), options) {
+        Err(Error::MapBudget {
+            needed,
+            available,
+            what,
+            ..
+        }) => {
+            assert!(needed > available, "{needed} {available}");
+            assert!(what.contains("placement plan"), "{what}");
+        }
+        other => panic!("expected MapBudget, got {other:?}"),
+    }
+}
+
+/// A safetensors file whose header names `tensors` (name, dtype, shape, bytes) and whose
+/// data is a hole: a checkpoint of any size that costs no disk.
+fn sparse_checkpoint(path: &Path, tensors: &[(String, &str, Vec<u64>, u64)]) {
+    let mut at = 0u64;
+    let entries: Vec<String> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            let s = format!(
+                r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{}]}}"#,
+                at + bytes
+            );
+            at += bytes;
+            s
+        })
+        .collect();
+    let header = format!("{{{}}}", entries.join(","));
+    let mut file = std::fs::File::create(path).unwrap();
+    file.write_all(&(header.len() as u64).to_le_bytes())
+        .unwrap();
+    file.write_all(header.as_bytes()).unwrap();
+    file.set_len(8 + header.len() as u64 + at).unwrap();
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("numapin-whole-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_plan_larger_than_the_nodes_is_refused_before_any_allocation() {
+    let dir = temp("huge");
+    let path = dir.join("model.safetensors");
+    // 1 TiB of embeddings, a hole on disk.
+    let rows = 1u64 << 30;
+    let tensors = [(
+        "model.embed_tokens.weight".to_owned(),
+        "U8",
+        vec![rows, 1024],
+        rows * 1024,
+    )];
+    sparse_checkpoint(&path, &tensors);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let nodes = common::nodes();
+    let cost = checkpoint.placement_cost(&plan(nodes), &options()).unwrap();
+    assert_eq!(
+        cost.mappings,
+        nodes.len(),
+        "one group, one mapping per replica"
+    );
+    let before = numapin::diag::map_count().unwrap();
+    match checkpoint.place(&plan(nodes), options()) {
+        Err(Error::NodeMemory {
+            needed, available, ..
+        }) => {
+            assert!(
+                available.iter().any(|&(_, a)| a < needed),
+                "{needed} {available:?}"
+            );
+            assert!(needed >= 1 << 40);
+        }
+        other => panic!("expected NodeMemory, got {other:?}"),
+    }
+    // Nothing was mapped for it (other test threads map a little: no 1 TiB region here).
+    let after = numapin::diag::map_count().unwrap();
+    assert!(after < before + 64, "{before} → {after}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_tensor_whose_bytes_are_not_its_shape_is_a_checkpoint_error() {
+    let dir = temp("size");
+    let path = dir.join("model.safetensors");
+    // F16 [4, 4] is 32 bytes; the header gives it 30.
+    sparse_checkpoint(
+        &path,
+        &[("model.norm.weight".to_owned(), "F16", vec![4, 4], 30)],
+    );
+    match Checkpoint::open(&path) {
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::Size,
+            tensor,
+            ..
+        }) => {
+            assert_eq!(tensor.as_deref(), Some("model.norm.weight"));
+        }
+        other => panic!("expected a size fault, got {other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// DeepSeek-V3's real tensor list (the FP8 checkpoint's names, dtypes and shapes; 61
+/// layers, the first 3 dense, 256 routed experts and a shared expert per MoE layer; the
+/// MTP layer 61 left out), as a header over a hole: ~690 GB that cost no disk.
+fn deepseek_v3_tensors() -> Vec<(String, &'static str, Vec<u64>, u64)> {
+    let mut t = Vec::new();
+    let mut add = |name: String, dtype: &'static str, shape: Vec<u64>| {
+        let elements: u64 = shape.iter().product();
+        let bytes = match dtype {
+            "BF16" => elements * 2,
+            "F32" => elements * 4,
+            _ => elements,
+        };
+        t.push((name, dtype, shape, bytes));
+    };
+    let fp8 = |add: &mut dyn FnMut(String, &'static str, Vec<u64>),
+               name: String,
+               rows: u64,
+               cols: u64| {
+        add(format!("{name}.weight"), "F8_E4M3", vec![rows, cols]);
+        add(
+            format!("{name}.weight_scale_inv"),
+            "F32",
+            vec![rows.div_ceil(128), cols.div_ceil(128)],
+        );
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        "BF16",
+        vec![129280, 7168],
+    );
+    for l in 0..61 {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.input_layernorm.weight"), "BF16", vec![7168]);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            "BF16",
+            vec![7168],
+        );
+        let a = format!("{p}.self_attn");
+        fp8(&mut add, format!("{a}.q_a_proj"), 1536, 7168);
+        add(format!("{a}.q_a_layernorm.weight"), "BF16", vec![1536]);
+        fp8(&mut add, format!("{a}.q_b_proj"), 24576, 1536);
+        fp8(&mut add, format!("{a}.kv_a_proj_with_mqa"), 576, 7168);
+        add(format!("{a}.kv_a_layernorm.weight"), "BF16", vec![512]);
+        fp8(&mut add, format!("{a}.kv_b_proj"), 32768, 512);
+        fp8(&mut add, format!("{a}.o_proj"), 7168, 16384);
+        let m = format!("{p}.mlp");
+        if l < 3 {
+            fp8(&mut add, format!("{m}.gate_proj"), 18432, 7168);
+            fp8(&mut add, format!("{m}.up_proj"), 18432, 7168);
+            fp8(&mut add, format!("{m}.down_proj"), 7168, 18432);
+            continue;
+        }
+        add(format!("{m}.gate.weight"), "BF16", vec![256, 7168]);
+        add(
+            format!("{m}.gate.e_score_correction_bias"),
+            "F32",
+            vec![256],
+        );
+        for e in std::iter::once("shared_experts".to_owned())
+            .chain((0..256).map(|e| format!("experts.{e}")))
+        {
+            fp8(&mut add, format!("{m}.{e}.gate_proj"), 2048, 7168);
+            fp8(&mut add, format!("{m}.{e}.up_proj"), 2048, 7168);
+            fp8(&mut add, format!("{m}.{e}.down_proj"), 7168, 2048);
+        }
+    }
+    add("model.norm.weight".into(), "BF16", vec![7168]);
+    add("lm_head.weight".into(), "BF16", vec![129280, 7168]);
+    t
+}
+
+/// The counted figure of docs/whole-model.md: the mappings and `mbind` calls each plan
+/// costs for DeepSeek-V3's tensor list over 4 nodes, against one mapping per tensor per
+/// copy, by a dry run (nothing reserved). The expected figures are counted here from the
+/// model's shape, not taken from the code: 186 dense groups (attention 61, norms and
+/// routers 61 + the final norm, dense MLP 3, shared experts 58, embeddings 1, head 1),
+/// 58 MoE layers × 2 kinds (weights, scales), 1,339 dense tensors, 89,088 expert tensors.
+#[test]
+fn deepseek_v3_dry_run_counts() {
+    let dir = temp("deepseek-v3");
+    let path = dir.join("model.safetensors");
+    let tensors = deepseek_v3_tensors();
+    assert_eq!(tensors.len(), 90_427);
+    sparse_checkpoint(&path, &tensors);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    // Four nodes that need not exist here: a dry run prices a machine it is not on.
+    let four = NodeSet::from_nodes(0..4).unwrap();
+    let (dense_groups, moe_kinds, dense_tensors, expert_tensors) = (186, 58 * 2, 1_339, 89_088);
+    let (split, replicate) = (Layout::SplitExperts(four), DenseLayout::Replicate(four));
+    let interleave = DenseLayout::Interleave(four);
+    let plans = [
+        (
+            "experts=split:0-3;dense=replicate:0-3",
+            PlacementPlan::new(split, replicate),
+            dense_groups * 4 + moe_kinds * 4,
+            dense_tensors * 4 + expert_tensors,
+        ),
+        (
+            "experts=split:0-3;dense=replicate:0-3;embeddings=interleave:0-3",
+            PlacementPlan::new(split, replicate).class(TensorClass::Embeddings, interleave),
+            (dense_groups - 1) * 4 + 1 + moe_kinds * 4,
+            (dense_tensors - 1) * 4 + 1 + expert_tensors,
+        ),
+        (
+            "experts=split:0-3;dense=interleave:0-3",
+            PlacementPlan::new(split, interleave),
+            dense_groups + moe_kinds * 4,
+            dense_tensors + expert_tensors,
+        ),
+        (
+            "experts=interleave:0-3;dense=interleave:0-3",
+            PlacementPlan::new(Layout::Interleave(four), interleave),
+            dense_groups + moe_kinds,
+            dense_tensors + expert_tensors,
+        ),
+        (
+            "experts=replicate:0-3;dense=replicate:0-3",
+            PlacementPlan::new(Layout::Replicate(four), replicate),
+            (dense_groups + moe_kinds) * 4,
+            (dense_tensors + expert_tensors) * 4,
+        ),
+    ];
+    let mut out = String::new();
+    for (text, plan, mappings, per_tensor) in plans {
+        let cost = checkpoint
+            .placement_cost(&plan, &StoreOptions::default())
+            .unwrap();
+        assert_eq!(cost.mappings, mappings, "{text}");
+        assert_eq!(cost.mbind_calls, mappings, "{text}: one mbind per mapping");
+        assert_eq!(cost.per_tensor_mappings, per_tensor, "{text}");
+        let busiest = cost.node_bytes.values().max().copied().unwrap_or(0);
+        out.push_str(&format!(
+            "| `{text}` | {} | {} | {} | {:.1} GiB |\n",
+            cost.mappings,
+            cost.mbind_calls,
+            cost.per_tensor_mappings,
+            busiest as f64 / (1u64 << 30) as f64
+        ));
+        if text.contains("embeddings") {
+            for c in &cost.classes {
+                out.push_str(&format!(
+                    "|  {} | {} | {} tensors, {} groups | {} mappings, {} mbind | {} per tensor |\n",
+                    c.class, c.layout, c.tensors, c.groups, c.mappings, c.mbind_calls, c.per_tensor_mappings
+                ));
+            }
+        }
+    }
+    let _ = writeln!(std::io::stderr(), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pages of `bytes` (rounded out to whole pages: the slot's region is page-aligned
+/// and one policy covers it) by node.
+fn pages_of(bytes: &[u8]) -> numapin::NodeHistogram {
+    let page = numapin::page_size();
+    let start = bytes.as_ptr() as usize / page * page;
+    let end = (bytes.as_ptr() as usize + bytes.len()).div_ceil(page) * page;
+    // SAFETY: the range lies inside a region the placed model owns and keeps mapped for
+    // this call; the query moves nothing.
+    let observed = unsafe { numapin::range_placement(start as *const u8, end - start) };
+    match observed.unwrap() {
+        numapin::policy::Observed::Known(h) => h,
+        numapin::policy::Observed::Degraded(r) => panic!("move_pages degraded: {r:?}"),
+    }
+}
+
+/// VM (2+ nodes): every copy of every dense tensor wholly on its replica's node, every
+/// expert wholly on its home node, and the mappings O(layers × nodes) as a count.
+#[test]
+fn dense_replicas_and_experts_on_their_nodes() {
+    let test = "dense_replicas_and_experts_on_their_nodes";
+    let Some(nodes) = common::need_nodes(test, 2) else {
+        return;
+    };
+    let Some(dir) = fixtures(test) else {
+        return;
+    };
+    for name in ["st-sharded", "gguf-single"] {
+        let checkpoint = open(&dir, name);
+        let model = checkpoint.place(&plan(nodes), options()).unwrap();
+        for t in checkpoint.tensors() {
+            let view = model.tensor(t.name()).unwrap();
+            if view.class() == TensorClass::RoutedExperts || t.is_empty() {
+                continue;
+            }
+            let copies = model.tensor_copies(t.name()).unwrap();
+            assert_eq!(copies.len(), nodes.len(), "{name} {}", t.name());
+            for (node, bytes) in copies {
+                let h = pages_of(bytes);
+                let node = node.unwrap();
+                assert!(
+                    h.present() > 0 && h.on(node) == h.present(),
+                    "{name} {} on {node:?}: {h:?}",
+                    t.name()
+                );
+            }
+        }
+        let store = model.expert_store().unwrap();
+        let report = model.report().unwrap();
+        let experts = report.experts.as_ref().unwrap();
+        for (&layer, &count) in &experts.experts_per_layer {
+            for e in 0..count {
+                let home = store.home_node(layer, e).unwrap().unwrap();
+                let h = pages_of(store.weights(layer, e).unwrap());
+                assert!(
+                    h.present() > 0 && h.on(home) == h.present(),
+                    "{name} L{layer} E{e}: {h:?}"
+                );
+            }
+        }
+        // O(layers × nodes): a dense group per class and layer, a copy per node; per MoE
+        // layer and kind a block per node. Counted in smaps.
+        let measured: usize = report.measured.iter().map(|m| m.mappings).sum();
+        let dense_groups: usize = report
+            .cost
+            .classes
+            .iter()
+            .filter(|c| c.class != TensorClass::RoutedExperts)
+            .map(|c| c.groups)
+            .sum();
+        let kinds = if name == "st-sharded" { 2 } else { 1 };
+        let moe_layers = experts.experts_per_layer.len();
+        assert_eq!(
+            measured,
+            (dense_groups + moe_layers * kinds) * nodes.len(),
+            "{name}"
+        );
+        assert!(model.verify(&checkpoint).unwrap().verified());
+    }
+}
