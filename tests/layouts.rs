@@ -331,3 +331,101 @@ fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn replicate_domains_makes_a_copy_per_domain_and_local_reads_find_it() {
+    // One copy per domain of the machine among the allowed nodes (one domain on the host;
+    // every socket in the VMs). Where each copy's pages land is numa_placement.rs's and
+    // domains.rs's business; here: the copies, the reads and the figures.
+    let set = common::nodes();
+    let topology = numapin::topology::Topology::get().unwrap();
+    let domains = topology.domains_within(&set);
+    let store = PinStore::new(Layout::ReplicateDomains(set), options(2)).unwrap();
+    assert_eq!(store.copy_groups(), &domains[..]);
+    let copies = if bound_here() { domains.len() } else { 1 };
+    let data = model(0);
+    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    assert_eq!(report.replicas, copies);
+    assert_eq!(report.regions, 2 * copies);
+    assert_eq!(report.mbind_calls, 2 * copies);
+    assert_eq!(store.degraded(), common::degrade_here());
+    let leads: NodeSet = domains.iter().filter_map(|d| d.nth(0)).collect();
+    let expected_leads = if bound_here() { leads } else { NodeSet::new() };
+    assert_eq!(store.replica_nodes(0).unwrap(), expected_leads);
+    let here = numapin::topology::current_domain().unwrap();
+    for (e, (w, s)) in data.iter().enumerate() {
+        assert_eq!(store.weights_local(0, e).unwrap(), &w[..]);
+        assert_eq!(store.scales_local(0, e).unwrap(), &s[..]);
+        for node in set.iter() {
+            assert_eq!(store.weights_on(node, 0, e).unwrap(), &w[..]);
+        }
+        assert_eq!(store.home_node(0, e).unwrap(), None);
+    }
+    // Nodes of one domain read the same copy; the calling thread its domain's.
+    for domain in &domains {
+        let first = store
+            .weights_on(domain.nth(0).unwrap(), 0, 3)
+            .unwrap()
+            .as_ptr();
+        for node in domain.iter() {
+            assert_eq!(store.weights_on(node, 0, 3).unwrap().as_ptr(), first);
+        }
+        if bound_here() && domain.iter().any(|n| here.nodes().contains(n)) {
+            assert_eq!(store.weights_local(0, 3).unwrap().as_ptr(), first);
+        }
+    }
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.bytes, model_bytes() * copies as u64);
+    // Each copy's bytes split evenly over its domain's nodes (the remainder on the
+    // lowest), as an interleaved copy's pages are.
+    if bound_here() {
+        let mut expected = std::collections::BTreeMap::new();
+        for domain in &domains {
+            let n = domain.len() as u64;
+            for (i, node) in domain.iter().enumerate() {
+                let share = model_bytes() / n + u64::from((i as u64) < model_bytes() % n);
+                expected.insert(node, share);
+            }
+        }
+        assert_eq!(stats.node_bytes, expected);
+    }
+    // Exporting replicas is refused, as for Replicate.
+    let shared = StoreOptions::default().shared(true);
+    assert!(PinStore::new(Layout::ReplicateDomains(set), shared).is_err());
+}
+
+#[test]
+fn replicate_domains_asks_each_node_for_its_share_of_a_copy() {
+    let set = common::nodes();
+    let topology = numapin::topology::Topology::get().unwrap();
+    let domains = topology.domains_within(&set);
+    let store = PinStore::new(Layout::ReplicateDomains(set), StoreOptions::default()).unwrap();
+    // 1 TiB per layer copy: more than any domain here has.
+    let huge = LayerSpec {
+        experts: 1 << 10,
+        weight_bytes: 1 << 30,
+        scale_bytes: 0,
+    };
+    let result = store.check_model_memory(3, &huge);
+    if !bound_here() {
+        assert!(result.is_ok(), "{result:?}");
+        return;
+    }
+    let copy = 3 * (1u64 << 10) * (1 << 30);
+    match result {
+        Err(Error::NodeMemory {
+            needed, available, ..
+        }) => {
+            // The first domain short of its share is the first domain (each is short).
+            let first = domains[0];
+            assert_eq!(needed, copy.div_ceil(first.len() as u64));
+            let nodes: NodeSet = available.iter().map(|(n, _)| *n).collect();
+            let same_share: NodeSet = domains
+                .iter()
+                .filter(|d| d.len() == first.len())
+                .fold(NodeSet::new(), |all, d| all.union(d));
+            assert_eq!(nodes, same_share);
+        }
+        other => panic!("expected NodeMemory, got {other:?}"),
+    }
+}

@@ -19,6 +19,8 @@ pub enum LayoutArg {
     Unplaced,
     /// A copy of every layer on each node, each bound to its node (nodes × the memory).
     Replicate,
+    /// A copy of every layer per domain (socket), interleaved over the domain's nodes.
+    ReplicateDomains,
     /// Each layer's experts in contiguous blocks, one block bound to each node.
     Split,
 }
@@ -31,18 +33,20 @@ impl LayoutArg {
             LayoutArg::LayerPerNode => Layout::LayerPerNode(nodes),
             LayoutArg::Unplaced => Layout::Unplaced,
             LayoutArg::Replicate => Layout::Replicate(nodes),
+            LayoutArg::ReplicateDomains => Layout::ReplicateDomains(nodes),
             LayoutArg::Split => Layout::SplitExperts(nodes),
         }
     }
 
     /// The word on the command line: `interleave`, `layer-per-node`, `unplaced`,
-    /// `replicate` or `split`.
+    /// `replicate`, `replicate-domains` or `split`.
     pub fn name(self) -> &'static str {
         match self {
             LayoutArg::Interleave => "interleave",
             LayoutArg::LayerPerNode => "layer-per-node",
             LayoutArg::Unplaced => "unplaced",
             LayoutArg::Replicate => "replicate",
+            LayoutArg::ReplicateDomains => "replicate-domains",
             LayoutArg::Split => "split",
         }
     }

@@ -117,7 +117,7 @@ impl PinStore {
         // Replicas and split blocks are mappings too: a region per kind per copy, a
         // mapping per block of a split region.
         let per_layer = (1 + usize::from(spec.scale_bytes > 0))
-            * self.layout.copies()
+            * self.copies()
             * self.layout.maps_per_region(spec.experts);
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
             Error::overflow(

@@ -27,6 +27,17 @@ pub enum Layout {
     /// and the others are copied from it. Where placement is denied or unsupported, one
     /// unplaced copy is built.
     Replicate(NodeSet),
+    /// A copy of every layer per domain (socket, see
+    /// [`Topology::domains`](crate::topology::Topology::domains)) among the set's nodes,
+    /// each interleaved over the domain's nodes of the set (bound to the node where the
+    /// domain has one there): with sub-NUMA clustering, a copy per socket instead of 2–4
+    /// per socket. [`PinStore::weights_local`](super::PinStore::weights_local) reads the
+    /// calling thread's domain's copy (a thread in a domain without one: the copy of the
+    /// set's node nearest to its node). Costs domains × the memory and the mappings; the
+    /// file is read once, as for [`Layout::Replicate`], and each domain's nodes need a
+    /// share of a copy (the copy ÷ the domain's nodes in the set). The domains are read
+    /// once, when the store is made.
+    ReplicateDomains(NodeSet),
     /// The experts of each layer in contiguous blocks, one per node of the set (expert
     /// `e` of `E` on the `e × n / E`-th node), each block bound to its node:
     /// [`PinStore::home_node`](super::PinStore::home_node) says where an expert lives. Up
@@ -43,6 +54,7 @@ impl Layout {
             Layout::Interleave(set)
             | Layout::LayerPerNode(set)
             | Layout::Replicate(set)
+            | Layout::ReplicateDomains(set)
             | Layout::SplitExperts(set) => Some(set),
             Layout::Unplaced => None,
         }
@@ -54,7 +66,7 @@ impl Layout {
         if self.nodes().is_some_and(|set| set.is_empty()) {
             return Err(Error::empty("PinStore::new", format!("nodes in {self:?}")));
         }
-        if shared && !self.replica_set().is_empty() {
+        if shared && self.replicates() {
             return Err(Error::invalid(
                 "PinStore::new",
                 format!("{self:?} with shared arenas: exporting replicas is not supported"),
@@ -64,16 +76,56 @@ impl Layout {
     }
 
     /// The policy each region of layer `layer` is bound with once (`None`: unplaced, or
-    /// bound block by block, see [`Layout::blocks`]); the first copy's for
-    /// [`Layout::Replicate`].
-    pub(super) fn region_policy(&self, layer: usize) -> Option<MemPolicy> {
+    /// bound block by block, see [`Layout::blocks`]); for the replicating layouts, the
+    /// first copy's, on the first of `copies` ([`Layout::copy_groups`]).
+    pub(super) fn region_policy(&self, layer: usize, copies: &[NodeSet]) -> Option<MemPolicy> {
         let bind = |node: Option<Node>| node.map(|n| MemPolicy::Bind(std::iter::once(n).collect()));
         match *self {
             Layout::Interleave(set) => Some(MemPolicy::Interleave(set)),
             Layout::LayerPerNode(set) => bind(set.nth(layer % set.len())),
-            Layout::Replicate(set) => bind(set.nth(0)),
+            Layout::Replicate(_) | Layout::ReplicateDomains(_) => copies.first().map(copy_policy),
             Layout::SplitExperts(_) | Layout::Unplaced => None,
         }
+    }
+
+    /// Whether the layout makes a copy of every layer per node or per domain.
+    pub(super) fn replicates(&self) -> bool {
+        match *self {
+            Layout::Replicate(_) | Layout::ReplicateDomains(_) => true,
+            Layout::Interleave(_)
+            | Layout::LayerPerNode(_)
+            | Layout::SplitExperts(_)
+            | Layout::Unplaced => false,
+        }
+    }
+
+    /// The nodes each copy of a layer lives on, the first copy's first, in the order of
+    /// their lowest node: one node per copy for [`Layout::Replicate`], the set's nodes of
+    /// each domain for [`Layout::ReplicateDomains`] (`domains` groups a set by domain,
+    /// [`Topology::domains_within`](crate::topology::Topology::domains_within) on the live
+    /// machine; called only for that layout). Empty for the layouts that make one copy.
+    ///
+    /// # Errors
+    /// As `domains`.
+    pub(super) fn copy_groups(
+        &self,
+        domains: impl FnOnce(&NodeSet) -> Result<Vec<NodeSet>>,
+    ) -> Result<Vec<NodeSet>> {
+        Ok(match *self {
+            Layout::Replicate(set) => set.iter().map(|n| std::iter::once(n).collect()).collect(),
+            Layout::ReplicateDomains(set) => {
+                let mut groups: Vec<NodeSet> = domains(&set)?
+                    .into_iter()
+                    .filter(|g| !g.is_empty())
+                    .collect();
+                groups.sort_by_key(|g| g.nth(0));
+                groups
+            }
+            Layout::Interleave(_)
+            | Layout::LayerPerNode(_)
+            | Layout::SplitExperts(_)
+            | Layout::Unplaced => Vec::new(),
+        })
     }
 
     /// The nodes whose blocks a region is bound to one by one ([`Layout::SplitExperts`]).
@@ -83,24 +135,9 @@ impl Layout {
             Layout::Interleave(_)
             | Layout::LayerPerNode(_)
             | Layout::Replicate(_)
+            | Layout::ReplicateDomains(_)
             | Layout::Unplaced => None,
         }
-    }
-
-    /// The nodes that hold a copy of every layer (empty but for [`Layout::Replicate`]).
-    pub(super) fn replica_set(&self) -> NodeSet {
-        match *self {
-            Layout::Replicate(set) => set,
-            Layout::Interleave(_)
-            | Layout::LayerPerNode(_)
-            | Layout::SplitExperts(_)
-            | Layout::Unplaced => NodeSet::new(),
-        }
-    }
-
-    /// Copies of each layer the layout makes (1 but for [`Layout::Replicate`]).
-    pub(super) fn copies(&self) -> usize {
-        self.replica_set().len().max(1)
     }
 
     /// Mappings one region of a layer of `experts` becomes once bound: one per block for
@@ -113,12 +150,13 @@ impl Layout {
     }
 
     /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the first
-    /// copy's for [`Layout::Replicate`]).
+    /// copy's for [`Layout::Replicate`]; for [`Layout::ReplicateDomains`] the first node of
+    /// the first copy's domain, whose CPUs are as near that copy as any).
     pub(super) fn target_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
         match *self {
             Layout::SplitExperts(set) => set.nth(block_of(expert, set.len(), experts)),
             Layout::LayerPerNode(set) => set.nth(layer % set.len()),
-            Layout::Replicate(set) => set.nth(0),
+            Layout::Replicate(set) | Layout::ReplicateDomains(set) => set.nth(0),
             Layout::Interleave(_) | Layout::Unplaced => None,
         }
     }
@@ -127,7 +165,7 @@ impl Layout {
     /// node of the set).
     pub(super) fn has_home(&self) -> bool {
         match *self {
-            Layout::Replicate(_) => false,
+            Layout::Replicate(_) | Layout::ReplicateDomains(_) => false,
             Layout::Interleave(_)
             | Layout::LayerPerNode(_)
             | Layout::SplitExperts(_)
@@ -143,9 +181,20 @@ impl Layout {
             Layout::Interleave(set) => set,
             Layout::LayerPerNode(_)
             | Layout::Replicate(_)
+            | Layout::ReplicateDomains(_)
             | Layout::SplitExperts(_)
             | Layout::Unplaced => NodeSet::new(),
         }
+    }
+}
+
+/// The policy of a copy on `group` (one of [`Layout::copy_groups`]): bound to its node,
+/// or interleaved over a domain's nodes.
+pub(super) fn copy_policy(group: &NodeSet) -> MemPolicy {
+    if group.len() == 1 {
+        MemPolicy::Bind(*group)
+    } else {
+        MemPolicy::Interleave(*group)
     }
 }
 
@@ -225,6 +274,15 @@ mod tests {
                 NodeSet::new(),
             ),
             (
+                Layout::ReplicateDomains(nodes),
+                Some(MemPolicy::Interleave(set(&[1, 3]))),
+                2,
+                1,
+                Some(Node(1)),
+                false,
+                NodeSet::new(),
+            ),
+            (
                 Layout::SplitExperts(nodes),
                 None,
                 1,
@@ -235,9 +293,19 @@ mod tests {
             ),
             (Layout::Unplaced, None, 1, 1, None, true, NodeSet::new()),
         ];
+        // The domains of the machine these cases assume: nodes 1 and 3 on one socket, 5
+        // on another.
+        let domains = |s: &NodeSet| {
+            Ok(vec![
+                set(&[5]).intersection(s),
+                set(&[1, 3]).intersection(s),
+            ])
+        };
         for (layout, policy, copies, maps, node, home, spread) in cases {
-            assert_eq!(layout.region_policy(4), policy, "{layout:?}");
-            assert_eq!(layout.copies(), copies, "{layout:?}");
+            let groups = layout.copy_groups(domains).unwrap();
+            assert_eq!(layout.region_policy(4, &groups), policy, "{layout:?}");
+            assert_eq!(groups.len().max(1), copies, "{layout:?}");
+            assert_eq!(layout.replicates(), !groups.is_empty(), "{layout:?}");
             assert_eq!(layout.maps_per_region(16), maps, "{layout:?}");
             assert_eq!(layout.target_node(4, 16, 15), node, "{layout:?}");
             assert_eq!(layout.has_home(), home, "{layout:?}");
@@ -252,9 +320,50 @@ mod tests {
             Layout::Interleave(NodeSet::new()),
             Layout::LayerPerNode(NodeSet::new()),
             Layout::Replicate(NodeSet::new()),
+            Layout::ReplicateDomains(NodeSet::new()),
             Layout::SplitExperts(NodeSet::new()),
         ] {
             assert!(empty.check(false).is_err(), "{empty:?}");
         }
+    }
+
+    #[test]
+    fn copies_follow_the_domains_of_the_set() {
+        // Two SNC-2 sockets (0,1 | 2,3) and a CXL node 4 on the second.
+        let machine = [set(&[0, 1]), set(&[2, 3, 4])];
+        let domains = |s: &NodeSet| {
+            Ok(machine
+                .iter()
+                .map(|d| d.intersection(s))
+                .collect::<Vec<_>>())
+        };
+        let groups = |layout: Layout| layout.copy_groups(domains).unwrap();
+        assert_eq!(
+            groups(Layout::ReplicateDomains(set(&[0, 1, 2, 3, 4]))),
+            [set(&[0, 1]), set(&[2, 3, 4])]
+        );
+        // A set with one node of a domain: that copy is bound to the node.
+        let one = groups(Layout::ReplicateDomains(set(&[1, 2, 3])));
+        assert_eq!(one, [set(&[1]), set(&[2, 3])]);
+        assert_eq!(copy_policy(&one[0]), MemPolicy::Bind(set(&[1])));
+        assert_eq!(copy_policy(&one[1]), MemPolicy::Interleave(set(&[2, 3])));
+        // Per node, whatever the domains.
+        assert_eq!(
+            groups(Layout::Replicate(set(&[0, 1, 4]))),
+            [set(&[0]), set(&[1]), set(&[4])]
+        );
+        // A failing domain reader fails the layout; the others never ask.
+        let broken = |_: &NodeSet| Err(Error::empty("domains", "test"));
+        assert!(
+            Layout::ReplicateDomains(set(&[0]))
+                .copy_groups(broken)
+                .is_err()
+        );
+        assert!(
+            Layout::Interleave(set(&[0]))
+                .copy_groups(broken)
+                .unwrap()
+                .is_empty()
+        );
     }
 }

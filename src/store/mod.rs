@@ -40,6 +40,7 @@ pub(crate) use budget::HEAP_MARGIN;
 pub(crate) use replica::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
 use crate::error::{Error, Result};
+use crate::nodeset::NodeSet;
 use crate::policy::{MemPolicy, Placement};
 use crate::region::Region;
 
@@ -65,6 +66,8 @@ use crate::region::Region;
 /// ```
 pub struct PinStore {
     layout: Layout,
+    /// The nodes of each copy a layer gets ([`Layout::copy_groups`]; empty: one copy).
+    copy_groups: Vec<NodeSet>,
     options: StoreOptions,
     state: State,
     layers: table::Table<Box<Layer>>,
@@ -120,10 +123,13 @@ impl PinStore {
     /// A store with no layers yet.
     ///
     /// # Errors
-    /// A layout with an empty node set, zero loader threads, a bad slot alignment, or a
-    /// piece alignment that is not a power of two.
+    /// A layout with an empty node set, zero loader threads, a bad slot alignment, a
+    /// piece alignment that is not a power of two, or (for
+    /// [`Layout::ReplicateDomains`]) the machine's domains cannot be read.
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
         layout.check(options.shared)?;
+        let copy_groups =
+            layout.copy_groups(|set| Ok(crate::topology::Topology::get()?.domains_within(set)))?;
         if options.loader_threads == 0 {
             return Err(Error::empty(
                 "PinStore::new",
@@ -134,6 +140,7 @@ impl PinStore {
         slot_map::check_piece_align(options.piece_align)?;
         Ok(PinStore {
             layout,
+            copy_groups,
             state: State::Open,
             layers: table::Table::new(),
             packing: Mutex::new(BTreeSet::new()),
@@ -152,9 +159,24 @@ impl PinStore {
     }
 
     /// The policy layer `layer` gets (`None`: unplaced, or [`Layout::SplitExperts`],
-    /// whose blocks each get their node; the first copy's for [`Layout::Replicate`]).
+    /// whose blocks each get their node; the first copy's for [`Layout::Replicate`] and
+    /// [`Layout::ReplicateDomains`]).
     pub fn policy_for(&self, layer: usize) -> Option<MemPolicy> {
-        self.layout.region_policy(layer)
+        self.layout.region_policy(layer, &self.copy_groups)
+    }
+
+    /// The nodes each copy of a layer lives on, the first copy's first: one node per copy
+    /// for [`Layout::Replicate`], a domain's nodes of the set per copy for
+    /// [`Layout::ReplicateDomains`] (each copy interleaved over them); empty for the
+    /// layouts that make one copy. What the layout asks for; where placement is denied or
+    /// unsupported, one unplaced copy is built ([`PinStore::replica_nodes`] is then empty).
+    pub fn copy_groups(&self) -> &[NodeSet] {
+        &self.copy_groups
+    }
+
+    /// Copies of each layer the layout makes (1 but for the replicating layouts).
+    fn copies(&self) -> usize {
+        self.copy_groups.len().max(1)
     }
 
     /// Reserves layer `layer`'s regions (weights and, if `scale_bytes > 0`, scales) at a
@@ -169,7 +191,7 @@ impl PinStore {
     /// count does not match `sources`, a source is larger than its slot, a file piece
     /// runs past the end of its file (the error names the offset), sizes overflow, the
     /// map budget would be crossed ([`Error::MapBudget`]; replicas and split blocks
-    /// count), a [`Layout::Replicate`] node lacks the memory for this layer's copy
+    /// count), a node of a replicating layout lacks the memory for its share of this layer's copy
     /// ([`Error::NodeMemory`], checked before anything is mapped), or a call fails. The store
     /// stays usable after any of these.
     pub fn pack_layer(
@@ -183,7 +205,7 @@ impl PinStore {
         let map = SlotMap::build(layer, sources, self.options.piece_align)?;
         let spec = &map.grown(spec);
         let _mark = self.mark_packing(layer)?;
-        let copies = self.layout.copies();
+        let copies = self.copies();
         self.check_copies(layer, spec)?;
         let mut arenas = self.reserve(layer, spec)?;
         let policy = self.policy_for(layer);
@@ -229,7 +251,7 @@ impl PinStore {
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
         if placement.is_some_and(|p| p.is_bound())
-            && let Some(first) = self.layout.replica_set().nth(0)
+            && let Some(first) = self.copy_groups.first().and_then(|g| g.nth(0))
         {
             packed = packed.with_replicas(first, replicas);
         }
@@ -247,8 +269,8 @@ impl PinStore {
     /// this layer's copy, and the mappings of all copies (and split blocks) fit the map
     /// budget.
     fn check_copies(&self, layer: usize, spec: &LayerSpec) -> Result<()> {
-        let copies = self.layout.copies();
-        if !self.layout.replica_set().is_empty() {
+        let copies = self.copies();
+        if !self.copy_groups.is_empty() {
             let align = self.options.slot_align.bytes()?;
             let needed = replica::copy_bytes(spec, align)?;
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;

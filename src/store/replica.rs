@@ -1,6 +1,11 @@
-//! [`Layout::Replicate`] and [`Layout::SplitExperts`]: which node holds what, the memory
-//! check before replicas are built, the replica copies, and the lookups
-//! ([`PinStore::weights_local`], [`PinStore::weights_on`], [`PinStore::home_node`]).
+//! [`Layout::Replicate`], [`Layout::ReplicateDomains`] and [`Layout::SplitExperts`]:
+//! which node holds what, the memory check before replicas are built, the replica copies,
+//! and the lookups ([`PinStore::weights_local`], [`PinStore::weights_on`],
+//! [`PinStore::home_node`]).
+//!
+//! A copy lives on a group of nodes ([`PinStore::copy_groups`]): one node for
+//! [`Layout::Replicate`], a domain's nodes for [`Layout::ReplicateDomains`]. Each copy is
+//! known by its group's lowest node (the node [`PinStore::replica_nodes`] lists).
 //!
 //! # Which per-node figure the memory check uses
 //!
@@ -17,7 +22,7 @@
 use super::Layout;
 use super::arena::Arena;
 use super::layer::{Arenas, Layer};
-use super::layout::block;
+use super::layout::{block, copy_policy};
 use super::{Kind, LayerSpec, PinStore};
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
@@ -94,8 +99,10 @@ pub(crate) fn copy_bytes(spec: &LayerSpec, align: usize) -> Result<u64> {
 impl PinStore {
     /// Checks, before anything is mapped, that `layers` layers of `spec` fit in the memory
     /// of every node that gets a copy: for [`Layout::Replicate`], each node of the set
-    /// needs the whole model. Other layouts, and machines where placement is denied or
-    /// unsupported (one unplaced copy is built then), pass.
+    /// needs the whole model; for [`Layout::ReplicateDomains`], each node of a domain its
+    /// share of the interleaved copy (the model ÷ the domain's nodes in the set, rounded
+    /// up). Other layouts, and machines where placement is denied or unsupported (one
+    /// unplaced copy is built then), pass.
     ///
     /// The per-node figure is `MemFree + Inactive(file)` (free pages plus clean page cache
     /// the kernel drops first; see the `replica` module docs for why not `MemFree` or
@@ -110,36 +117,52 @@ impl PinStore {
         self.check_replica_memory(format!("a model of {layers} layers"), needed)
     }
 
-    /// [`PinStore::check_model_memory`] for `needed` bytes per replica node.
+    /// [`PinStore::check_model_memory`] for `needed` bytes per copy.
     pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
-        let set = self.layout.replica_set();
-        if set.is_empty()
+        if self.copy_groups.is_empty()
             || crate::calls::NumaCall::Mbind.support()? != crate::calls::MempolicySupport::Available
         {
             return Ok(());
         }
-        let mut available = Vec::new();
-        for node in set.iter() {
-            if let Some(bytes) = available_bytes(node)? {
-                available.push((node, bytes));
+        // An interleaved copy puts an equal share of its pages on each node of its group.
+        let share = |group: &NodeSet| needed.div_ceil(group.len().max(1) as u64);
+        let mut nodes = Vec::new();
+        for group in &self.copy_groups {
+            for node in group.iter() {
+                if let Some(bytes) = available_bytes(node)? {
+                    nodes.push((node, bytes, share(group), group.len()));
+                }
             }
         }
-        if available.iter().any(|&(_, bytes)| bytes < needed) {
-            return Err(Error::NodeMemory {
-                what,
-                needed,
-                available,
-                figure: FIGURE,
-            });
-        }
-        Ok(())
+        // The error names every node that needs the same share as the first one short of
+        // it (all the nodes, for one copy per node).
+        let Some(&(_, _, short, per)) = nodes.iter().find(|&&(_, bytes, s, _)| bytes < s) else {
+            return Ok(());
+        };
+        let available = nodes
+            .iter()
+            .filter(|&&(_, _, s, _)| s == short)
+            .map(|&(node, bytes, _, _)| (node, bytes))
+            .collect();
+        let what = if per > 1 {
+            format!("{what}, interleaved over the {per} nodes of each domain")
+        } else {
+            what
+        };
+        Err(Error::NodeMemory {
+            what,
+            needed: short,
+            available,
+            figure: FIGURE,
+        })
     }
 
-    /// Builds the replicas after the first copy (`first`, loaded): for each further node
-    /// of the set, reserves the layer's regions, binds them to the node, populates them,
-    /// and copies every slot from the first copy with the loader threads, running on that
-    /// node's CPUs (helpers under the map budget, as for a fill). Returns the replicas,
-    /// the `mbind` calls made and what the loaders did.
+    /// Builds the replicas after the first copy (`first`, loaded): for each further group
+    /// of [`PinStore::copy_groups`], reserves the layer's regions, binds them to the
+    /// group's node (or interleaves them over its nodes), populates them, and copies every
+    /// slot from the first copy with the loader threads, running on the group's CPUs
+    /// (helpers under the map budget, as for a fill). Returns the replicas, the `mbind`
+    /// calls made and what the loaders did.
     pub(super) fn build_replicas(
         &self,
         layer: usize,
@@ -147,27 +170,28 @@ impl PinStore {
         first: &Arenas,
     ) -> Result<Built> {
         let mut built = Built::default();
-        for node in self.layout.replica_set().iter().skip(1) {
-            let (copy, calls, filled) = self.build_copy(layer, spec, node, first)?;
+        for group in self.copy_groups.iter().skip(1) {
+            let Some(lead) = group.nth(0) else { continue };
+            let (copy, calls, filled) = self.build_copy(layer, spec, group, first)?;
             built.mbind_calls += calls;
             built.local_bytes += filled.local_bytes;
             built.off_node_loaders += filled.off_node_loaders;
-            built.replicas.push((node, copy));
+            built.replicas.push((lead, copy));
         }
         Ok(built)
     }
 
-    /// One replica of a layer of `spec` on `node`, copied from `first`; with the `mbind`
-    /// calls made and what the loaders did.
+    /// One replica of a layer of `spec` on the nodes of `group`, copied from `first`;
+    /// with the `mbind` calls made and what the loaders did.
     fn build_copy(
         &self,
         layer: usize,
         spec: &LayerSpec,
-        node: Node,
+        group: &NodeSet,
         first: &Arenas,
     ) -> Result<(Arenas, usize, load::Filled)> {
         let mut copy = self.reserve(layer, spec)?;
-        let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+        let policy = copy_policy(group);
         let mut calls = 0;
         for arena in copy.iter().flatten() {
             let placement = arena.bind(&policy)?;
@@ -182,7 +206,7 @@ impl PinStore {
                 arena.populate()?;
             }
         }
-        let filled = self.copy_replica(layer, node, &mut copy, first)?;
+        let filled = self.copy_replica(layer, group, &mut copy, first)?;
         Ok((copy, calls, filled))
     }
 
@@ -196,16 +220,18 @@ impl PinStore {
     #[doc(hidden)]
     pub fn bench_replica_copy(&self, layer: usize, node: Node) -> Result<u64> {
         let l = self.layer(layer)?;
-        let (copy, _, _) = self.build_copy(layer, l.spec(), node, l.first_copy())?;
+        let group = std::iter::once(node).collect();
+        let (copy, _, _) = self.build_copy(layer, l.spec(), &group, l.first_copy())?;
         Ok(copy.iter().flatten().map(Arena::loaded_bytes).sum())
     }
 
-    /// Copies every loaded slot of `first` into `copy` with the loader threads on `node`;
-    /// marks the slots loaded.
+    /// Copies every loaded slot of `first` into `copy` with the loader threads on the
+    /// group's node (spread over its nodes for an interleaved copy); marks the slots
+    /// loaded.
     fn copy_replica(
         &self,
         layer: usize,
-        node: Node,
+        group: &NodeSet,
         copy: &mut Arenas,
         first: &Arenas,
     ) -> Result<load::Filled> {
@@ -227,12 +253,17 @@ impl PinStore {
         jobs.sort_by_key(|job| (job.what.1, job.what.2));
         let reader = load::Reader::buffered();
         let threads = self.options.loader_threads;
+        let (node, spread): (Option<Node>, Vec<Node>) = if group.len() == 1 {
+            (group.nth(0), Vec::new())
+        } else {
+            (None, group.iter().collect())
+        };
         let loading = load::Loading {
             reader: &reader,
             scratch: reader.scratch(),
             meter: None,
-            target: &|_| Some(node),
-            spread: &[],
+            target: &|_| node,
+            spread: &spread,
         };
         let filled = load::fill(jobs, threads, loading, |spawned| {
             let what = || format!("replica loader thread {} of {threads}", spawned + 2);
@@ -300,9 +331,10 @@ impl PinStore {
     }
 
     /// The weights of `expert` of `layer` in the replica on the calling thread's node
-    /// (`sched_getcpu` through the CPU → node table read once from sysfs); a thread on a
-    /// node without a replica (memoryless, or outside the set) gets the nearest replica
-    /// by sysfs distance, ties to the lower node id. For a layer that is not replicated
+    /// (`sched_getcpu` through the CPU → node table read once from sysfs), or for
+    /// [`Layout::ReplicateDomains`] on its domain; a thread on a node without a replica
+    /// (memoryless, or outside the set) gets the replica holding the set's node nearest to
+    /// its own by sysfs distance, ties to the lower node id. For a layer that is not replicated
     /// (another layout, or placement degraded: one unplaced copy, see
     /// [`PinStore::degraded`]) this is [`PinStore::weights`].
     ///
@@ -356,7 +388,9 @@ impl PinStore {
         self.slot_near(node, layer, expert, Kind::Scales)
     }
 
-    /// The nodes holding a replica of `layer` (empty: the layer is not replicated).
+    /// The nodes holding a replica of `layer`, each copy known by its lowest node (one per
+    /// domain for [`Layout::ReplicateDomains`], see [`PinStore::copy_groups`]); empty: the
+    /// layer is not replicated.
     ///
     /// # Errors
     /// The layer is not packed.
@@ -374,7 +408,7 @@ impl PinStore {
         if expert >= experts {
             return Err(super::out_of_range(layer, expert, experts));
         }
-        let at = Topology::get()?.nearest(node, nodes);
+        let at = self.copy_lead(Topology::get()?, node, nodes);
         let Some(arena) = at.and_then(|at| l.replica_arena(at, kind)) else {
             return Ok(&[]);
         };
@@ -384,6 +418,20 @@ impl PinStore {
             expert,
             kind: kind.name(),
         })
+    }
+
+    /// The lowest node of the copy a thread on `node` reads: the copy whose group holds
+    /// the node of the groups nearest to `node` (`node` itself when a group holds it),
+    /// among the copies the layer has (`leads`).
+    fn copy_lead(&self, topology: &Topology, node: Node, leads: &NodeSet) -> Option<Node> {
+        let groups: Vec<&NodeSet> = self
+            .copy_groups
+            .iter()
+            .filter(|g| g.nth(0).is_some_and(|lead| leads.contains(lead)))
+            .collect();
+        let all = groups.iter().fold(NodeSet::new(), |all, g| all.union(g));
+        let at = topology.nearest(node, &all)?;
+        groups.iter().find(|g| g.contains(at))?.nth(0)
     }
 
     /// Copies `expert`'s loaded tensors from the first copy into every replica where they
@@ -419,10 +467,21 @@ pub(super) fn node_bytes(
     into: &mut std::collections::BTreeMap<Node, u64>,
 ) {
     let mut replicated = false;
-    for (node, arenas) in layer.replicas() {
+    for (lead, arenas) in layer.replicas() {
         replicated = true;
         let bytes: u64 = arenas.iter().flatten().map(Arena::loaded_bytes).sum();
-        *into.entry(node).or_default() += bytes;
+        // An interleaved copy: an equal share per node of its group (the remainder on
+        // the lowest nodes).
+        let single = std::iter::once(lead).collect();
+        let group = store
+            .copy_groups
+            .iter()
+            .find(|g| g.contains(lead))
+            .unwrap_or(&single);
+        let n = group.len().max(1) as u64;
+        for (i, node) in group.iter().enumerate() {
+            *into.entry(node).or_default() += bytes / n + u64::from((i as u64) < bytes % n);
+        }
     }
     if replicated {
         return;

@@ -108,7 +108,8 @@ pub struct LayerReport {
     /// The layer's policy (`None` for [`Layout::Unplaced`] and [`Layout::SplitExperts`],
     /// whose blocks each have their own; the first copy's for [`Layout::Replicate`]).
     pub policy: Option<MemPolicy>,
-    /// Copies of the layer: the nodes of [`Layout::Replicate`] (1 where placement
+    /// Copies of the layer: the nodes of [`Layout::Replicate`], the domains of
+    /// [`Layout::ReplicateDomains`] (1 where placement
     /// degraded), 1 for the other layouts.
     pub replicas: usize,
     /// Bytes written by a loader running on the node they were bound to, over every copy

@@ -23,12 +23,14 @@ pub struct StoreStats {
     /// Loaded bytes (weights and scales), every replica's.
     pub bytes: u64,
     /// Loaded bytes per node the layout put them on: each replica's
-    /// ([`Layout::Replicate`]), each block's ([`Layout::SplitExperts`]), each layer's
+    /// ([`Layout::Replicate`]; a copy of [`Layout::ReplicateDomains`] split evenly over
+    /// its domain's nodes, as its interleaved pages are), each block's ([`Layout::SplitExperts`]), each layer's
     /// ([`Layout::LayerPerNode`]); empty for [`Layout::Interleave`] and
     /// [`Layout::Unplaced`]. What the layout meant; `pages_per_node` says where the pages
     /// are.
     ///
     /// [`Layout::Replicate`]: super::Layout::Replicate
+    /// [`Layout::ReplicateDomains`]: super::Layout::ReplicateDomains
     /// [`Layout::SplitExperts`]: super::Layout::SplitExperts
     /// [`Layout::LayerPerNode`]: super::Layout::LayerPerNode
     /// [`Layout::Interleave`]: super::Layout::Interleave

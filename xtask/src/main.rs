@@ -19,6 +19,8 @@ mod fixtures;
 mod layering;
 mod numa_vm;
 mod report;
+mod vm_provision;
+mod vm_shape;
 
 use std::process::{Command, ExitCode};
 

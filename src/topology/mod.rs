@@ -1,37 +1,72 @@
 //! The machine's shape as placement needs it at run time: which node each CPU belongs to,
 //! how far nodes are from each other, and which node the calling thread runs on. Read
-//! once from sysfs; cheap enough to ask per expert per token.
+//! once from sysfs; cheap enough to ask per expert per token. The domains (sockets) the
+//! nodes form are read with it (`domains.rs`).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 use crate::node::{self, Node, NodeSet};
 
-/// CPUs per node and node distances, from `/sys/devices/system/node`.
+mod domains;
+#[cfg(test)]
+mod fake_sysfs;
+
+pub use domains::Domain;
+
+/// The sysfs directory [`Topology::read`] reads (`node/` and `cpu/` below it).
+const SYSFS_SYSTEM: &str = "/sys/devices/system";
+
+/// CPUs per node, node distances and the nodes' domains, from `/sys/devices/system`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Topology {
     /// `cpu_node[cpu]`: the node of each CPU id (`None`: offline or unknown).
     cpu_node: Vec<Option<Node>>,
     /// `node → distance to node 0, 1, ...` (sysfs `distance` rows).
     distances: BTreeMap<Node, Vec<u32>>,
+    /// The domains, in the order of their lowest node (empty: no NUMA view, see
+    /// [`Topology::domains`]).
+    domains: Vec<Domain>,
 }
 
 impl Topology {
     /// Reads the topology from sysfs. Without NUMA sysfs (a kernel without NUMA) every
-    /// CPU is on node 0.
+    /// CPU is on node 0, the one domain.
     ///
     /// # Errors
     /// A sysfs file exists but cannot be read or parsed.
     pub fn read() -> Result<Topology> {
-        let online = node::read_sysfs_nodes("online")?;
-        let Some(online) = online else {
-            return Ok(Topology::default());
-        };
+        Topology::read_from(Path::new(SYSFS_SYSTEM))
+    }
+
+    /// [`Topology::read`] from another sysfs tree: `system` stands for
+    /// `/sys/devices/system` (its `node/` and `cpu/` directories are read). Tests build
+    /// such trees; odd ones (missing files, `-1` package ids, offline CPUs, CPU-less
+    /// nodes) give a topology, never a panic.
+    ///
+    /// # Errors
+    /// A file exists but cannot be read or parsed.
+    #[doc(hidden)]
+    pub fn read_from(system: &Path) -> Result<Topology> {
+        let online_path = system.join("node/online");
+        let online = read_optional(&online_path)?;
+        if online.is_empty() {
+            return Ok(Topology {
+                domains: vec![domains::node0()],
+                ..Topology::default()
+            });
+        }
+        let online = node::parse_kernel_list(&online).ok_or_else(|| Error::Unparsable {
+            path: online_path.display().to_string(),
+            what: "a node list",
+            found: online.chars().take(64).collect(),
+        })?;
         let mut topology = Topology::default();
         for n in online.iter() {
-            let dir = format!("/sys/devices/system/node/node{n}");
-            let cpulist = read_optional(&format!("{dir}/cpulist"))?;
+            let dir = system.join(format!("node/node{n}")).display().to_string();
+            let cpulist = read_optional(format!("{dir}/cpulist"))?;
             for cpu in parse_cpu_list(&cpulist).ok_or_else(|| Error::Unparsable {
                 path: format!("{dir}/cpulist"),
                 what: "a CPU list",
@@ -42,7 +77,7 @@ impl Topology {
                 }
                 topology.cpu_node[cpu] = Some(n);
             }
-            let row = read_optional(&format!("{dir}/distance"))?;
+            let row = read_optional(format!("{dir}/distance"))?;
             let row: Vec<u32> = row
                 .split_whitespace()
                 .filter_map(|d| d.parse().ok())
@@ -51,6 +86,7 @@ impl Topology {
                 topology.distances.insert(n, row);
             }
         }
+        topology.domains = domains::read(system, &online, &topology)?;
         Ok(topology)
     }
 
@@ -114,11 +150,28 @@ pub fn current_node() -> Result<Node> {
     Ok(topology.node_of_cpu(current_cpu()).unwrap_or(Node(0)))
 }
 
-fn read_optional(path: &str) -> Result<String> {
+/// The calling thread's domain: the domain of [`current_node`].
+///
+/// # Errors
+/// The topology cannot be read.
+pub fn current_domain() -> Result<Domain> {
+    let node = current_node()?;
+    let topology = Topology::get()?;
+    // Every online node is in a domain; node 0 of a machine without NUMA sysfs too.
+    Ok(topology
+        .domain_of(node)
+        .or_else(|| topology.domains().first())
+        .copied()
+        .unwrap_or_else(domains::node0))
+}
+
+/// A file's text; empty where it does not exist (an optional sysfs file).
+fn read_optional(path: impl AsRef<Path>) -> Result<String> {
+    let path = path.as_ref();
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(text),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-        Err(e) => Err(Error::io("read", path, e)),
+        Err(e) => Err(Error::io("read", path.display().to_string(), e)),
     }
 }
 
