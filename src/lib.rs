@@ -21,6 +21,7 @@ mod page;
 pub mod policy;
 mod probe;
 mod region;
+pub mod routing;
 mod source;
 pub mod store;
 pub mod topology;

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 pub const LAYERS: &[&[&str]] = &[
     &["nodeset", "page"],
     &["error"],
-    &["node", "capability", "jemalloc"],
+    &["node", "capability", "jemalloc", "routing"],
     &["calls", "diag", "topology"],
     &["policy", "probe"],
     &["region"],
