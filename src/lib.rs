@@ -18,6 +18,8 @@ pub mod model;
 mod node;
 mod nodeset;
 mod page;
+#[cfg(feature = "model")]
+pub mod planner;
 pub mod policy;
 mod probe;
 mod region;

@@ -29,6 +29,7 @@ use access::{check_fits, out_of_range};
 use arena::Arena;
 use layer::Layer;
 pub use layout::Layout;
+pub(crate) use layout::{block, block_of};
 pub use manifest::{Manifest, ManifestRegion};
 pub use options::{MAX_ALIGN, SlotAlign, StoreOptions};
 pub use shared::Export;

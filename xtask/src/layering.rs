@@ -26,6 +26,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["source"],
     &["store"],
     &["cache", "model"],
+    &["planner"],
 ];
 
 pub fn run() -> Result<(), String> {
