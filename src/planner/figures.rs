@@ -341,13 +341,16 @@ impl<'a> Ctx<'a> {
 
     fn row(&self, candidate: Candidate, d: Described) -> PlanRow {
         let n = self.n();
-        let (mut remote, mut cross, mut total) = (0.0, 0.0, 0.0);
+        let (mut remote, mut cross, mut distance, mut total) = (0.0, 0.0, 0.0, 0.0);
         let (mut hot, mut hot_traffic) = (0usize, 0.0);
-        let mut load = vec![0.0f64; n];
         let domain = |i: usize| self.machine.nodes[i].domain;
+        let dist = |a: usize, b: usize| f64::from(self.machine.distances[a][b]);
         let readers = self.readers.len().max(1) as f64;
+        // Per layer, the load of each node when each expert runs at home.
+        let mut loads: Vec<Vec<f64>> = Vec::with_capacity(d.places.len());
         for ((l, places), probs) in self.model.moe_layers.iter().zip(&d.places).zip(&self.probs) {
             let s = l.slot_bytes() as f64;
+            let mut load = vec![0.0f64; n];
             for (&place, &p) in places.iter().zip(probs) {
                 let w = p * s;
                 total += w;
@@ -356,22 +359,33 @@ impl<'a> Ctx<'a> {
                     hot_traffic += w;
                 }
                 for &r in &self.readers {
-                    let members = self
+                    let members: &[usize] = self
                         .domains
                         .iter()
                         .find(|d| d.contains(&r))
-                        .map_or(1, Vec::len);
-                    let (local, off_domain) = match place {
-                        Place::Interleaved => (1.0 / n as f64, (n - members) as f64 / n as f64),
+                        .map_or(&[], Vec::as_slice);
+                    let m = members.len().max(1) as f64;
+                    let (local, off_domain, mean_distance) = match place {
+                        Place::Interleaved => (
+                            1.0 / n as f64,
+                            (n as f64 - m) / n as f64,
+                            (0..n).map(|j| dist(r, j)).sum::<f64>() / n as f64,
+                        ),
                         Place::Home(h) => (
                             f64::from(u8::from(h == r)),
                             f64::from(u8::from(domain(h) != domain(r))),
+                            dist(r, h),
                         ),
-                        Place::Everywhere => (1.0, 0.0),
-                        Place::PerDomain => (1.0 / members as f64, 0.0),
+                        Place::Everywhere => (1.0, 0.0, dist(r, r)),
+                        Place::PerDomain => (
+                            1.0 / m,
+                            0.0,
+                            members.iter().map(|&j| dist(r, j)).sum::<f64>() / m,
+                        ),
                     };
                     remote += w * (1.0 - local) / readers;
                     cross += w * off_domain / readers;
+                    distance += w * mean_distance / readers;
                 }
                 match place {
                     Place::Home(h) => load[h] += w,
@@ -383,14 +397,8 @@ impl<'a> Ctx<'a> {
                     }
                 }
             }
+            loads.push(load);
         }
-        // The mean over the nodes that run experts: readers, and homes with load.
-        let running: Vec<f64> = (0..n)
-            .filter(|&i| self.machine.nodes[i].cpus || load[i] > 0.0)
-            .map(|i| load[i])
-            .collect();
-        let mean = running.iter().sum::<f64>() / running.len().max(1) as f64;
-        let max = running.iter().copied().fold(0.0, f64::max);
         let fits = d.bytes.iter().zip(&self.budget).all(|(b, m)| b <= m)
             && d.mappings <= self.machine.map_limit;
         let frac = |x: f64| if total > 0.0 { x / total } else { 0.0 };
@@ -401,10 +409,27 @@ impl<'a> Ctx<'a> {
             mappings: d.mappings,
             remote_fraction: frac(remote),
             cross_domain_fraction: frac(cross),
-            imbalance: if mean > 0.0 { max / mean } else { 1.0 },
+            mean_distance: frac(distance),
+            imbalance: self.imbalance(&loads),
             hot_experts: hot,
             hot_traffic: frac(hot_traffic),
         }
+    }
+
+    /// Layers run one after another, so a layer takes as long as its most-loaded node:
+    /// the sum over layers of the largest node load, over the sum of the mean loads. The
+    /// mean is over the nodes that run experts (nodes with CPUs, and any home with load).
+    fn imbalance(&self, loads: &[Vec<f64>]) -> f64 {
+        let n = self.n();
+        let running: Vec<usize> = (0..n)
+            .filter(|&i| self.machine.nodes[i].cpus || loads.iter().any(|l| l[i] > 0.0))
+            .collect();
+        let (mut max, mut mean) = (0.0, 0.0);
+        for load in loads {
+            max += running.iter().map(|&i| load[i]).fold(0.0, f64::max);
+            mean += running.iter().map(|&i| load[i]).sum::<f64>() / running.len().max(1) as f64;
+        }
+        if mean > 0.0 { max / mean } else { 1.0 }
     }
 }
 

@@ -73,9 +73,13 @@ pub struct PlanRow {
     pub remote_fraction: f64,
     /// The part of those reads that crosses to another domain (socket).
     pub cross_domain_fraction: f64,
+    /// The mean SLIT distance of those reads, local ones included (10 = all local): the
+    /// kernel's relative cost of each read, weighted by bytes.
+    pub mean_distance: f64,
     /// Most-loaded node over the mean, each expert running on its home node (replicated
     /// experts run where the token's thread is; interleaved ones have no home and count
-    /// as even).
+    /// as even). Layers run one after another, so this is the sum over layers of each
+    /// layer's most-loaded node over the sum of the layers' means.
     pub imbalance: f64,
     /// Experts with a copy on every node (all of them for the replicated layouts).
     pub hot_experts: usize,
@@ -105,9 +109,12 @@ pub struct PlanTable {
 }
 
 impl PlanTable {
-    /// The rule: among the layouts that fit, the least remote fraction; ties (within
-    /// 1e-9) to the least cross-domain fraction, then the least imbalance, then the
-    /// fewest bytes on the fullest node, then table order. `None` when nothing fits.
+    /// The rule: among the layouts that fit, the least mean distance of expert reads
+    /// ([`PlanRow::mean_distance`]: a read from the same socket costs less than one
+    /// across sockets, as the SLIT says); ties (within 1e-9) to the least remote
+    /// fraction, then the least imbalance, then the fewest bytes on the fullest node,
+    /// then table order. `None` when nothing fits. With the default distances (10 local,
+    /// 20 remote) this is the least remote fraction.
     pub fn recommended(&self) -> Option<Candidate> {
         self.recommended
     }
@@ -115,8 +122,8 @@ impl PlanTable {
     pub(super) fn recommend(&mut self) {
         let key = |r: &PlanRow| {
             (
+                (r.mean_distance * 1e9).round() as i64,
                 (r.remote_fraction * 1e9).round() as i64,
-                (r.cross_domain_fraction * 1e9).round() as i64,
                 (r.imbalance * 1e9).round() as i64,
                 r.bytes_per_node.iter().copied().max().unwrap_or(0),
             )
@@ -158,17 +165,21 @@ impl PlanTable {
                     .map(|r| r.candidate.name())
                     .collect();
                 let mut why = format!(
-                    "{} fits and reads the least from other nodes ({:.1}% of expert bytes, \
-                     {:.1}% across domains; imbalance {:.2})",
+                    "{} fits and its expert reads travel least (mean distance {:.2}; \
+                     {:.1}% of expert bytes from other nodes, {:.1}% across domains; \
+                     imbalance {:.2})",
                     b.candidate.name(),
+                    b.mean_distance,
                     100.0 * b.remote_fraction,
                     100.0 * b.cross_domain_fraction,
                     b.imbalance
                 );
                 if let Some(r) = runner {
                     why += &format!(
-                        "; next: {} ({:.1}%, {:.1}% across domains, imbalance {:.2})",
+                        "; next: {} (distance {:.2}, {:.1}% remote, {:.1}% across domains, \
+                         imbalance {:.2})",
                         r.candidate.name(),
+                        r.mean_distance,
                         100.0 * r.remote_fraction,
                         100.0 * r.cross_domain_fraction,
                         r.imbalance
@@ -199,6 +210,7 @@ impl PlanTable {
                 "mappings": r.mappings,
                 "remote_fraction": r.remote_fraction,
                 "cross_domain_fraction": r.cross_domain_fraction,
+                "mean_distance": r.mean_distance,
                 "imbalance": r.imbalance,
                 "hot_experts": r.hot_experts,
                 "hot_traffic": r.hot_traffic,
@@ -230,13 +242,14 @@ impl fmt::Display for PlanTable {
         )?;
         writeln!(
             f,
-            "{:<17} {:>4} {:>14} {:>9} {:>8} {:>8} {:>9} {:>7} {:>7}",
+            "{:<17} {:>4} {:>11} {:>9} {:>7} {:>8} {:>8} {:>9} {:>6} {:>6}",
             "layout",
             "fits",
             "max/node",
             "mappings",
             "remote",
             "x-domain",
+            "distance",
             "imbalance",
             "hot",
             "hot%"
@@ -244,13 +257,14 @@ impl fmt::Display for PlanTable {
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<17} {:>4} {:>14} {:>9} {:>7.1}% {:>7.1}% {:>9.2} {:>7} {:>6.1}%",
+                "{:<17} {:>4} {:>11} {:>9} {:>6.1}% {:>7.1}% {:>8.2} {:>9.2} {:>6} {:>5.1}%",
                 r.candidate.name(),
                 if r.fits { "yes" } else { "no" },
                 gib(r.bytes_per_node.iter().copied().max().unwrap_or(0)),
                 r.mappings,
                 100.0 * r.remote_fraction,
                 100.0 * r.cross_domain_fraction,
+                r.mean_distance,
                 r.imbalance,
                 r.hot_experts,
                 100.0 * r.hot_traffic

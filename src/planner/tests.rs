@@ -34,7 +34,18 @@ fn machine(
                 cpus: cpus(i),
             })
             .collect(),
-        distances: vec![vec![10; nodes]; nodes],
+        // 10 local, 12 in the same domain, 32 across.
+        distances: (0..nodes)
+            .map(|i| {
+                (0..nodes)
+                    .map(|j| match (i == j, domain_of(i) == domain_of(j)) {
+                        (true, _) => 10,
+                        (false, true) => 12,
+                        (false, false) => 32,
+                    })
+                    .collect()
+            })
+            .collect(),
         map_limit: 100,
     }
 }
@@ -77,8 +88,9 @@ fn two_nodes_four_experts_by_hand() {
             "{c:?}: {}",
             r.remote_fraction
         );
-        // Each node its own domain: every remote read crosses domains.
+        // Each node its own domain: every remote read crosses domains, at distance 32.
         assert!(close(r.cross_domain_fraction, remote), "{c:?}");
+        assert!(close(r.mean_distance, 10.0 + 22.0 * remote), "{c:?}");
         assert!(close(r.imbalance, imbalance), "{c:?}: {}", r.imbalance);
         assert!(r.fits, "{c:?}");
     }
@@ -134,8 +146,12 @@ fn domains_by_hand() {
     assert_eq!(d.bytes_per_node, vec![3 * PAGE; 4]);
     assert_eq!(d.mappings, 2);
     assert!(close(d.remote_fraction, 0.5) && close(d.cross_domain_fraction, 0.0));
+    // Half local (10), half from the domain's other node (12).
+    assert!(close(d.mean_distance, 11.0));
     let i = row(&t, Candidate::Interleave);
     assert!(close(i.remote_fraction, 0.75) && close(i.cross_domain_fraction, 0.5));
+    // A quarter each at 10 and 12, half at 32.
+    assert!(close(i.mean_distance, 21.5));
     // Split by index over 4 nodes: one expert each; a reader finds 1 of 4 local, 2 of 4
     // in the other domain.
     let s = row(&t, Candidate::SplitByIndex);
@@ -282,4 +298,58 @@ fn equal_counts_are_deterministic() {
     let b = plan(&model(), &m, Some(&stats), &opts).unwrap();
     assert_eq!(a, b);
     assert!(close(row(&a, Candidate::SplitByLoad).imbalance, 1.0));
+}
+
+/// Layers run one after another: layer-per-node over 2 nodes and 2 layers keeps one node
+/// idle in each layer (imbalance 2), though over the whole model both nodes work alike.
+#[test]
+fn imbalance_is_per_layer() {
+    let mut m = model();
+    m.moe_layers.push(MoeLayerSizes {
+        layer: 2,
+        ..m.moe_layers[0]
+    });
+    let t = plan(
+        &m,
+        &machine(2, |i| i, |_| true),
+        None,
+        &PlanOptions::default(),
+    )
+    .unwrap();
+    assert!(close(row(&t, Candidate::LayerPerNode).imbalance, 2.0));
+    assert!(close(row(&t, Candidate::SplitByIndex).imbalance, 1.0));
+    assert_eq!(
+        row(&t, Candidate::LayerPerNode).bytes_per_node,
+        vec![5 * PAGE; 2]
+    );
+}
+
+/// Reads from the same socket cost less: with room for a copy per domain and not per
+/// node, a copy per domain wins over a hybrid that reads less from other nodes but more
+/// across sockets.
+#[test]
+fn distance_decides() {
+    let stats = RoutingStats::from_counts([(1, vec![5, 3, 1, 1])]).unwrap();
+    let m = machine(4, |i| i / 2, |_| true);
+    // Per node: a domain copy is 3 pages; the hybrid fills 4 with 2 non-expert pages.
+    let t = plan(
+        &model(),
+        &m,
+        Some(&stats),
+        &PlanOptions::default().budget(4 * PAGE),
+    )
+    .unwrap();
+    let (d, h) = (
+        row(&t, Candidate::ReplicatePerDomain),
+        row(&t, Candidate::Hybrid),
+    );
+    assert!(d.fits && h.fits);
+    assert!(
+        h.remote_fraction < d.remote_fraction,
+        "{} {}",
+        h.remote_fraction,
+        d.remote_fraction
+    );
+    assert!(d.mean_distance < h.mean_distance);
+    assert_eq!(t.recommended(), Some(Candidate::ReplicatePerDomain));
 }
