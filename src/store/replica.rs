@@ -17,7 +17,6 @@
 use super::Layout;
 use super::arena::Arena;
 use super::layer::{Arenas, Layer};
-use super::layout::block;
 use super::{Kind, LayerSpec, PinStore};
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
@@ -166,7 +165,7 @@ impl PinStore {
         node: Node,
         first: &Arenas,
     ) -> Result<(Arenas, usize, load::Filled)> {
-        let mut copy = self.reserve(layer, spec)?;
+        let mut copy = self.reserve(layer, spec, None)?;
         let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
         let mut calls = 0;
         for arena in copy.iter().flatten() {
@@ -214,7 +213,7 @@ impl PinStore {
             let (Some(to), Some(from)) = (to, from) else {
                 continue;
             };
-            for (slot, dest) in to.slots_mut()?.enumerate() {
+            for (slot, dest) in to.slots_mut()?.into_iter().enumerate() {
                 if let Some(bytes) = from.slot(slot) {
                     jobs.push(load::Job {
                         dest,
@@ -251,19 +250,17 @@ impl PinStore {
         Ok(filled)
     }
 
-    /// Binds each region of a split layer block by block: the experts of the `i`-th node
-    /// of the set to that node (one `mbind` per non-empty block per region).
+    /// Binds each region of a split layer block by block: `blocks[i]`, the slots of the
+    /// `i`-th node of the set, to that node (one `mbind` per non-empty block per region).
     pub(super) fn bind_blocks(
         &self,
         set: &NodeSet,
         arenas: &Arenas,
-        experts: usize,
+        blocks: &[std::ops::Range<usize>],
     ) -> Result<(crate::policy::Placement, usize)> {
         let mut placement = crate::policy::Placement::Bound;
         let mut calls = 0;
-        let n = set.len();
-        for (i, node) in set.iter().enumerate() {
-            let slots = block(i, n, experts);
+        for (node, slots) in set.iter().zip(blocks) {
             if slots.is_empty() {
                 continue;
             }
@@ -296,7 +293,7 @@ impl PinStore {
         if !self.layout.has_home() {
             return Ok(None);
         }
-        Ok(self.layout.target_node(layer, experts, expert))
+        Ok(self.expert_node(layer, experts, expert))
     }
 
     /// The weights of `expert` of `layer` in the replica on the calling thread's node
@@ -431,7 +428,7 @@ pub(super) fn node_bytes(
     for (_, arena) in layer.arenas_by_kind() {
         for expert in 0..experts {
             let (Some(node), Some(len)) = (
-                store.layout.target_node(index, experts, expert),
+                store.expert_node(index, experts, expert),
                 arena.loaded(expert),
             ) else {
                 continue;
