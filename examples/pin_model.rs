@@ -36,6 +36,8 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use numapin::model::{Checkpoint, Naming};
+use numapin::planner::{self, Machine, ModelSizes, PlanOptions};
+use numapin::routing::RoutingStats;
 use numapin::store::{PinStore, Progress, ProgressHook, StoreOptions};
 use numapin::{NodeSet, diag};
 use support::args::PinModelArgs;
@@ -69,6 +71,9 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
         return support::whole::run_whole(args, path, plan);
     }
     if let Some(path) = &args.model {
+        if args.plan_only {
+            return run_plan(args, path);
+        }
         return run_checkpoint(args, path);
     }
     let nodes = args.nodes;
@@ -126,6 +131,43 @@ fn run(args: &PinModelArgs) -> Result<(), String> {
     }
     print_report(&run, baseline.as_ref(), &nodes, args.layout.name());
     print_purge(purge);
+    Ok(())
+}
+
+/// `--plan-only`: the planner's table for the checkpoint's header (nothing is loaded) on
+/// this machine or `--topology`'s, with `--routing`'s statistics and `--budget`.
+fn run_plan(args: &PinModelArgs, path: &std::path::Path) -> Result<(), String> {
+    let err = |e: numapin::Error| e.to_string();
+    let checkpoint = Checkpoint::open(path).map_err(err)?;
+    let sizes = ModelSizes::from_checkpoint(&checkpoint).map_err(err)?;
+    let machine = match &args.topology {
+        Some(file) => Machine::from_file(file),
+        None => Machine::live(),
+    }
+    .map_err(err)?;
+    let stats = match &args.routing {
+        Some(file) => Some(RoutingStats::from_file(file).map_err(err)?),
+        None => None,
+    };
+    let mut options = PlanOptions::default();
+    if let Some(bytes) = args.budget {
+        options = options.budget(bytes);
+    }
+    let table = planner::plan(&sizes, &machine, stats.as_ref(), &options).map_err(err)?;
+    if args.json {
+        println!("{}", table.to_json());
+    } else {
+        let experts: usize = sizes.moe_layers.iter().map(|l| l.experts).sum();
+        println!(
+            "{}: {} MoE layers, {} experts, {:.1} GiB of experts, {:.1} GiB of other tensors",
+            path.display(),
+            sizes.moe_layers.len(),
+            experts,
+            sizes.expert_bytes() as f64 / (1u64 << 30) as f64,
+            sizes.other_bytes as f64 / (1u64 << 30) as f64
+        );
+        println!("{table}");
+    }
     Ok(())
 }
 

@@ -18,9 +18,12 @@ pub mod model;
 mod node;
 mod nodeset;
 mod page;
+#[cfg(feature = "model")]
+pub mod planner;
 pub mod policy;
 mod probe;
 mod region;
+pub mod routing;
 mod source;
 pub mod store;
 pub mod topology;

@@ -95,6 +95,48 @@ fn every_pin_model_flag_keeps_its_meaning() {
     assert_eq!(more.read, numapin::store::ReadMode::Direct);
     assert_eq!(more.model, Some(PathBuf::from("/m/ckpt")));
     assert!(more.no_progress);
+    assert!(!more.plan_only && more.topology.is_none() && more.routing.is_none());
+    let plan = parse(&[
+        "--model",
+        "/m/ckpt",
+        "--plan-only",
+        "--topology",
+        "/t.json",
+        "--routing",
+        "/r.json",
+        "--budget",
+        "192G",
+    ])
+    .unwrap();
+    assert!(plan.plan_only);
+    assert_eq!(plan.topology, Some(PathBuf::from("/t.json")));
+    assert_eq!(plan.routing, Some(PathBuf::from("/r.json")));
+    assert_eq!(plan.budget, Some(192 << 30));
+    assert_eq!(
+        parse(&["--model", "/m", "--plan-only", "--budget", "4096"])
+            .unwrap()
+            .budget,
+        Some(4096)
+    );
+    // --plan-only needs --model; --topology, --routing and --budget need --plan-only.
+    for alone in [
+        &["--plan-only"][..],
+        &["--model", "/m", "--topology", "/t"],
+        &["--model", "/m", "--routing", "/r"],
+        &["--model", "/m", "--budget", "1G"],
+    ] {
+        assert_eq!(
+            parse(alone).unwrap_err().kind(),
+            ErrorKind::MissingRequiredArgument,
+            "{alone:?}"
+        );
+    }
+    for bad in ["x", "-1G", "99999999999T"] {
+        assert!(
+            parse(&["--model", "/m", "--plan-only", "--budget", bad]).is_err(),
+            "{bad}"
+        );
+    }
     assert_eq!(
         parse(&["--read", "drop-behind"]).unwrap().read,
         numapin::store::ReadMode::DropBehind

@@ -148,6 +148,37 @@ pub struct PinModelArgs {
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
     #[arg(long)]
     pub no_progress: bool,
+    /// With --model: load nothing; print the planner's table of candidate layouts for the
+    /// checkpoint's header on this machine (or --topology's) and its recommendation
+    /// (docs/planner.md).
+    #[arg(long, requires = "model")]
+    pub plan_only: bool,
+    /// With --plan-only: plan for the machine a topology description file describes
+    /// (nodes, domains, distances, free bytes, map limit) instead of this one.
+    #[arg(long, value_name = "FILE", requires = "plan_only")]
+    pub topology: Option<PathBuf>,
+    /// With --plan-only: routing statistics (counts per layer and expert, JSON).
+    #[arg(long, value_name = "FILE", requires = "plan_only")]
+    pub routing: Option<PathBuf>,
+    /// With --plan-only: bytes per node the layouts may use [default: each node's free
+    /// memory].
+    #[arg(long, value_name = "BYTES", requires = "plan_only", value_parser = budget_bytes)]
+    pub budget: Option<u64>,
+}
+
+/// A byte count, with an optional binary suffix (`512G`, `192GiB`, `4096`).
+fn budget_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (digits, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let n = digits.parse::<u64>().map_err(|e| e.to_string())?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{text}: more than 2^64 bytes"))
 }
 
 fn parse_read_mode(text: &str) -> Result<ReadMode, String> {

@@ -141,7 +141,7 @@ impl PinStore {
         // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
         // node for a replicated layer; the replicas are copied on theirs).
         let on_node = (expert < spec.experts)
-            .then(|| self.layout.target_node(layer, spec.experts, expert))
+            .then(|| self.expert_node(layer, spec.experts, expert))
             .flatten()
             .map(load::OnNode::enter);
         check_fits(layer, expert, &spec, source)?;

@@ -43,6 +43,10 @@ pub(crate) struct Arena {
     slot_bytes: usize,
     /// Bytes loaded in each slot; `None` when never loaded or released.
     loaded: Vec<Option<usize>>,
+    /// Where expert `i`'s slot is, when not at `i` (a split by an
+    /// [`ExpertAssignment`](super::ExpertAssignment): the slots go node by node). Every
+    /// method takes expert numbers; only [`Arena::bind_slots`] takes slot positions.
+    order: Option<std::sync::Arc<[usize]>>,
 }
 
 /// The stride for slots of `slot_bytes`: the size rounded up to `align` (a power of two
@@ -94,6 +98,7 @@ impl Arena {
             stride,
             slot_bytes,
             loaded: vec![None; slots],
+            order: None,
         })
     }
 
@@ -104,6 +109,7 @@ impl Arena {
             stride: r.stride,
             slot_bytes: r.slot_bytes,
             loaded: r.loaded.clone(),
+            order: None,
         })
     }
 
@@ -117,6 +123,21 @@ impl Arena {
             slot_bytes: self.slot_bytes,
             loaded: self.loaded.clone(),
         }
+    }
+
+    /// Lays expert `i` at slot `order[i]` (a permutation of the slots, checked by the
+    /// caller: [`SlotOrder`](super::assign::SlotOrder)).
+    pub(crate) fn with_order(mut self, order: std::sync::Arc<[usize]>) -> Arena {
+        self.order = Some(order);
+        self
+    }
+
+    /// The slot position of expert `i`.
+    fn position(&self, i: usize) -> usize {
+        self.order
+            .as_ref()
+            .and_then(|o| o.get(i).copied())
+            .unwrap_or(i)
     }
 
     pub(crate) fn bind(&self, policy: &MemPolicy) -> Result<Placement> {
@@ -193,22 +214,33 @@ impl Arena {
         self.loaded.iter().flatten().map(|&n| n as u64).sum()
     }
 
-    /// Byte range of slot `i` within the region (the whole stride).
+    /// Byte range of expert `i`'s slot within the region (the whole stride).
     pub(crate) fn slot_range(&self, i: usize) -> Range<usize> {
-        i * self.stride..(i + 1) * self.stride
+        let p = self.position(i);
+        p * self.stride..(p + 1) * self.stride
     }
 
-    /// The loaded bytes of slot `i`.
+    /// The loaded bytes of expert `i`'s slot.
     pub(crate) fn slot(&self, i: usize) -> Option<&[u8]> {
         let len = self.loaded(i)?;
-        let start = i.checked_mul(self.stride)?;
+        let start = self.position(i).checked_mul(self.stride)?;
         self.region.as_slice().get(start..start.checked_add(len)?)
     }
 
-    /// Every slot, writable, in order (each the whole stride).
-    pub(crate) fn slots_mut(&mut self) -> Result<std::slice::ChunksMut<'_, u8>> {
+    /// Every slot, writable, in expert order (each the whole stride).
+    pub(crate) fn slots_mut(&mut self) -> Result<Vec<&mut [u8]>> {
         let stride = self.stride.max(1);
-        Ok(self.region.as_mut_slice()?.chunks_mut(stride))
+        let order = self.order.clone();
+        let chunks = self.region.as_mut_slice()?.chunks_mut(stride);
+        let Some(order) = order else {
+            return Ok(chunks.collect());
+        };
+        let mut by_slot: Vec<Option<&mut [u8]>> = chunks.map(Some).collect();
+        order
+            .iter()
+            .map(|&p| by_slot.get_mut(p).and_then(Option::take))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::invalid("PinStore", "an arena's slot order is not a permutation"))
     }
 
     /// Slot `i`, writable (the whole stride).
@@ -275,7 +307,7 @@ impl Arena {
             .map_err(|e| (e, self.region.is_empty()))?;
         for (i, len) in self.loaded.iter().enumerate() {
             if let Some(len) = *len {
-                let start = i * self.stride;
+                let start = self.position(i) * self.stride;
                 self.region
                     .populate_read(start..start + len)
                     .map_err(|e| (e, false))?;

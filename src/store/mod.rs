@@ -4,6 +4,7 @@
 
 mod access;
 mod arena;
+mod assign;
 mod budget;
 mod layer;
 mod layout;
@@ -27,8 +28,10 @@ pub use crate::source::{
 };
 use access::{check_fits, out_of_range};
 use arena::Arena;
+pub use assign::ExpertAssignment;
 use layer::Layer;
 pub use layout::Layout;
+pub(crate) use layout::{block, block_of};
 pub use manifest::{Manifest, ManifestRegion};
 pub use options::{MAX_ALIGN, SlotAlign, StoreOptions};
 pub use shared::Export;
@@ -138,6 +141,20 @@ impl PinStore {
         }
         options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
+        if options.assignment.is_some() && (layout.blocks().is_none() || options.shared) {
+            return Err(Error::invalid(
+                "PinStore::new",
+                format!(
+                    "an expert assignment with {layout:?}{}: it places the experts of \
+                     Layout::SplitExperts, in a store that is not shared",
+                    if options.shared {
+                        " and shared arenas"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         Ok(PinStore {
             layout,
             copy_groups,
@@ -204,19 +221,21 @@ impl PinStore {
         let lengths = self.validate(layer, spec, sources)?;
         let map = SlotMap::build(layer, sources, self.options.piece_align)?;
         let spec = &map.grown(spec);
+        let order = self.slot_order(layer, spec.experts)?;
         let _mark = self.mark_packing(layer)?;
         let copies = self.copies();
         self.check_copies(layer, spec)?;
-        let mut arenas = self.reserve(layer, spec)?;
+        let mut arenas = self.reserve(layer, spec, order.as_ref())?;
         let policy = self.policy_for(layer);
-        let (placement, mut mbind_calls) = self.place(policy.as_ref(), &arenas, spec.experts)?;
+        let (placement, mut mbind_calls) =
+            self.place(policy.as_ref(), &arenas, spec.experts, order.as_ref())?;
         if self.options.populate {
             for arena in arenas.iter_mut().flatten() {
                 arena.populate()?;
             }
         }
         let experts = spec.experts;
-        let target = |expert: usize| self.layout.target_node(layer, experts, expert);
+        let target = |expert: usize| self.expert_node(layer, experts, expert);
         let (filled, (read_mode, read_fallback)) =
             self.fill(layer, &mut arenas, sources, &lengths, &map, &target)?;
         // Replicas only where the first copy was bound: a degraded store keeps one
@@ -296,10 +315,17 @@ impl PinStore {
         policy: Option<&MemPolicy>,
         arenas: &[Option<Arena>; 2],
         experts: usize,
+        order: Option<&assign::SlotOrder>,
     ) -> Result<(Option<Placement>, usize)> {
         Ok(match (policy, self.layout.blocks()) {
             (_, Some(set)) => {
-                let (p, calls) = self.bind_blocks(&set, arenas, experts)?;
+                let blocks = match order {
+                    Some(o) => o.blocks.clone(),
+                    None => (0..set.len())
+                        .map(|i| block(i, set.len(), experts))
+                        .collect(),
+                };
+                let (p, calls) = self.bind_blocks(&set, arenas, &blocks)?;
                 (Some(p), calls)
             }
             (Some(policy), _) => (
@@ -313,7 +339,12 @@ impl PinStore {
     /// Step 1: maps one region per tensor kind of the layer, each under the store's map
     /// lock right after its own budget check (see the `budget` module), so that
     /// concurrent packs see each other's regions. Nothing is touched yet.
-    fn reserve(&self, layer: usize, spec: &LayerSpec) -> Result<[Option<Arena>; 2]> {
+    fn reserve(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        order: Option<&assign::SlotOrder>,
+    ) -> Result<[Option<Arena>; 2]> {
         let regions = spec.kinds().count();
         self.check_budget(format!("layer {layer}"), regions)?;
         let backing = arena::Backing::of(&self.options, layer);
@@ -323,7 +354,10 @@ impl PinStore {
             let _reservation = self
                 .maps
                 .reserve(|| format!("layer {layer} {}", kind.name()), 1)?;
-            let arena = Arena::reserve(kind, spec.experts, spec.bytes(kind), align, &backing)?;
+            let mut arena = Arena::reserve(kind, spec.experts, spec.bytes(kind), align, &backing)?;
+            if let Some(order) = order {
+                arena = arena.with_order(order.slot.clone());
+            }
             self.name_region(arena.region(), layer, kind)?;
             arenas[kind.index()] = Some(arena);
         }
@@ -382,7 +416,8 @@ impl PinStore {
         let mut jobs = Vec::with_capacity(slots);
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
-            for (expert, (dest, source)) in arena.slots_mut()?.zip(sources).enumerate() {
+            for (expert, (dest, source)) in arena.slots_mut()?.into_iter().zip(sources).enumerate()
+            {
                 let places = map.pieces(expert, kind).unwrap_or_default();
                 let what = (layer, expert, kind);
                 jobs.extend(slot_map::jobs(places, dest, source.tensor(kind), what)?);

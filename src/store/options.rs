@@ -1,9 +1,9 @@
 //! [`StoreOptions`] and [`SlotAlign`]: how a [`PinStore`](super::PinStore) maps, aligns
 //! and loads its regions.
 
+use super::{ExpertAssignment, ProgressHook, ReadMode, arena};
 #[cfg(doc)]
 use super::{LayerReport, PinStore, Progress};
-use super::{ProgressHook, ReadMode, arena};
 use crate::error::{Error, Result};
 
 /// Options of a [`PinStore`]: [`StoreOptions::default`], then a setter per option to
@@ -53,6 +53,10 @@ pub struct StoreOptions {
     /// two (default 1: back to back). A slot grows by the padding; the padding bytes are
     /// zero. [`PinStore::slot_map`] tells where each piece went.
     pub piece_align: usize,
+    /// Which node of a [`Layout::SplitExperts`](super::Layout::SplitExperts) set each
+    /// expert lives on, for the layers it names (default none: every layer split by
+    /// index). Only with `SplitExperts`, and not with [`StoreOptions::shared`].
+    pub assignment: Option<ExpertAssignment>,
 }
 
 /// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
@@ -170,6 +174,13 @@ impl StoreOptions {
         self.piece_align = align;
         self
     }
+
+    /// [`StoreOptions::assignment`].
+    #[must_use]
+    pub fn assignment(mut self, assignment: Option<ExpertAssignment>) -> Self {
+        self.assignment = assignment;
+        self
+    }
 }
 
 impl Default for StoreOptions {
@@ -184,6 +195,7 @@ impl Default for StoreOptions {
             read_mode: ReadMode::Buffered,
             progress: None,
             piece_align: 1,
+            assignment: None,
         }
     }
 }

@@ -190,7 +190,7 @@ impl PinStore {
         group: &NodeSet,
         first: &Arenas,
     ) -> Result<(Arenas, usize, load::Filled)> {
-        let mut copy = self.reserve(layer, spec)?;
+        let mut copy = self.reserve(layer, spec, None)?;
         let policy = copy_policy(group);
         let mut calls = 0;
         for arena in copy.iter().flatten() {
@@ -240,7 +240,7 @@ impl PinStore {
             let (Some(to), Some(from)) = (to, from) else {
                 continue;
             };
-            for (slot, dest) in to.slots_mut()?.enumerate() {
+            for (slot, dest) in to.slots_mut()?.into_iter().enumerate() {
                 if let Some(bytes) = from.slot(slot) {
                     jobs.push(load::Job {
                         dest,
@@ -282,19 +282,17 @@ impl PinStore {
         Ok(filled)
     }
 
-    /// Binds each region of a split layer block by block: the experts of the `i`-th node
-    /// of the set to that node (one `mbind` per non-empty block per region).
+    /// Binds each region of a split layer block by block: `blocks[i]`, the slots of the
+    /// `i`-th node of the set, to that node (one `mbind` per non-empty block per region).
     pub(super) fn bind_blocks(
         &self,
         set: &NodeSet,
         arenas: &Arenas,
-        experts: usize,
+        blocks: &[std::ops::Range<usize>],
     ) -> Result<(crate::policy::Placement, usize)> {
         let mut placement = crate::policy::Placement::Bound;
         let mut calls = 0;
-        let n = set.len();
-        for (i, node) in set.iter().enumerate() {
-            let slots = block(i, n, experts);
+        for (node, slots) in set.iter().zip(blocks) {
             if slots.is_empty() {
                 continue;
             }
@@ -327,7 +325,7 @@ impl PinStore {
         if !self.layout.has_home() {
             return Ok(None);
         }
-        Ok(self.layout.target_node(layer, experts, expert))
+        Ok(self.expert_node(layer, experts, expert))
     }
 
     /// The weights of `expert` of `layer` in the replica on the calling thread's node
@@ -490,7 +488,7 @@ pub(super) fn node_bytes(
     for (_, arena) in layer.arenas_by_kind() {
         for expert in 0..experts {
             let (Some(node), Some(len)) = (
-                store.layout.target_node(index, experts, expert),
+                store.expert_node(index, experts, expert),
                 arena.loaded(expert),
             ) else {
                 continue;

@@ -19,13 +19,14 @@ use std::path::{Path, PathBuf};
 pub const LAYERS: &[&[&str]] = &[
     &["nodeset", "page"],
     &["error"],
-    &["node", "capability", "jemalloc"],
+    &["node", "capability", "jemalloc", "routing"],
     &["calls", "diag", "topology"],
     &["policy", "probe"],
     &["region"],
     &["source"],
     &["store"],
     &["cache", "model"],
+    &["planner"],
 ];
 
 pub fn run() -> Result<(), String> {

@@ -1,0 +1,446 @@
+//! The figures of each candidate. Every layout is described the same way — where each
+//! expert's bytes are ([`Place`]) and how many bytes each node holds — and one function
+//! turns a description into the remote fraction, the cross-domain fraction and the
+//! imbalance, so that the layouts differ only in their descriptions.
+
+use super::table::{Candidate, PlanRow, PlanTable};
+use super::{Machine, ModelSizes, PlanOptions};
+use crate::routing::{RoutingStats, balance};
+use crate::store::block;
+
+/// Where one expert's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Page by page over every node.
+    Interleaved,
+    /// On node index `i`.
+    Home(usize),
+    /// A copy on every node.
+    Everywhere,
+    /// A copy per domain, interleaved over its nodes.
+    PerDomain,
+}
+
+pub(super) struct Ctx<'a> {
+    model: &'a ModelSizes,
+    machine: &'a Machine,
+    /// Per MoE layer: each expert's routing probability.
+    probs: Vec<Vec<f64>>,
+    /// Per MoE layer: the counts, where the statistics have the layer.
+    counts: Vec<Option<Vec<u64>>>,
+    budget: Vec<u64>,
+    domains: Vec<Vec<usize>>,
+    readers: Vec<usize>,
+}
+
+/// A layout's description: the place of each expert of each layer, and the bytes per node.
+struct Described {
+    places: Vec<Vec<Place>>,
+    bytes: Vec<u64>,
+    mappings: usize,
+}
+
+impl<'a> Ctx<'a> {
+    pub(super) fn new(
+        model: &'a ModelSizes,
+        machine: &'a Machine,
+        stats: Option<&RoutingStats>,
+        options: &PlanOptions,
+    ) -> Ctx<'a> {
+        let counts: Vec<Option<Vec<u64>>> = model
+            .moe_layers
+            .iter()
+            .map(|l| stats.and_then(|s| s.layer(l.layer)).map(<[u64]>::to_vec))
+            .collect();
+        let probs = model
+            .moe_layers
+            .iter()
+            .zip(&counts)
+            .map(|(l, c)| match c {
+                Some(c) => {
+                    let total: f64 = c.iter().map(|&x| x as f64).sum();
+                    c.iter().map(|&x| x as f64 / total).collect()
+                }
+                None => vec![1.0 / l.experts.max(1) as f64; l.experts],
+            })
+            .collect();
+        let budget = machine
+            .nodes
+            .iter()
+            .map(|n| options.budget.unwrap_or(n.free_bytes))
+            .collect();
+        let readers = (0..machine.nodes.len())
+            .filter(|&i| machine.nodes[i].cpus)
+            .collect();
+        Ctx {
+            model,
+            machine,
+            probs,
+            counts,
+            budget,
+            domains: machine.domains(),
+            readers,
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.machine.nodes.len()
+    }
+
+    fn kinds_total(&self) -> usize {
+        self.model.moe_layers.iter().map(|l| l.kinds()).sum()
+    }
+
+    pub(super) fn table(&self) -> PlanTable {
+        let rows = Candidate::ALL
+            .iter()
+            .map(|&c| self.row(c, self.describe(c)))
+            .collect();
+        let mut table = PlanTable {
+            nodes: self.machine.nodes.iter().map(|n| n.node).collect(),
+            domains: self.machine.nodes.iter().map(|n| n.domain).collect(),
+            budget: self.budget.clone(),
+            map_limit: self.machine.map_limit,
+            statistics: self.counts.iter().any(Option::is_some),
+            rows,
+            recommended: None,
+            why: String::new(),
+        };
+        table.recommend();
+        table
+    }
+
+    fn describe(&self, c: Candidate) -> Described {
+        let n = self.n() as u64;
+        let other = self.model.other_bytes;
+        let all = other.saturating_add(self.model.expert_bytes());
+        let layers = &self.model.moe_layers;
+        let uniform = |place: Place| layers.iter().map(|l| vec![place; l.experts]).collect();
+        let even = |bytes: u64| vec![bytes.div_ceil(n); self.n()];
+        let kinds = self.kinds_total();
+        match c {
+            Candidate::Interleave => Described {
+                places: uniform(Place::Interleaved),
+                bytes: even(all),
+                mappings: kinds,
+            },
+            Candidate::LayerPerNode => {
+                let mut bytes = even(other);
+                let places = layers
+                    .iter()
+                    .map(|l| {
+                        let i = l.layer % self.n();
+                        bytes[i] = bytes[i].saturating_add(layer_bytes(l));
+                        vec![Place::Home(i); l.experts]
+                    })
+                    .collect();
+                Described {
+                    places,
+                    bytes,
+                    mappings: kinds,
+                }
+            }
+            Candidate::ReplicatePerNode => Described {
+                places: uniform(Place::Everywhere),
+                bytes: vec![all; self.n()],
+                mappings: kinds * self.n(),
+            },
+            Candidate::ReplicatePerDomain => {
+                let mut bytes = vec![0; self.n()];
+                for d in &self.domains {
+                    for &i in d {
+                        bytes[i] = all.div_ceil(d.len() as u64);
+                    }
+                }
+                Described {
+                    places: uniform(Place::PerDomain),
+                    bytes,
+                    mappings: kinds * self.domains.len(),
+                }
+            }
+            Candidate::SplitByIndex => self.split(|l| {
+                (0..l.experts)
+                    .map(|e| crate::store::block_of(e, self.n(), l.experts))
+                    .collect()
+            }),
+            Candidate::SplitByLoad => self.split_by_load(),
+            Candidate::Hybrid => self.hybrid(),
+        }
+    }
+
+    /// A split layout from each layer's home nodes; non-expert bytes interleaved.
+    fn split(&self, homes: impl Fn(&super::MoeLayerSizes) -> Vec<usize>) -> Described {
+        let n = self.n();
+        let mut bytes = vec![self.model.other_bytes.div_ceil(n as u64); n];
+        let mut mappings = 0;
+        let places = self
+            .model
+            .moe_layers
+            .iter()
+            .map(|l| {
+                let h = homes(l);
+                let mut used = vec![false; n];
+                for &i in &h {
+                    bytes[i] = bytes[i].saturating_add(l.slot_bytes());
+                    used[i] = true;
+                }
+                mappings += l.kinds() * used.iter().filter(|&&u| u).count().max(1);
+                h.into_iter().map(Place::Home).collect()
+            })
+            .collect();
+        Described {
+            places,
+            bytes,
+            mappings,
+        }
+    }
+
+    /// Per-layer caps (experts per node) so that `base` bytes plus each node's experts
+    /// stay within `room` on every node: the even share `ceil(k / n)` of each layer's `k`
+    /// experts, plus as many extra experts per layer as the room left allows.
+    fn caps(&self, experts: &[usize], room: u64) -> Vec<usize> {
+        let n = self.n();
+        let layers = &self.model.moe_layers;
+        let even: u64 = layers
+            .iter()
+            .zip(experts)
+            .map(|(l, &k)| l.slot_bytes().saturating_mul(k.div_ceil(n) as u64))
+            .fold(0, u64::saturating_add);
+        let per_extra: u64 = layers
+            .iter()
+            .zip(experts)
+            .filter(|&(_, &k)| k > 0)
+            .map(|(l, _)| l.slot_bytes())
+            .fold(0, u64::saturating_add);
+        let extra = room
+            .saturating_sub(even)
+            .checked_div(per_extra)
+            .unwrap_or(0)
+            .min(usize::MAX as u64) as usize;
+        experts
+            .iter()
+            .map(|&k| k.div_ceil(n).saturating_add(extra).min(k))
+            .collect()
+    }
+
+    fn split_by_load(&self) -> Described {
+        let n = self.n() as u64;
+        let room = self.min_room(self.model.other_bytes.div_ceil(n));
+        let experts: Vec<usize> = self.model.moe_layers.iter().map(|l| l.experts).collect();
+        let caps = self.caps(&experts, room);
+        self.split(|l| {
+            let i = self.index_of(l.layer);
+            match &self.counts[i] {
+                Some(c) => balance(c, &vec![caps[i]; self.n()])
+                    .unwrap_or_else(|_| index_homes(l.experts, self.n())),
+                None => index_homes(l.experts, self.n()),
+            }
+        })
+    }
+
+    /// The least room any node has for experts once `base` bytes are on it.
+    fn min_room(&self, base: u64) -> u64 {
+        self.budget
+            .iter()
+            .map(|b| b.saturating_sub(base))
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn index_of(&self, layer: usize) -> usize {
+        self.model
+            .moe_layers
+            .iter()
+            .position(|l| l.layer == layer)
+            .unwrap_or(0)
+    }
+
+    /// Hot experts, hottest first (by probability, ties to the lower expert, then the
+    /// lower layer), replicated while the hot bytes plus an even split of the cold ones
+    /// fit the least room; an expert that does not fit is skipped and smaller ones after
+    /// it are still tried. The cold experts are then split by load (by index where a
+    /// layer has no statistics) under the caps the room leaves.
+    fn hybrid(&self) -> Described {
+        let n = self.n();
+        let layers = &self.model.moe_layers;
+        let room = self.min_room(self.model.other_bytes);
+        let mut ranked: Vec<(usize, usize)> = layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| (0..l.experts).map(move |e| (i, e)))
+            .collect();
+        ranked.sort_by(|&(li, e), &(lj, f)| {
+            self.probs[lj][f]
+                .total_cmp(&self.probs[li][e])
+                .then(e.cmp(&f))
+                .then(li.cmp(&lj))
+        });
+        let mut cold: Vec<usize> = layers.iter().map(|l| l.experts).collect();
+        let even_cold = |cold: &[usize]| -> u64 {
+            layers
+                .iter()
+                .zip(cold)
+                .map(|(l, &k)| l.slot_bytes().saturating_mul(k.div_ceil(n) as u64))
+                .fold(0, u64::saturating_add)
+        };
+        let mut hot_bytes = 0u64;
+        let mut hot: Vec<Vec<bool>> = layers.iter().map(|l| vec![false; l.experts]).collect();
+        let mut cold_even = even_cold(&cold);
+        if n > 1 && cold_even <= room {
+            for (i, e) in ranked {
+                let s = layers[i].slot_bytes();
+                let k = cold[i];
+                let saved = if k.div_ceil(n) > (k - 1).div_ceil(n) {
+                    s
+                } else {
+                    0
+                };
+                let next = hot_bytes
+                    .saturating_add(s)
+                    .saturating_add(cold_even - saved);
+                if next <= room {
+                    hot_bytes += s;
+                    cold_even -= saved;
+                    cold[i] -= 1;
+                    hot[i][e] = true;
+                }
+            }
+        }
+        let caps = self.caps(&cold, room.saturating_sub(hot_bytes));
+        let mut bytes = vec![self.model.other_bytes.saturating_add(hot_bytes); n];
+        let mut mappings = 0;
+        let places = layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let cold_ids: Vec<usize> = (0..l.experts).filter(|&e| !hot[i][e]).collect();
+                let homes = match &self.counts[i] {
+                    Some(c) => {
+                        let cc: Vec<u64> = cold_ids.iter().map(|&e| c[e]).collect();
+                        balance(&cc, &vec![caps[i]; n])
+                            .unwrap_or_else(|_| index_homes(cold_ids.len(), n))
+                    }
+                    None => index_homes(cold_ids.len(), n),
+                };
+                let mut places = vec![Place::Everywhere; l.experts];
+                for (&e, &h) in cold_ids.iter().zip(&homes) {
+                    places[e] = Place::Home(h);
+                    bytes[h] = bytes[h].saturating_add(l.slot_bytes());
+                }
+                // One region per kind per node: the hot copies and that node's cold ones.
+                mappings += l.kinds() * n;
+                places
+            })
+            .collect();
+        Described {
+            places,
+            bytes,
+            mappings,
+        }
+    }
+
+    fn row(&self, candidate: Candidate, d: Described) -> PlanRow {
+        let n = self.n();
+        let (mut remote, mut cross, mut distance, mut total) = (0.0, 0.0, 0.0, 0.0);
+        let (mut hot, mut hot_traffic) = (0usize, 0.0);
+        let domain = |i: usize| self.machine.nodes[i].domain;
+        let dist = |a: usize, b: usize| f64::from(self.machine.distances[a][b]);
+        let readers = self.readers.len().max(1) as f64;
+        // Per layer, the load of each node when each expert runs at home.
+        let mut loads: Vec<Vec<f64>> = Vec::with_capacity(d.places.len());
+        for ((l, places), probs) in self.model.moe_layers.iter().zip(&d.places).zip(&self.probs) {
+            let s = l.slot_bytes() as f64;
+            let mut load = vec![0.0f64; n];
+            for (&place, &p) in places.iter().zip(probs) {
+                let w = p * s;
+                total += w;
+                if matches!(place, Place::Everywhere | Place::PerDomain) {
+                    hot += 1;
+                    hot_traffic += w;
+                }
+                for &r in &self.readers {
+                    let members: &[usize] = self
+                        .domains
+                        .iter()
+                        .find(|d| d.contains(&r))
+                        .map_or(&[], Vec::as_slice);
+                    let m = members.len().max(1) as f64;
+                    let (local, off_domain, mean_distance) = match place {
+                        Place::Interleaved => (
+                            1.0 / n as f64,
+                            (n as f64 - m) / n as f64,
+                            (0..n).map(|j| dist(r, j)).sum::<f64>() / n as f64,
+                        ),
+                        Place::Home(h) => (
+                            f64::from(u8::from(h == r)),
+                            f64::from(u8::from(domain(h) != domain(r))),
+                            dist(r, h),
+                        ),
+                        Place::Everywhere => (1.0, 0.0, dist(r, r)),
+                        Place::PerDomain => (
+                            1.0 / m,
+                            0.0,
+                            members.iter().map(|&j| dist(r, j)).sum::<f64>() / m,
+                        ),
+                    };
+                    remote += w * (1.0 - local) / readers;
+                    cross += w * off_domain / readers;
+                    distance += w * mean_distance / readers;
+                }
+                match place {
+                    Place::Home(h) => load[h] += w,
+                    Place::Interleaved => load.iter_mut().for_each(|x| *x += w / n as f64),
+                    Place::Everywhere | Place::PerDomain => {
+                        for &r in &self.readers {
+                            load[r] += w / readers;
+                        }
+                    }
+                }
+            }
+            loads.push(load);
+        }
+        let fits = d.bytes.iter().zip(&self.budget).all(|(b, m)| b <= m)
+            && d.mappings <= self.machine.map_limit;
+        let frac = |x: f64| if total > 0.0 { x / total } else { 0.0 };
+        PlanRow {
+            candidate,
+            bytes_per_node: d.bytes,
+            fits,
+            mappings: d.mappings,
+            remote_fraction: frac(remote),
+            cross_domain_fraction: frac(cross),
+            mean_distance: frac(distance),
+            imbalance: self.imbalance(&loads),
+            hot_experts: hot,
+            hot_traffic: frac(hot_traffic),
+        }
+    }
+
+    /// Layers run one after another, so a layer takes as long as its most-loaded node:
+    /// the sum over layers of the largest node load, over the sum of the mean loads. The
+    /// mean is over the nodes that run experts (nodes with CPUs, and any home with load).
+    fn imbalance(&self, loads: &[Vec<f64>]) -> f64 {
+        let n = self.n();
+        let running: Vec<usize> = (0..n)
+            .filter(|&i| self.machine.nodes[i].cpus || loads.iter().any(|l| l[i] > 0.0))
+            .collect();
+        let (mut max, mut mean) = (0.0, 0.0);
+        for load in loads {
+            max += running.iter().map(|&i| load[i]).fold(0.0, f64::max);
+            mean += running.iter().map(|&i| load[i]).sum::<f64>() / running.len().max(1) as f64;
+        }
+        if mean > 0.0 { max / mean } else { 1.0 }
+    }
+}
+
+/// Bytes of all of a layer's expert slots.
+fn layer_bytes(l: &super::MoeLayerSizes) -> u64 {
+    l.slot_bytes().saturating_mul(l.experts as u64)
+}
+
+/// Expert `e` of `k` on the `e × n / k`-th node: the store's split by index.
+fn index_homes(k: usize, n: usize) -> Vec<usize> {
+    (0..n)
+        .flat_map(|i| std::iter::repeat_n(i, block(i, n, k).len()))
+        .collect()
+}

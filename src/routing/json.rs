@@ -1,0 +1,162 @@
+//! The routing statistics file: one JSON object.
+//!
+//! ```json
+//! {"numapin_routing": 1,
+//!  "layers": [{"layer": 3, "counts": [120, 4, 0, 37]},
+//!             {"layer": 4, "counts": [9, 9, 80, 2]}]}
+//! ```
+//! `layer` is the checkpoint's layer index of an MoE layer; `counts[e]` is how many
+//! times the router picked expert `e` (integers from 0 to 2^64 - 1). Other keys are
+//! ignored. What duplicate, missing and overflowing counts do is in the
+//! [module docs](super).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::RoutingStats;
+use crate::error::{Error, Result};
+
+const OP: &str = "RoutingStats::from_json";
+
+impl RoutingStats {
+    /// Reads the JSON format above.
+    ///
+    /// # Errors
+    /// Text that is not JSON, a missing or wrongly typed key, a version other than 1, a
+    /// count that is negative, fractional, not a number or past `u64::MAX`; then as
+    /// [`RoutingStats::from_counts`]. Each error names the layer entry and position.
+    pub fn from_json(text: &str) -> Result<RoutingStats> {
+        let root: Value = serde_json::from_str(text)
+            .map_err(|e| Error::bad_value(OP, "routing statistics", "the text", e.to_string()))?;
+        match root.get("numapin_routing") {
+            Some(v) if v.as_u64() == Some(1) => {}
+            other => {
+                return Err(Error::bad_value(
+                    OP,
+                    "numapin_routing",
+                    other.map_or("nothing".to_string(), Value::to_string),
+                    "the format version must be 1",
+                ));
+            }
+        }
+        let Some(entries) = root.get("layers").and_then(Value::as_array) else {
+            return Err(Error::bad_value(
+                OP,
+                "layers",
+                root.get("layers")
+                    .map_or("nothing".into(), Value::to_string),
+                "an array of {\"layer\": N, \"counts\": [...]} objects",
+            ));
+        };
+        let mut stats = RoutingStats::new();
+        for (i, entry) in entries.iter().enumerate() {
+            let layer = entry
+                .get("layer")
+                .and_then(Value::as_u64)
+                .and_then(|l| usize::try_from(l).ok())
+                .ok_or_else(|| {
+                    Error::bad_value(
+                        OP,
+                        "layer",
+                        entry
+                            .get("layer")
+                            .map_or("nothing".into(), Value::to_string),
+                        format!("layers[{i}].layer must be a layer index"),
+                    )
+                })?;
+            let Some(list) = entry.get("counts").and_then(Value::as_array) else {
+                return Err(Error::bad_value(
+                    OP,
+                    "counts",
+                    entry
+                        .get("counts")
+                        .map_or("nothing".into(), Value::to_string),
+                    format!("layers[{i}] (layer {layer}).counts must be an array"),
+                ));
+            };
+            let mut counts = Vec::with_capacity(list.len());
+            for (e, v) in list.iter().enumerate() {
+                counts.push(v.as_u64().ok_or_else(|| {
+                    Error::bad_value(
+                        OP,
+                        "count",
+                        v,
+                        format!(
+                            "layers[{i}] (layer {layer}) expert {e}: a count is an integer \
+                             from 0 to {}",
+                            u64::MAX
+                        ),
+                    )
+                })?);
+            }
+            stats.add_layer(layer, &counts)?;
+        }
+        Ok(stats)
+    }
+
+    /// Reads a file in the JSON format of [`RoutingStats::from_json`].
+    ///
+    /// # Errors
+    /// The file cannot be read, or as [`RoutingStats::from_json`].
+    pub fn from_file(path: impl AsRef<Path>) -> Result<RoutingStats> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io("RoutingStats::from_file", path.display().to_string(), e))?;
+        RoutingStats::from_json(&text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_format_and_refuses_bad_counts() {
+        let s = RoutingStats::from_json(
+            r#"{"numapin_routing":1,"layers":[{"layer":3,"counts":[1,2]},
+                {"layer":3,"counts":[4,0]},{"layer":5,"counts":[0,7]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(s.layer(3), Some(&[5, 2][..]));
+        assert_eq!(s.layer(5), Some(&[0, 7][..]));
+        for (bad, says) in [
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":[1,-2]}]}"#,
+                "expert 1",
+            ),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":[1.5]}]}"#,
+                "expert 0",
+            ),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":["7"]}]}"#,
+                "expert 0",
+            ),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":[18446744073709551616]}]}"#,
+                "expert 0",
+            ),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":-1,"counts":[1]}]}"#,
+                "layers[0].layer",
+            ),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1}]}"#,
+                "counts must be",
+            ),
+            (r#"{"numapin_routing":2,"layers":[]}"#, "version"),
+            (r#"{"layers":[]}"#, "version"),
+            (r#"{"numapin_routing":1}"#, "an array"),
+            ("not json", "line 1"),
+            (
+                r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":[18446744073709551615]},
+                   {"layer":1,"counts":[1]}]}"#,
+                "layer 1 expert 0",
+            ),
+        ] {
+            let e = RoutingStats::from_json(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+}

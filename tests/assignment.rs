@@ -1,0 +1,191 @@
+//! `Layout::SplitExperts` with an `ExpertAssignment` (experts to nodes balanced by
+//! routing load): what the store refuses, that every expert reads back its own bytes
+//! (against the sources, which the store did not compute), and — in the VM, on 2+ nodes —
+//! that `move_pages` finds each expert on its assigned home and the per-node report
+//! counts each node's experts.
+
+mod common;
+
+use common::{need_nodes, nodes};
+use numapin::routing::RoutingStats;
+use numapin::store::{ExpertAssignment, ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+use numapin::{Error, Invalid, Node, NodeHistogram};
+
+const W: usize = 64 * 1024;
+
+fn options() -> StoreOptions {
+    StoreOptions::default().huge_pages(false).loader_threads(2)
+}
+
+fn data(experts: usize) -> Vec<Vec<u8>> {
+    (0..experts)
+        .map(|e| (0..W).map(|i| (e * 31 + i % 251) as u8).collect())
+        .collect()
+}
+
+fn sources(data: &[Vec<u8>]) -> Vec<ExpertSource<'_>> {
+    data.iter()
+        .map(|w| ExpertSource::Memory {
+            weights: w,
+            scales: &w[..512],
+        })
+        .collect()
+}
+
+fn spec(experts: usize) -> LayerSpec {
+    LayerSpec {
+        experts,
+        weight_bytes: W,
+        scale_bytes: 4096,
+    }
+}
+
+fn reason(e: Error) -> Invalid {
+    match e {
+        Error::InvalidArgument { reason, .. } => reason,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_assignment_is_for_a_split_that_is_not_shared() {
+    let a = Some(ExpertAssignment::new().layer(0, vec![0; 4]));
+    let set = nodes();
+    for layout in [
+        Layout::Interleave(set),
+        Layout::Replicate(set),
+        Layout::Unplaced,
+    ] {
+        let e = PinStore::new(layout, options().assignment(a.clone())).unwrap_err();
+        assert!(e.to_string().contains("SplitExperts"), "{e}");
+    }
+    let shared = options().shared(true).assignment(a.clone());
+    assert!(PinStore::new(Layout::SplitExperts(set), shared).is_err());
+    let store = PinStore::new(Layout::SplitExperts(set), options().assignment(a)).unwrap();
+    // Layer 0 is assigned 4 experts; packing 5 is a mismatch, named.
+    let d = data(5);
+    let e = store.pack_layer(0, &spec(5), &sources(&d)).unwrap_err();
+    assert!(matches!(
+        reason(e),
+        Invalid::Mismatch {
+            expected: 5,
+            found: 4,
+            ..
+        }
+    ));
+    // A home past the set.
+    let bad = ExpertAssignment::new().layer(0, vec![0, set.len()]);
+    let store = PinStore::new(Layout::SplitExperts(set), options().assignment(Some(bad))).unwrap();
+    let d = data(2);
+    let e = store.pack_layer(0, &spec(2), &sources(&d)).unwrap_err();
+    assert!(matches!(
+        reason(e),
+        Invalid::BadValue {
+            what: "assignment",
+            ..
+        }
+    ));
+}
+
+/// On any machine (and degraded in the containers): the balanced split over the allowed
+/// nodes reads every expert back as its source, through release and ensure too.
+#[test]
+fn a_balanced_split_reads_back_every_expert() {
+    let set = nodes();
+    let counts = [100u64, 90, 5, 5, 5, 5, 1, 1];
+    let stats = RoutingStats::from_counts([(0, counts.to_vec()), (1, counts.to_vec())]).unwrap();
+    let a = ExpertAssignment::balanced(&stats, &[(0, 8), (1, 8)], set.len()).unwrap();
+    let store = PinStore::new(
+        Layout::SplitExperts(set),
+        options().assignment(Some(a.clone())),
+    )
+    .unwrap();
+    let d = data(8);
+    for layer in 0..2 {
+        store.pack_layer(layer, &spec(8), &sources(&d)).unwrap();
+    }
+    for layer in 0..2 {
+        for (e, w) in d.iter().enumerate() {
+            assert_eq!(
+                store.weights(layer, e).unwrap(),
+                &w[..],
+                "layer {layer} expert {e}"
+            );
+            assert_eq!(store.scales(layer, e).unwrap(), &w[..512]);
+            assert_eq!(store.weights_local(layer, e).unwrap(), &w[..]);
+            let home = a.home(layer, e).unwrap();
+            assert_eq!(store.home_node(layer, e).unwrap(), set.nth(home));
+        }
+    }
+    let mut store = store;
+    store.release(1, 6).unwrap();
+    assert!(store.weights(1, 6).is_err());
+    let s = sources(&d);
+    store.ensure(1, 6, &s[6]).unwrap();
+    assert_eq!(store.weights(1, 6).unwrap(), &d[6][..]);
+    assert_eq!(store.weights(1, 7).unwrap(), &d[7][..]);
+}
+
+/// Pages per node of `[ptr, ptr + len)`, from move_pages' status.
+fn pages_of(ptr: *const u8, len: usize) -> NodeHistogram {
+    let page = numapin::page_size();
+    let pages: Vec<*mut std::ffi::c_void> = (0..len / page)
+        .map(|i| ptr.wrapping_add(i * page) as *mut _)
+        .collect();
+    let mut status = vec![0i32; pages.len()];
+    // SAFETY: a query (null nodes) of pages of a live store this test owns.
+    unsafe {
+        numapin_sys::move_pages(
+            0,
+            pages.len() as u64,
+            pages.as_ptr(),
+            std::ptr::null(),
+            status.as_mut_ptr(),
+            0,
+        )
+    }
+    .unwrap();
+    let mut h = NodeHistogram::default();
+    for s in status {
+        match s {
+            s if s >= 0 => *h.pages.entry(Node(s as u16)).or_default() += 1,
+            _ => h.not_present += 1,
+        }
+    }
+    h
+}
+
+/// In the VM (2+ nodes; on the 1-node host this says it did not run): the two hot
+/// experts land on different nodes, every expert's pages on its assigned home, one
+/// `mbind` per node per region, and the report's bytes per node are the assigned
+/// experts' bytes.
+#[test]
+fn balanced_experts_live_on_their_homes() {
+    let Some(all) = need_nodes("balanced_experts_live_on_their_homes", 2) else {
+        return;
+    };
+    let set: numapin::NodeSet = all.iter().take(2).collect();
+    let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1];
+    let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
+    let a = ExpertAssignment::balanced(&stats, &[(0, 8)], 2).unwrap();
+    let homes: Vec<usize> = (0..8).map(|e| a.home(0, e).unwrap()).collect();
+    assert_ne!(homes[0], homes[1], "the two hottest apart: {homes:?}");
+    // By index, 0 and 1 would share node 0 (loads 190 against 12).
+    let store = PinStore::new(Layout::SplitExperts(set), options().assignment(Some(a))).unwrap();
+    let d = data(8);
+    let report = store.pack_layer(0, &spec(8), &sources(&d)).unwrap();
+    assert_eq!(report.mbind_calls, 4, "2 regions x 2 node blocks");
+    let mut want = std::collections::BTreeMap::new();
+    for (e, w) in d.iter().enumerate() {
+        let home = set.nth(homes[e]).unwrap();
+        assert_eq!(store.home_node(0, e).unwrap(), Some(home));
+        let weights = store.weights(0, e).unwrap();
+        assert_eq!(weights, &w[..]);
+        let h = pages_of(weights.as_ptr(), W);
+        assert_eq!(h.on(home), W / numapin::page_size(), "expert {e}: {h:?}");
+        let scales = pages_of(store.scales(0, e).unwrap().as_ptr(), 4096);
+        assert_eq!(scales.on(home), 1, "expert {e} scales: {scales:?}");
+        *want.entry(home).or_insert(0u64) += (W + 512) as u64;
+    }
+    assert_eq!(store.stats().unwrap().node_bytes, want);
+}
