@@ -229,7 +229,7 @@ impl PinStore {
         let threads = self.options.loader_threads;
         let loading = load::Loading {
             reader: &reader,
-            scratch: reader.scratch(),
+            scratch: reader.scratch()?,
             meter: None,
             target: &|_| Some(node),
             spread: &[],
