@@ -4,7 +4,8 @@
 //! after one warm-up of each. Then the peers side by side, warm and cold, with the page
 //! cache each leaves (`NUMAPIN_BENCH_PEER_RUNS`, default 3; `NUMAPIN_BENCH_ONLY=peers`
 //! prints that table alone), replica builds and local lookups (`NUMAPIN_BENCH_ONLY=replicas`
-//! alone), and the mappings each strategy needs as experts grow.
+//! alone), and the mappings each strategy needs as experts grow. `NUMAPIN_BENCH_ONLY=cold`
+//! prints only the cold loads against the device, in alternating rounds (`cold.rs`).
 //!
 //! Figures are printed, never asserted: the machine is shared and noisy, so compare the
 //! ratios within one run.
@@ -20,6 +21,9 @@ mod peers;
 
 #[path = "pinstore/replicas.rs"]
 mod replicas;
+
+#[path = "pinstore/cold.rs"]
+mod cold;
 
 #[cfg(feature = "jemalloc")]
 #[global_allocator]
@@ -180,6 +184,15 @@ fn main() {
     model.write(&path).expect("write model");
     if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("replicas") {
         replicas::rows(&model, &path, runs);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("cold") {
+        let rounds = std::env::var("NUMAPIN_BENCH_COLD_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5);
+        cold::rows(&path, rounds);
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }

@@ -291,7 +291,8 @@ fn layer_list(layers: &BTreeMap<usize, usize>) -> String {
 fn store_options(args: &PinModelArgs, bar: &Option<ProgressBar>) -> StoreOptions {
     let mut options = StoreOptions::default()
         .huge_pages(!args.no_huge_pages)
-        .read_mode(args.read);
+        .read_mode(args.read)
+        .io_uring(!args.no_io_uring);
     if let Some(t) = args.threads {
         options.loader_threads = t;
     }
@@ -497,6 +498,10 @@ fn rows(r: &Run) -> Vec<(&'static str, String)> {
         ("bytes per node", node_bytes(r)),
         ("pages source", r.pages_source_name().to_string()),
         ("read mode", read_mode(r)),
+        (
+            "direct I/O",
+            r.direct_io.clone().unwrap_or_else(|| "-".into()),
+        ),
         ("placement", r.placement.clone()),
     ]
 }

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use common::{degrade_here, nodes};
 use numapin::store::{
-    ExpertSource, Kind, LayerReport, LayerSpec, Layout, Manifest, ManifestRegion, PinStore,
-    ReadFallback, ReadMode, StoreOptions, StoreStats,
+    DirectIo, ExpertSource, IoUringFallback, Kind, LayerReport, LayerSpec, Layout, Manifest,
+    ManifestRegion, PinStore, ReadFallback, ReadMode, StoreOptions, StoreStats,
 };
 use numapin::{Node, NodeSet};
 
@@ -139,6 +139,7 @@ fn stats_and_report_have_fixed_field_names() {
         reads: 0,
         read_mode: ReadMode::Buffered,
         read_fallback: Some(ReadFallback::NoDirectIoAlignment),
+        direct_io: Some(DirectIo::Threads(IoUringFallback::Denied)),
         policy: Some(MemPolicy::Interleave(set(&[0, 1]))),
         replicas: 1,
         local_bytes: 0,
@@ -148,7 +149,7 @@ fn stats_and_report_have_fixed_field_names() {
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","direct_io":{"threads":"denied"},"policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

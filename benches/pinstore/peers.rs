@@ -139,13 +139,16 @@ fn load(
             }
             keep.push(Box::new(regions));
         }
-        "pin-buffered" | "pin-direct" | "pin-drop-behind" => {
+        "pin-buffered" | "pin-direct" | "pin-drop-behind" | "pin-direct-threads" => {
+            let threads = mode.ends_with("-threads");
             let read_mode: ReadMode = mode["pin-".len()..]
+                .trim_end_matches("-threads")
                 .parse()
                 .map_err(|e: numapin::Error| e.to_string())?;
             let options = StoreOptions::default()
                 .loader_threads(2)
-                .read_mode(read_mode);
+                .read_mode(read_mode)
+                .io_uring(!threads);
             let store =
                 PinStore::new(Layout::Interleave(nodes), options).map_err(|e| e.to_string())?;
             for layer in 0..model.layers {
@@ -160,6 +163,45 @@ fn load(
                 }
             }
             keep.push(Box::new(store));
+        }
+        "o-direct-fresh" => {
+            // Into fresh memory as a load writes it (bound, huge pages), one thread, 8 MiB
+            // reads one after the other: each read faults and zeroes its pages, then waits
+            // for the device.
+            let direct = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .map_err(|e| e.to_string())?;
+            let mut dest = fresh(len.next_multiple_of(HUGE), &interleave)?;
+            let slice = dest.as_mut_slice().map_err(|e| e.to_string())?;
+            let mut offset = 0usize;
+            while offset < len {
+                let end = (offset + WINDOW).min(slice.len());
+                let n = direct
+                    .read_at(&mut slice[offset..end], offset as u64)
+                    .map_err(|e| e.to_string())?;
+                if n == 0 {
+                    break;
+                }
+                offset += n;
+            }
+            if offset != len {
+                return Err(format!("O_DIRECT read {offset} of {len} bytes"));
+            }
+            keep.push(Box::new(dest));
+        }
+        "buffered-read" => {
+            // `cat file > /dev/null`: buffered 128 KiB reads into one buffer.
+            let mut buf = vec![0u8; 128 << 10];
+            let mut offset = 0u64;
+            loop {
+                let n = file.read_at(&mut buf, offset).map_err(|e| e.to_string())?;
+                if n == 0 {
+                    break;
+                }
+                offset += n as u64;
+            }
         }
         "o-direct" => {
             let direct = OpenOptions::new()
@@ -259,6 +301,32 @@ fn warm(file: &File) {
         }
         offset += n as u64;
     }
+}
+
+/// One cold run of `mode` in a child process (the file evicted first): GB/s and the share
+/// of the file cached after it.
+pub fn cold_once(mode: &str, path: &Path) -> Result<(f64, f64), String> {
+    let file = File::open(path).map_err(|e| e.to_string())?;
+    evict(&file).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new(&exe)
+        .env("NUMAPIN_BENCH_PEER", mode)
+        .env("NUMAPIN_BENCH_MODEL", path)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let report = text
+        .lines()
+        .find_map(|l| l.strip_prefix("REPORT "))
+        .ok_or_else(|| format!("no report: {text}"))?;
+    let (resident, total) = cached_pages(&file).map_err(|e| e.to_string())?;
+    Ok((
+        field(report, "bytes=") / field(report, "seconds=") / 1e9,
+        resident as f64 / total.max(1) as f64,
+    ))
 }
 
 /// One row's figures: medians over `runs` child processes.

@@ -5,7 +5,8 @@
 //! on one node: the file read once into the first copy (a `Replicate` store over this
 //! node), then k - 1 copies built exactly as replicas are (reserve, bind, populate, copy
 //! with the loader threads; `PinStore::bench_replica_copy`), against reading the file k
-//! times (k stores). Each extra copy is dropped once built, so at most two copies are
+//! times (k stores), warm (page-cached, buffered reads) and cold (`O_DIRECT`: every read
+//! from the device). Each extra copy is dropped once built, so at most two copies are
 //! resident. Lookup: `weights_local` (sched_getcpu from the vDSO, the CPU → node table,
 //! the replica) against `weights` and against indexing a `Vec<&[u8]>`.
 
@@ -15,16 +16,16 @@ use std::path::Path;
 use std::time::Instant;
 
 use numapin::NodeSet;
-use numapin::store::{Layout, PinStore, StoreOptions};
+use numapin::store::{Layout, PinStore, ReadMode, StoreOptions};
 use numapin_testkit::synthetic::SyntheticModel;
 
-fn options() -> StoreOptions {
-    StoreOptions::default().loader_threads(2)
+fn options(mode: ReadMode) -> StoreOptions {
+    StoreOptions::default().loader_threads(2).read_mode(mode)
 }
 
 /// Seconds to pack every layer of `model` from `file` into a new store.
-fn pack(model: &SyntheticModel, file: &File, layout: Layout) -> (f64, PinStore) {
-    let store = PinStore::new(layout, options()).expect("store");
+fn pack(model: &SyntheticModel, file: &File, layout: Layout, mode: ReadMode) -> (f64, PinStore) {
+    let store = PinStore::new(layout, options(mode)).expect("store");
     let start = Instant::now();
     for layer in 0..model.layers {
         store
@@ -44,46 +45,20 @@ pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
     let node = numapin::topology::current_node().expect("current node");
     let layout = Layout::Replicate(std::iter::once(node).collect::<NodeSet>());
     let bytes = model.total_bytes().unwrap_or(0) as f64;
-    println!();
-    println!(
-        "replica build: k copies on node {node} ({:.2} GiB each, 2 loader threads; the llama.cpp NUMA mirror PR reports 16.1 GiB in 17.5 s = 0.99 GB/s)",
-        bytes / (1u64 << 30) as f64
-    );
-    println!(
-        "{:>3} {:>26} {:>26} {:>10}",
-        "k", "read once + copy (GB/s)", "read k times (GB/s)", "speed-up"
-    );
-    let _ = pack(model, &file, layout); // warm-up
-    for k in [2usize, 3] {
-        let mut copied = Vec::new();
-        let mut reread = Vec::new();
-        for _ in 0..runs {
-            let (read, store) = pack(model, &file, layout);
-            let start = Instant::now();
-            for _ in 1..k {
-                for layer in 0..model.layers {
-                    store.bench_replica_copy(layer, node).expect("copy");
-                }
-            }
-            copied.push(read + start.elapsed().as_secs_f64());
-            drop(store);
-            let mut total = 0.0;
-            for _ in 0..k {
-                total += pack(model, &file, layout).0;
-            }
-            reread.push(total);
-        }
-        let (copied, reread) = (median(copied), median(reread));
-        let gbps = |seconds: f64| k as f64 * bytes / seconds / 1e9;
+    // Warm: the file page-cached (buffered reads). Cold: every read from the device
+    // (O_DIRECT), so reading k times reads the device k times.
+    for (temperature, mode) in [
+        ("warm (page-cached)", ReadMode::Buffered),
+        ("cold (O_DIRECT)", ReadMode::Direct),
+    ] {
+        println!();
         println!(
-            "{k:>3} {:>26.2} {:>26.2} {:>9.2}x",
-            gbps(copied),
-            gbps(reread),
-            reread / copied
+            "replica build, {temperature}: k copies on node {node} ({:.2} GiB each, 2 loader threads; the llama.cpp NUMA mirror PR reports 16.1 GiB in 17.5 s = 0.99 GB/s)",
+            bytes / (1u64 << 30) as f64
         );
+        build_rows(model, &file, layout, mode, runs);
     }
-
-    let (_, store) = pack(model, &file, layout);
+    let (_, store) = pack(model, &file, layout, ReadMode::Buffered);
     let slices: Vec<Vec<&[u8]>> = (0..model.layers)
         .map(|l| {
             (0..model.experts)
@@ -120,4 +95,44 @@ pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
     );
     println!("{:<34} {:>8.1}", "weights", plain);
     println!("{:<34} {:>8.1}", "Vec<&[u8]> index", index);
+}
+
+/// k = 2, 3 copies: the file read once and copied k - 1 times, against read k times; the
+/// two alternate within each run.
+fn build_rows(model: &SyntheticModel, file: &File, layout: Layout, mode: ReadMode, runs: usize) {
+    let node = numapin::topology::current_node().expect("current node");
+    let bytes = model.total_bytes().unwrap_or(0) as f64;
+    println!(
+        "{:>3} {:>26} {:>26} {:>10}",
+        "k", "read once + copy (GB/s)", "read k times (GB/s)", "speed-up"
+    );
+    let _ = pack(model, file, layout, mode); // warm-up
+    for k in [2usize, 3] {
+        let mut copied = Vec::new();
+        let mut reread = Vec::new();
+        for _ in 0..runs {
+            let (read, store) = pack(model, file, layout, mode);
+            let start = Instant::now();
+            for _ in 1..k {
+                for layer in 0..model.layers {
+                    store.bench_replica_copy(layer, node).expect("copy");
+                }
+            }
+            copied.push(read + start.elapsed().as_secs_f64());
+            drop(store);
+            let mut total = 0.0;
+            for _ in 0..k {
+                total += pack(model, file, layout, mode).0;
+            }
+            reread.push(total);
+        }
+        let (copied, reread) = (median(copied), median(reread));
+        let gbps = |seconds: f64| k as f64 * bytes / seconds / 1e9;
+        println!(
+            "{k:>3} {:>26.2} {:>26.2} {:>9.2}x",
+            gbps(copied),
+            gbps(reread),
+            reread / copied
+        );
+    }
 }

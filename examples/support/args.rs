@@ -124,6 +124,10 @@ pub struct PinModelArgs {
     /// system cannot, and says so) or `drop-behind` (buffered, evicted as it goes).
     #[arg(long, value_name = "MODE", default_value_t = ReadMode::Buffered, value_parser = parse_read_mode)]
     pub read: ReadMode,
+    /// With `--read direct`: blocking reads on the loader threads instead of `io_uring`
+    /// (which is used where the kernel allows it; the report says which ran).
+    #[arg(long)]
+    pub no_io_uring: bool,
     /// A checkpoint to pin instead of the synthetic model: a `.safetensors` file, a
     /// directory of safetensors shards (with or without `model.safetensors.index.json`),
     /// a `.gguf` file or the first part of a split GGUF. The MoE experts are packed, every

@@ -45,6 +45,9 @@ pub struct Run {
     pub read_mode: String,
     /// Why a direct read fell back to buffered reads, if it did.
     pub read_fallback: Option<String>,
+    /// How direct reads were issued (`io_uring (...)` or `threads (fallback: ...)`);
+    /// `None`: no file was read directly.
+    pub direct_io: Option<String>,
 }
 
 impl Run {
@@ -146,6 +149,12 @@ pub fn measure(
             .iter()
             .find_map(|r| r.read_fallback)
             .map(|f| f.to_string()),
+        // A layer that fell back to blocking reads is the one to report.
+        direct_io: reports
+            .iter()
+            .filter_map(|r| r.direct_io)
+            .min_by_key(|io| io.is_io_uring())
+            .map(|io| io.to_string()),
     })
 }
 
@@ -201,6 +210,7 @@ pub fn run_baseline(
         anon_huge_bytes: 0,
         read_mode: "buffered".into(),
         read_fallback: None,
+        direct_io: None,
     };
     Ok((run, slabs))
 }

@@ -50,6 +50,9 @@ pub struct RunJson<'a> {
     pub read_mode: &'a str,
     /// Why a direct read fell back to buffered reads (`null`: it did not).
     pub fallback: Option<&'a str>,
+    /// How direct reads were issued: `io_uring (depth N per loader)` or `threads
+    /// (fallback: why)` (`null`: no direct reads).
+    pub direct_io: Option<&'a str>,
 }
 
 impl<'a> RunJson<'a> {
@@ -72,6 +75,7 @@ impl<'a> RunJson<'a> {
             anon_huge_bytes: run.anon_huge_bytes,
             read_mode: &run.read_mode,
             fallback: run.read_fallback.as_deref(),
+            direct_io: run.direct_io.as_deref(),
         }
     }
 }

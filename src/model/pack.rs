@@ -307,7 +307,7 @@ impl Checkpoint {
         mode: ReadMode,
     ) -> Result<VerifyReport> {
         let reader = Reader::new(mode, self.files.iter().map(|f| f.file()))?;
-        let mut scratch = reader.scratch();
+        let mut scratch = reader.scratch()?;
         let report = self.verify_using(store, naming, &reader, &mut scratch)?;
         reader.finish()?;
         Ok(report)

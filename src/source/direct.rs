@@ -16,7 +16,8 @@ use rustix::fs::{AtFlags, OFlags, StatxFlags};
 use rustix::io::Errno;
 
 use super::mode::ReadFallback;
-use super::read::Segment;
+use super::read::{Segment, path_of};
+use super::uring::{CHUNK, Request, Ring};
 use crate::error::{Error, Result};
 
 /// The bounce buffer of one loader thread for direct reads (at least two alignment
@@ -111,12 +112,14 @@ fn open_direct_in(file: &File, fd_dir: &str) -> Result<std::result::Result<Direc
     }
 }
 
-/// A loader thread's bounce buffer: `len` bytes aligned for direct I/O inside `buf`.
+/// A loader thread's bounce buffer: `len` bytes aligned for direct I/O inside `buf`; and
+/// its `io_uring`, when direct reads go through one.
 #[derive(Default)]
 pub(crate) struct Scratch {
     buf: Vec<u8>,
     start: usize,
     len: usize,
+    ring: Option<Ring>,
 }
 
 impl Scratch {
@@ -124,7 +127,18 @@ impl Scratch {
         let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
         let buf = vec![0u8; len + mem_align];
         let start = buf.as_ptr().align_offset(mem_align);
-        Scratch { buf, start, len }
+        Scratch {
+            buf,
+            start,
+            len,
+            ring: None,
+        }
+    }
+
+    /// The same bounce buffer, with aligned reads submitted through `ring`.
+    pub(crate) fn with_ring(mut self, ring: Ring) -> Self {
+        self.ring = Some(ring);
+        self
     }
 
     fn get(&mut self) -> &mut [u8] {
@@ -137,8 +151,10 @@ impl Direct {
         Error::io(
             "pread",
             format!(
-                "{}: O_DIRECT read of {len} bytes at file offset {offset} ended at the end of the file",
-                what()
+                "{}: {}: O_DIRECT read of {len} bytes at file offset {offset} ended at the end of \
+                 the file (was it truncated during the load?)",
+                what(),
+                path_of(&self.file)
             ),
             std::io::ErrorKind::UnexpectedEof.into(),
         )
@@ -156,8 +172,9 @@ impl Direct {
             op,
             errno,
             format_args!(
-                "{}: O_DIRECT fd={} offset={offset} len={len} alignment: offset and length {}, memory {}",
+                "{}: {}: O_DIRECT fd={} offset={offset} len={len} alignment: offset and length {}, memory {}",
                 what(),
+                path_of(&self.file),
                 self.file.as_raw_fd(),
                 self.offset_align,
                 self.mem_align,
@@ -178,6 +195,13 @@ impl Direct {
                 && s.dest.len().is_multiple_of(align)
                 && (s.dest.as_ptr() as usize).is_multiple_of(mem)
         });
+        if aligned && let Some(ring) = scratch.ring.as_mut() {
+            let requests = run
+                .iter_mut()
+                .flat_map(|s| chunks(s.offset, &mut *s.dest))
+                .collect();
+            return self.read_ring(ring, requests, what);
+        }
         if aligned {
             for group in run.chunks_mut(IOV_MAX) {
                 self.read_vectored(group, scratch, what)?;
@@ -222,6 +246,21 @@ impl Direct {
             window_start = window_end;
         }
         Ok(())
+    }
+
+    /// Aligned reads through the loader's ring, several in flight.
+    fn read_ring(
+        &self,
+        ring: &mut Ring,
+        requests: Vec<Request<'_>>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        ring.read_all(
+            &self.file,
+            requests,
+            &|errno, offset, len| self.failed("io_uring read", errno, offset, len, what),
+            &|offset, len| self.eof(offset, len, what),
+        )
     }
 
     /// One `preadv` straight into aligned segments; a short read finishes segment by
@@ -281,6 +320,14 @@ impl Direct {
             let head = (offset % align as u64) as usize;
             if head == 0 && address.is_multiple_of(mem) && dest.len() >= align {
                 // Aligned: straight into the slot.
+                if let Some(ring) = scratch.ring.as_mut() {
+                    let len = dest.len() / align * align;
+                    let (now, rest) = std::mem::take(&mut dest).split_at_mut(len);
+                    self.read_ring(ring, chunks(offset, now).collect(), what)?;
+                    dest = rest;
+                    offset += len as u64;
+                    continue;
+                }
                 let len = (dest.len() / align * align).min(MAX_DIRECT);
                 let got = pread(&self.file, &mut dest[..len], offset)
                     .map_err(|e| failed(e, offset, len))?;
@@ -322,6 +369,16 @@ impl Direct {
         }
         Ok(())
     }
+}
+
+/// `dest` as ring requests of at most [`CHUNK`] bytes, from file offset `offset` on.
+fn chunks(offset: u64, dest: &mut [u8]) -> impl Iterator<Item = Request<'_>> {
+    dest.chunks_mut(CHUNK)
+        .enumerate()
+        .map(move |(i, buf)| Request {
+            offset: offset + (i * CHUNK) as u64,
+            buf,
+        })
 }
 
 fn no_scratch(what: &dyn Fn() -> String) -> Error {
@@ -392,7 +449,7 @@ mod tests {
         }
         let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
         assert_eq!(reader.outcome(), (ReadMode::Direct, None));
-        let mut scratch = reader.scratch();
+        let mut scratch = reader.scratch().unwrap();
         let mut dest = vec![0u8; 1000];
         reader
             .read(&file, 0, &mut dest, &mut scratch, &|| "t".into())

@@ -8,7 +8,7 @@ use std::sync::{Condvar, Mutex};
 use std::thread::Scope;
 
 pub(crate) use super::progress::Meter;
-pub(crate) use super::read::{DIRECT_BATCH, Reader, Scratch, Segment};
+pub(crate) use super::read::{Reader, Scratch, Segment};
 use super::{Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 use crate::node::Node;
@@ -159,8 +159,8 @@ struct Fill<'j, 'r, 'a> {
     meter: Option<&'r Meter<'r>>,
     target: &'r (dyn Fn(usize) -> Option<Node> + Sync),
     spread: &'r [Node],
-    /// Whether a loader takes runs of consecutive slots at once ([`take`]).
-    batches: bool,
+    /// The most bytes of consecutive slots a loader takes at once ([`take`]; 0: one).
+    batch: usize,
     /// The jobs, reversed: taken from the end in the order given.
     queue: Mutex<Vec<Job<'j>>>,
     first_error: Mutex<Option<Error>>,
@@ -190,7 +190,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
             meter,
             target,
             spread,
-            batches: reader.batches(),
+            batch: reader.batch_bytes(),
             queue: Mutex::new(jobs),
             first_error: Mutex::new(None),
             started: (Mutex::new(0), Condvar::new()),
@@ -235,7 +235,15 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         // The first allocation gives this thread its malloc arena now, under the
         // spawner's permit, not later outside it; so does the bounce buffer.
         drop(std::hint::black_box(Box::new(0u8)));
-        let scratch = self.reader.scratch();
+        let scratch = match self.reader.scratch() {
+            Ok(scratch) => scratch,
+            Err(e) => {
+                if let Ok(mut slot) = self.first_error.lock() {
+                    slot.get_or_insert(e);
+                }
+                Scratch::default()
+            }
+        };
         let (count, ready) = &self.started;
         *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         ready.notify_all();
@@ -256,7 +264,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
                 return;
             }
             let batch = match self.queue.lock() {
-                Ok(mut q) => take(&mut q, self.batches),
+                Ok(mut q) => take(&mut q, self.batch),
                 Err(_) => Vec::new(),
             };
             if batch.is_empty() {
@@ -349,16 +357,16 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
     }
 }
 
-/// The next job from the (reversed) queue; with `batches`, also the jobs after it whose
-/// file pieces continue it in the same file, up to [`DIRECT_BATCH`] bytes.
-fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
+/// The next job from the (reversed) queue; with a `batch` of bytes, also the jobs after it
+/// whose file pieces continue it in the same file, up to `batch` bytes in all.
+fn take<'a>(queue: &mut Vec<Job<'a>>, batch_bytes: usize) -> Vec<Job<'a>> {
     let Some(first) = queue.pop() else {
         return Vec::new();
     };
     let mut bytes = first.tensor.len();
     let mut end = last_end(&first.tensor);
     let mut batch = vec![first];
-    if !batches {
+    if batch_bytes == 0 {
         return batch;
     }
     while let Some(next) = queue.last() {
@@ -370,7 +378,7 @@ fn take<'a>(queue: &mut Vec<Job<'a>>, batches: bool) -> Vec<Job<'a>> {
             .find(|p| p.len > 0)
             .is_some_and(|p| std::ptr::eq(p.file, file) && p.offset == at);
         let len = next.tensor.len();
-        if !continues || bytes + len > DIRECT_BATCH {
+        if !continues || bytes + len > batch_bytes {
             break;
         }
         bytes += len;

@@ -8,13 +8,14 @@ pub(crate) mod load;
 mod mode;
 pub(crate) mod progress;
 pub(crate) mod read;
+mod uring;
 
 use std::fs::File;
 
 use crate::error::{Error, Result};
 
 pub use load::{LOADER_THREAD_MAPS, MAX_READ};
-pub use mode::{ReadFallback, ReadMode};
+pub use mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
 pub use read::DROP_BEHIND_EVERY;
 

@@ -132,6 +132,79 @@ impl fmt::Display for ReadFallback {
     }
 }
 
+/// How the direct reads of a [`ReadMode::Direct`] load were issued
+/// ([`LayerReport::direct_io`](crate::store::LayerReport::direct_io)).
+///
+/// `Display` prints `io_uring (depth 32 per loader)` or `threads (fallback: …)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+#[non_exhaustive]
+pub enum DirectIo {
+    /// Each loader thread keeps up to `depth` reads in flight on its own `io_uring`,
+    /// straight into the slots (aligned pieces; the others go through the bounce buffer).
+    IoUring {
+        /// Reads in flight per loader thread, at most.
+        depth: usize,
+    },
+    /// One blocking `pread`/`preadv` at a time per loader thread, because `io_uring` could
+    /// not be used: the reason is the value.
+    Threads(IoUringFallback),
+}
+
+impl DirectIo {
+    /// Whether the reads went through `io_uring`.
+    pub fn is_io_uring(self) -> bool {
+        matches!(self, DirectIo::IoUring { .. })
+    }
+}
+
+impl fmt::Display for DirectIo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DirectIo::IoUring { depth } => write!(f, "io_uring (depth {depth} per loader)"),
+            DirectIo::Threads(why) => write!(f, "threads (fallback: {why})"),
+        }
+    }
+}
+
+/// Why direct reads ran on blocking loader threads instead of `io_uring`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+#[non_exhaustive]
+pub enum IoUringFallback {
+    /// `io_uring_setup` answered `EPERM`: a seccomp profile denies it (Docker's default
+    /// since Docker 25, moby #46762) or `kernel.io_uring_disabled` is set (Linux 6.6+).
+    Denied,
+    /// `io_uring_setup` answered `ENOSYS`: the kernel has no `io_uring`
+    /// (`CONFIG_IO_URING=n`, or a filter that answers so).
+    Unsupported,
+    /// [`StoreOptions::io_uring`](crate::store::StoreOptions::io_uring) turned it off.
+    Off,
+}
+
+impl fmt::Display for IoUringFallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            IoUringFallback::Denied => {
+                "io_uring_setup answered EPERM (a seccomp profile such as Docker's default, \
+                 or kernel.io_uring_disabled)"
+            }
+            IoUringFallback::Unsupported => {
+                "io_uring_setup answered ENOSYS (no io_uring in this kernel)"
+            }
+            IoUringFallback::Off => "io_uring turned off in the options",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

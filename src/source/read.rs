@@ -22,7 +22,8 @@ use rustix::fs::Advice;
 
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
-use super::mode::{ReadFallback, ReadMode};
+use super::mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
+use super::uring::{self, Ring};
 use crate::error::{Error, Result};
 
 /// Bytes read from one file between two drop-behind advices.
@@ -43,6 +44,10 @@ const FOLIO_MAX: u64 = 2 << 20;
 /// large requests are what a device reads fast, and `O_DIRECT` has no readahead to merge
 /// small ones.
 pub(crate) const DIRECT_BATCH: usize = 8 << 20;
+
+/// The most file bytes one loader takes at once when its direct reads go through
+/// `io_uring`: enough slots to keep [`uring::DEPTH`] reads in flight.
+pub(crate) const URING_BATCH: usize = 32 << 20;
 
 /// How one source file is read.
 enum How {
@@ -73,6 +78,10 @@ pub(crate) struct Reader<'a> {
     index: HashMap<usize, usize>,
     requested: ReadMode,
     fallback: Option<ReadFallback>,
+    /// How direct reads are issued (`None`: no file is read directly).
+    io: Option<DirectIo>,
+    /// A loader whose ring could not be set up although the probe passed: its reason.
+    late: Mutex<Option<IoUringFallback>>,
 }
 
 fn key(file: &File) -> usize {
@@ -87,6 +96,8 @@ impl<'a> Reader<'a> {
             index: HashMap::new(),
             requested: ReadMode::Buffered,
             fallback: None,
+            io: None,
+            late: Mutex::new(None),
         }
     }
 
@@ -129,7 +140,33 @@ impl<'a> Reader<'a> {
             reader.index.insert(key(file), reader.files.len());
             reader.files.push(Source { file, how });
         }
+        if reader.needs_scratch() {
+            reader.io = Some(match uring::probe()? {
+                Ok(()) => DirectIo::IoUring {
+                    depth: uring::DEPTH,
+                },
+                Err(why) => DirectIo::Threads(why),
+            });
+        }
         Ok(reader)
+    }
+
+    /// Direct reads with blocking calls on the loader threads, `io_uring` or not.
+    pub(crate) fn without_io_uring(mut self) -> Self {
+        if self.io.is_some() {
+            self.io = Some(DirectIo::Threads(IoUringFallback::Off));
+        }
+        self
+    }
+
+    /// How the direct reads were issued (`None`: no file was read directly). A loader
+    /// whose ring could not be set up makes it [`DirectIo::Threads`] with its reason.
+    pub(crate) fn direct_io(&self) -> Option<DirectIo> {
+        let late = *self.late.lock().unwrap_or_else(|e| e.into_inner());
+        match (self.io, late) {
+            (Some(_), Some(why)) => Some(DirectIo::Threads(why)),
+            (io, _) => io,
+        }
     }
 
     /// What ran: the requested mode, or [`ReadMode::Buffered`] when a file fell back
@@ -141,8 +178,40 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A bounce buffer for one loader thread (empty unless a file is read directly).
-    pub(crate) fn scratch(&self) -> Scratch {
+    /// A bounce buffer for one loader thread (empty unless a file is read directly), with
+    /// its own ring when direct reads go through `io_uring`.
+    ///
+    /// # Errors
+    /// `io_uring_setup` failed with an errno other than `EPERM` or `ENOSYS`.
+    pub(crate) fn scratch(&self) -> Result<Scratch> {
+        let scratch = self.bounce();
+        if !self.io.is_some_and(DirectIo::is_io_uring) {
+            return Ok(scratch);
+        }
+        match Ring::new()? {
+            Ok(ring) => Ok(scratch.with_ring(ring)),
+            Err(why) => {
+                self.late
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(why);
+                Ok(scratch)
+            }
+        }
+    }
+
+    /// Mappings one loader thread's [`Reader::scratch`] adds: its bounce buffer and its
+    /// ring.
+    pub(crate) fn scratch_maps(&self) -> usize {
+        let ring = if self.io.is_some_and(DirectIo::is_io_uring) {
+            uring::RING_MAPS
+        } else {
+            0
+        };
+        usize::from(self.needs_scratch()) + ring
+    }
+
+    fn bounce(&self) -> Scratch {
         let align = self
             .files
             .iter()
@@ -205,9 +274,14 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Whether loaders should take consecutive slots in batches ([`DIRECT_BATCH`]).
-    pub(crate) fn batches(&self) -> bool {
-        self.needs_scratch()
+    /// The most bytes of consecutive slots a loader takes at once: [`URING_BATCH`] or
+    /// [`DIRECT_BATCH`] for direct reads, 0 (one slot at a time) otherwise.
+    pub(crate) fn batch_bytes(&self) -> usize {
+        match self.io {
+            None => 0,
+            Some(io) if io.is_io_uring() => URING_BATCH,
+            Some(_) => DIRECT_BATCH,
+        }
     }
 
     /// Reads every segment; runs of segments that continue each other in one directly
@@ -269,10 +343,23 @@ fn buffered(file: &File, offset: u64, dest: &mut [u8], what: &dyn Fn() -> String
     file.read_exact_at(dest, offset).map_err(|e| {
         Error::io(
             "pread",
-            format!("{}: {} bytes at file offset {offset}", what(), dest.len()),
+            format!(
+                "{}: {}: {} bytes at file offset {offset}",
+                what(),
+                path_of(file),
+                dest.len()
+            ),
             e,
         )
     })
+}
+
+/// The file's path as `/proc/self/fd` names it, for error messages (`fd N` without
+/// procfs, or for a descriptor that has no path).
+pub(super) fn path_of(file: &File) -> String {
+    let fd = file.as_raw_fd();
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map_or_else(|_| format!("fd {fd}"), |p| p.display().to_string())
 }
 
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` over `len` bytes at `offset` (0: to the end).

@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::source::load;
 pub use crate::source::{
-    DROP_BEHIND_EVERY, ExpertSource, Kind, LOADER_THREAD_MAPS, MAX_READ, PROGRESS_STEP, Piece,
-    Progress, ProgressHook, ReadFallback, ReadMode,
+    DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
+    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
 use access::{check_fits, out_of_range};
 use arena::Arena;
@@ -229,15 +229,27 @@ impl PinStore {
         let policy = self.policy_for(layer);
         let (placement, mut mbind_calls) =
             self.place(policy.as_ref(), &arenas, spec.experts, order.as_ref())?;
-        if self.options.populate {
+        let reader = self.reader(sources)?;
+        // Direct reads fault the slots in themselves, under the bind and overlapped with
+        // the device's transfers: a separate pass first would only zero them serially.
+        let (read_mode, read_fallback) = reader.outcome();
+        if self.options.populate && read_mode != ReadMode::Direct {
             for arena in arenas.iter_mut().flatten() {
                 arena.populate()?;
             }
         }
         let experts = spec.experts;
         let target = |expert: usize| self.expert_node(layer, experts, expert);
-        let (filled, (read_mode, read_fallback)) =
-            self.fill(layer, &mut arenas, sources, &lengths, &map, &target)?;
+        let filled = self.fill(
+            layer,
+            &mut arenas,
+            sources,
+            &lengths,
+            &map,
+            &target,
+            &reader,
+        )?;
+        let direct_io = reader.direct_io();
         // Replicas only where the first copy was bound: a degraded store keeps one
         // unplaced copy.
         let built = if copies > 1 && placement.is_some_and(|p| p.is_bound()) {
@@ -261,6 +273,7 @@ impl PinStore {
             reads: filled.reads,
             read_mode,
             read_fallback,
+            direct_io,
             policy,
             replicas: 1 + replicas.len(),
             local_bytes: filled.local_bytes + built.local_bytes,
@@ -388,9 +401,26 @@ impl PinStore {
         Ok(placement)
     }
 
+    /// How the layer's files are read: the store's read mode, with or without `io_uring`.
+    fn reader<'a>(&self, sources: &'a [ExpertSource<'a>]) -> Result<load::Reader<'a>> {
+        let reader = load::Reader::new(
+            self.options.read_mode,
+            sources
+                .iter()
+                .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).files()))
+                .flatten(),
+        )?;
+        Ok(if self.options.io_uring {
+            reader
+        } else {
+            reader.without_io_uring()
+        })
+    }
+
     /// Step 4 (after populating): fills every slot with the loader threads, each helper
     /// thread spawned only if its mappings fit; marks the slots loaded. Returns the
-    /// `pread` count and the read mode that ran.
+    /// `pread` count and what the loaders did.
+    #[allow(clippy::too_many_arguments)]
     fn fill(
         &self,
         layer: usize,
@@ -399,20 +429,14 @@ impl PinStore {
         lengths: &[[usize; 2]],
         map: &SlotMap,
         target: &(dyn Fn(usize) -> Option<crate::node::Node> + Sync),
-    ) -> Result<(load::Filled, (ReadMode, Option<ReadFallback>))> {
+        reader: &load::Reader<'_>,
+    ) -> Result<load::Filled> {
         let slots = sources.len().checked_mul(arenas.len()).ok_or_else(|| {
             Error::overflow(
                 PACK,
                 format!("layer {layer}: the slots of {} experts", sources.len()),
             )
         })?;
-        let reader = load::Reader::new(
-            self.options.read_mode,
-            sources
-                .iter()
-                .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).files()))
-                .flatten(),
-        )?;
         let mut jobs = Vec::with_capacity(slots);
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
@@ -426,16 +450,17 @@ impl PinStore {
         // Expert by expert, each expert's weights then scales: the order a checkpoint
         // usually has them in, so that the loaders walk the file forwards.
         jobs.sort_by_key(|job| (job.what.1, job.what.2));
-        // Direct reads give each loader thread a bounce buffer: one more heap mapping.
-        let bounce_maps = usize::from(reader.needs_scratch());
+        // Direct reads give each loader thread a bounce buffer (one more heap mapping) and,
+        // with io_uring, a ring (its own mappings).
+        let bounce_maps = reader.scratch_maps();
         let scratch = if bounce_maps > 0 {
             let _reservation = self.maps.reserve(
-                || format!("layer {layer} direct-I/O bounce buffer"),
+                || format!("layer {layer} direct-I/O bounce buffer and ring"),
                 bounce_maps,
             )?;
-            reader.scratch()
+            reader.scratch()?
         } else {
-            reader.scratch()
+            reader.scratch()?
         };
         let bytes: u64 = lengths.iter().flatten().map(|&n| n as u64).sum();
         let meter = self
@@ -452,7 +477,7 @@ impl PinStore {
             Vec::new()
         };
         let loading = load::Loading {
-            reader: &reader,
+            reader,
             scratch,
             meter: meter.as_ref(),
             target,
@@ -471,7 +496,7 @@ impl PinStore {
                 arena.mark_loaded(expert, slot_map::extent(places));
             }
         }
-        Ok((filled, reader.outcome()))
+        Ok(filled)
     }
 
     /// Checks the request; returns each expert's `[weights, scales]` byte counts.

@@ -27,7 +27,9 @@ pub struct StoreOptions {
     /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
     /// so that even with THP `always` interleaving stays page by page.
     pub huge_pages: bool,
-    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on).
+    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on). A
+    /// [`ReadMode::Direct`] load skips it: its reads fault the slots in under the bind,
+    /// overlapped with the device's transfers, where a separate pass would zero them first.
     pub populate: bool,
     /// Threads that fill slots (default: the available parallelism).
     pub loader_threads: usize,
@@ -46,6 +48,10 @@ pub struct StoreOptions {
     /// [`LayerReport::read_mode`] says what ran. [`PinStore::ensure`] always reads
     /// buffered.
     pub read_mode: ReadMode,
+    /// [`ReadMode::Direct`]: each loader thread keeps several reads in flight on its own
+    /// `io_uring` (default on). Where `io_uring_setup` answers `EPERM` or `ENOSYS` the
+    /// loaders read with blocking calls instead, and [`LayerReport::direct_io`] says so.
+    pub io_uring: bool,
     /// Called with each layer's [`Progress`] while it loads (default none); see
     /// [`ProgressHook`] for the rate and the guarantees.
     pub progress: Option<ProgressHook>,
@@ -125,6 +131,13 @@ impl StoreOptions {
         self
     }
 
+    /// [`StoreOptions::io_uring`].
+    #[must_use]
+    pub fn io_uring(mut self, on: bool) -> Self {
+        self.io_uring = on;
+        self
+    }
+
     /// [`StoreOptions::loader_threads`] (0 is refused by [`PinStore::new`]).
     #[must_use]
     pub fn loader_threads(mut self, threads: usize) -> Self {
@@ -193,6 +206,7 @@ impl Default for StoreOptions {
             shared: false,
             slot_align: SlotAlign::Page,
             read_mode: ReadMode::Buffered,
+            io_uring: true,
             progress: None,
             piece_align: 1,
             assignment: None,

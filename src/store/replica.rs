@@ -260,7 +260,7 @@ impl PinStore {
         };
         let loading = load::Loading {
             reader: &reader,
-            scratch: reader.scratch(),
+            scratch: reader.scratch()?,
             meter: None,
             target: &|_| node,
             spread: &spread,

@@ -1,7 +1,7 @@
 //! [`LayerSpec`], the shape of a layer a store packs, and [`LayerReport`], what packing it
 //! did.
 
-use super::{ExpertSource, Kind, ReadFallback, ReadMode};
+use super::{DirectIo, ExpertSource, Kind, ReadFallback, ReadMode};
 #[cfg(doc)]
 use super::{Layout, PinStore, StoreOptions};
 use crate::error::Result;
@@ -105,6 +105,9 @@ pub struct LayerReport {
     /// Why [`ReadMode::Direct`] fell back to buffered reads (the first file that did),
     /// if it did.
     pub read_fallback: Option<ReadFallback>,
+    /// How the direct reads were issued: through `io_uring`, or on blocking loader threads
+    /// and why ([`DirectIo::Threads`]); `None` where no file was read directly.
+    pub direct_io: Option<DirectIo>,
     /// The layer's policy (`None` for [`Layout::Unplaced`] and [`Layout::SplitExperts`],
     /// whose blocks each have their own; the first copy's for [`Layout::Replicate`]).
     pub policy: Option<MemPolicy>,

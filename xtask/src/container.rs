@@ -55,26 +55,28 @@ const ENVS: [Env; 4] = [
         name: "docker-default",
         expect: "denied",
         errno: Some(libc::EPERM),
-        filtered: &NUMA_SYSCALLS,
+        filtered: &DOCKER_DEFAULT,
         sys_nice_only: false,
-        what: "seccomp answers the NUMA syscalls with EPERM (Docker's default profile)",
+        what: "seccomp answers the NUMA and io_uring syscalls with EPERM (Docker's default \
+               profile)",
     },
     Env {
         name: "docker-sys-nice",
         expect: "sys-nice",
         errno: Some(libc::EPERM),
-        filtered: &PAGE_SYSCALLS,
+        filtered: &DOCKER_SYS_NICE,
         sys_nice_only: true,
-        what: "seccomp answers move_pages and migrate_pages with EPERM, the policy calls \
-               work (Docker's default profile with --cap-add SYS_NICE)",
+        what: "seccomp answers move_pages, migrate_pages and io_uring with EPERM, the policy \
+               calls work (Docker's default profile with --cap-add SYS_NICE)",
     },
     Env {
         name: "no-numa",
         expect: "unsupported",
         errno: Some(libc::ENOSYS),
-        filtered: &NUMA_SYSCALLS,
+        filtered: &NO_NUMA,
         sys_nice_only: false,
-        what: "seccomp answers the NUMA syscalls with ENOSYS (CONFIG_NUMA=n)",
+        what: "seccomp answers the NUMA and io_uring syscalls with ENOSYS (CONFIG_NUMA=n, \
+               CONFIG_IO_URING=n)",
     },
 ];
 
@@ -92,6 +94,38 @@ const NUMA_SYSCALLS: [i64; 6] = [
 /// The syscalls in none of the profile's allow lists: EPERM (its default errno) whatever
 /// the capabilities.
 const PAGE_SYSCALLS: [i64; 2] = [libc::SYS_move_pages, libc::SYS_migrate_pages];
+
+/// io_uring: out of Docker's default profile since Docker 25 (moby #46762), so EPERM;
+/// ENOSYS where the kernel is built without it. numapin's direct reads fall back to
+/// blocking reads on the loader threads and say so (tests/direct_io.rs).
+const IO_URING_SYSCALLS: [i64; 3] = [
+    libc::SYS_io_uring_setup,
+    libc::SYS_io_uring_enter,
+    libc::SYS_io_uring_register,
+];
+
+/// `a` then `b`, at compile time.
+const fn both<const A: usize, const B: usize, const N: usize>(
+    a: [i64; A],
+    b: [i64; B],
+) -> [i64; N] {
+    assert!(A + B == N, "both: the lengths do not add up");
+    let mut out = [0i64; N];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < N {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
+}
+
+const DOCKER_DEFAULT: [i64; 9] = both(NUMA_SYSCALLS, IO_URING_SYSCALLS);
+const DOCKER_SYS_NICE: [i64; 5] = both(PAGE_SYSCALLS, IO_URING_SYSCALLS);
+const NO_NUMA: [i64; 9] = both(NUMA_SYSCALLS, IO_URING_SYSCALLS);
 
 /// What `cargo xtask test-container` was asked: one environment or all, how many rounds.
 struct Request {
