@@ -1,6 +1,6 @@
-//! `ExpertCache`: an LRU of experts in fixed slots, one weights region and one scales
-//! region per node, each bound to its node once before first touch; and `StagingPool`,
-//! reusable page-aligned buffers that bind nothing.
+//! `ExpertCache`: a cache of experts in fixed slots (CLOCK replacement, lock-free hits),
+//! one weights region and one scales region per node, each bound to its node once before
+//! first touch; and `StagingPool`, reusable page-aligned buffers that bind nothing.
 //!
 //! The cache's mappings do not grow with churn: an eviction reuses the slot's pages in
 //! place (no `munmap`, no new `mbind`), so a cache over `n` nodes keeps its `2 × n`
