@@ -7,10 +7,15 @@
 //! get-or-load of a key never cached: evict, load), and the process's mappings after
 //! 10k, 100k and 1M operations of the stream for both (`NUMAPIN_BENCH_CACHE_OPS` sets the
 //! last figure). Figures are printed, never asserted: the machine is shared and noisy.
+//!
+//! Then hit scaling (the issue's serving workload): 64 cached keys, `get` and drop, one
+//! thread against two, in alternating rounds in one process (`NUMAPIN_BENCH_ROUNDS`,
+//! default 7); prints each round, the best and the median of hits/s and the ratio 2 : 1,
+//! and the single-thread ns per hit. `NUMAPIN_BENCH_ONLY=scaling` runs this part alone.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use numapin::cache::{CacheOptions, ExpertCache};
 use numapin::store::ExpertSource;
@@ -153,7 +158,133 @@ fn ns_per(start: Instant, n: usize) -> f64 {
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
+/// This thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`): what a hit costs the core that
+/// runs it, whether or not the other thread was scheduled at the same moment.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer; the clock id is a constant the kernel knows.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// `threads` threads, each doing `per_thread` `get`s over the cached `keys` (each thread
+/// its own order), started together: `(hits per second of wall time, hits per second of
+/// CPU time summed over the threads)`. Contention shows in both (a bounced cache line
+/// costs cycles); a busy machine that runs the threads one after the other hurts only
+/// the first.
+fn hit_rate(cache: &ExpertCache, keys: &[Key], threads: usize, per_thread: usize) -> (f64, f64) {
+    let start = std::sync::Barrier::new(threads + 1);
+    let (wall, cpu) = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let start = &start;
+                s.spawn(move || {
+                    let mut sum = 0usize;
+                    start.wait();
+                    let (began, cpu) = (Instant::now(), thread_cpu());
+                    for i in 0..per_thread {
+                        let k = keys[(i * 7 + t * 31) % keys.len()];
+                        let entry = cache.get(black_box(k.0), black_box(k.1));
+                        sum += entry.map_or(0, |e| e.weights()[0] as usize);
+                    }
+                    black_box(sum);
+                    (began.elapsed(), thread_cpu() - cpu)
+                })
+            })
+            .collect();
+        start.wait();
+        let times: Vec<(Duration, Duration)> = workers
+            .into_iter()
+            .map(|w| w.join().expect("worker"))
+            .collect();
+        let wall = times.iter().map(|t| t.0).max().expect("a thread");
+        let cpu: Duration = times.iter().map(|t| t.1).sum();
+        (wall, cpu)
+    });
+    let hits = (threads * per_thread) as f64;
+    // CPU-time rate scaled to `threads` cores: what the threads would do side by side.
+    (
+        hits / wall.as_secs_f64(),
+        hits / cpu.as_secs_f64() * threads as f64,
+    )
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// 64 cached keys, one thread against two, alternating rounds.
+fn hit_scaling(node: Node, experts: &Experts) {
+    const KEYS: usize = 64;
+    const PER_THREAD: usize = 2_000_000;
+    let rounds: usize = std::env::var("NUMAPIN_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    let mut set = NodeSet::new();
+    set.insert(node);
+    let cache = ExpertCache::new(set, KEYS, BYTES, BYTES, CacheOptions::default())
+        .expect("ExpertCache::new");
+    let keys: Vec<Key> = (0..KEYS).map(|e| (3, e)).collect();
+    for &k in &keys {
+        drop(
+            cache
+                .get_or_load(k.0, k.1, &experts.source(k), Some(node))
+                .expect("get_or_load"),
+        );
+    }
+    println!();
+    println!(
+        "hit scaling: {KEYS} cached keys, get + drop, {PER_THREAD} hits per thread, \
+         {rounds} alternating rounds (2 cores shared with other builds: load {})",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    println!(
+        "{:<6} {:>14} {:>14} {:>7} {:>14} {:>14} {:>7}",
+        "round", "1 thr hits/s", "2 thr hits/s", "2 : 1", "1 thr cpu", "2 thr cpu", "2 : 1"
+    );
+    let (mut one, mut two, mut one_cpu, mut two_cpu) = (vec![], vec![], vec![], vec![]);
+    for round in 0..rounds {
+        let (a, a_cpu) = hit_rate(&cache, &keys, 1, PER_THREAD);
+        let (b, b_cpu) = hit_rate(&cache, &keys, 2, PER_THREAD);
+        println!(
+            "{round:<6} {a:>14.3e} {b:>14.3e} {:>7.2} {a_cpu:>14.3e} {b_cpu:>14.3e} {:>7.2}",
+            b / a,
+            b_cpu / a_cpu
+        );
+        one.push(a);
+        two.push(b);
+        one_cpu.push(a_cpu);
+        two_cpu.push(b_cpu);
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    for (what, one, two) in [("wall", &one, &two), ("cpu", &one_cpu, &two_cpu)] {
+        let (b1, b2) = (best(one), best(two));
+        let (m1, m2) = (median(one.clone()), median(two.clone()));
+        println!(
+            "{what:<5} best: 1 thread {b1:.3e} hits/s ({:.1} ns/hit), 2 threads {b2:.3e}: \
+             {:.2}x; median: 1 thread {m1:.3e} ({:.1} ns/hit), 2 threads {m2:.3e}: {:.2}x",
+            1e9 / b1,
+            b2 / b1,
+            1e9 / m1,
+            m2 / m1
+        );
+    }
+    let stats = cache.stats().expect("stats");
+    println!(
+        "cache after: hits {} misses {} (the {KEYS} loads)",
+        stats.hits, stats.misses
+    );
+}
+
 fn main() {
+    let only = std::env::var("NUMAPIN_BENCH_ONLY").unwrap_or_default();
     let ops: usize = std::env::var("NUMAPIN_BENCH_CACHE_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -172,6 +303,10 @@ fn main() {
             .flat_map(|_| rng.next().to_le_bytes())
             .collect(),
     );
+    if only == "scaling" {
+        hit_scaling(node, &experts);
+        return;
+    }
     let stream = zipf_stream(ops, 7);
     let checkpoints: Vec<usize> = [10_000, 100_000, ops]
         .into_iter()
@@ -296,4 +431,5 @@ fn main() {
         cache_after,
         slab_after
     );
+    hit_scaling(node, &experts);
 }

@@ -196,6 +196,14 @@ fn main() {
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
+    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("lookup") {
+        let node = numapin::topology::current_node().expect("current node");
+        let layout = Layout::Replicate(std::iter::once(node).collect::<NodeSet>());
+        let file = File::open(&path).expect("open model");
+        replicas::lookups(&model, &file, layout, runs);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
         peers::rows(&path, peer_runs);
         let _ = std::fs::remove_dir_all(&dir);

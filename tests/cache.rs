@@ -1,6 +1,6 @@
 //! ExpertCache and StagingPool: a randomized Zipf workload over 4 threads in which every
 //! entry must hold exactly its expert's bytes, a single-threaded run that must match a
-//! reference LRU model hit for hit, mappings that must not change with churn, and the
+//! reference CLOCK model hit for hit (and one with concurrent phases), mappings that must not change with churn, and the
 //! edge cases (capacity 0, every slot held, a source larger than a slot, the largest
 //! keys, a failed load) as errors.
 //!
@@ -257,75 +257,107 @@ fn randomized_four_threads_every_entry_holds_its_experts_bytes() {
     assert_eq!(cached, used);
 }
 
-/// The reference: one LRU per node (front = most recent), one index, the same hint rule.
+/// The reference: the documented replacement policy, CLOCK per node, written plainly.
+/// Each node has its slots (key, reference bit), a free stack (slot 0 first) and a hand.
+/// A hit sets the bit; a miss on a full node moves the hand, clearing set bits, to the
+/// first slot whose bit is clear, and evicts it; a fresh load starts with a clear bit.
 struct Model {
-    slots_per_node: usize,
-    lru: HashMap<Node, Vec<(usize, usize)>>,
+    nodes: HashMap<Node, ClockNode>,
     hits: u64,
     misses: u64,
     evictions: u64,
     loads: u64,
 }
 
+struct ClockNode {
+    slots: Vec<Option<((usize, usize), bool)>>,
+    free: Vec<usize>,
+    hand: usize,
+}
+
 impl Model {
-    fn find(&self, key: (usize, usize)) -> Option<Node> {
-        self.lru
-            .iter()
-            .find(|(_, list)| list.contains(&key))
-            .map(|(n, _)| *n)
+    fn new(nodes: &[Node], slots_per_node: usize) -> Model {
+        let node = || ClockNode {
+            slots: vec![None; slots_per_node],
+            free: (0..slots_per_node).rev().collect(),
+            hand: 0,
+        };
+        Model {
+            nodes: nodes.iter().map(|&n| (n, node())).collect(),
+            hits: 0,
+            misses: 0,
+            evictions: 0,
+            loads: 0,
+        }
     }
 
-    fn touch(&mut self, node: Node, key: (usize, usize)) {
-        let list = self.lru.get_mut(&node).unwrap();
-        let i = list.iter().position(|k| *k == key).unwrap();
-        list.remove(i);
-        list.insert(0, key);
+    /// The node and slot (within the node) holding `key`.
+    fn find(&self, key: (usize, usize)) -> Option<(Node, usize)> {
+        self.nodes.iter().find_map(|(&n, c)| {
+            c.slots
+                .iter()
+                .position(|s| matches!(s, Some((k, _)) if *k == key))
+                .map(|i| (n, i))
+        })
     }
 
     fn get(&mut self, key: (usize, usize)) -> Option<Node> {
-        let found = self.find(key);
-        match found {
-            Some(node) => {
+        match self.find(key) {
+            Some((node, i)) => {
                 self.hits += 1;
-                self.touch(node, key);
+                self.nodes.get_mut(&node).unwrap().slots[i] = Some((key, true));
+                Some(node)
             }
-            None => self.misses += 1,
+            None => {
+                self.misses += 1;
+                None
+            }
         }
-        found
     }
 
     fn get_or_load(&mut self, key: (usize, usize), hint: Node) -> Node {
         if let Some(node) = self.get(key) {
             return node;
         }
-        let list = self.lru.get_mut(&hint).unwrap();
-        if list.len() == self.slots_per_node {
-            list.pop();
-            self.evictions += 1;
-        }
-        list.insert(0, key);
+        let c = self.nodes.get_mut(&hint).unwrap();
+        let slot = match c.free.pop() {
+            Some(slot) => slot,
+            None => loop {
+                let i = c.hand;
+                c.hand = (i + 1) % c.slots.len();
+                match &mut c.slots[i] {
+                    Some((_, referenced)) if *referenced => *referenced = false,
+                    Some(_) => {
+                        self.evictions += 1;
+                        break i;
+                    }
+                    None => {}
+                }
+            },
+        };
+        c.slots[slot] = Some((key, false));
         self.loads += 1;
         hint
     }
+
+    fn used(&self, node: Node) -> usize {
+        self.nodes[&node].slots.iter().flatten().count()
+    }
+
+    fn cached(&self) -> Vec<(usize, usize)> {
+        let mut keys: Vec<_> = self
+            .nodes
+            .values()
+            .flat_map(|c| c.slots.iter().flatten().map(|(k, _)| *k))
+            .collect();
+        keys.sort();
+        keys
+    }
 }
 
-#[test]
-fn single_thread_hits_and_misses_equal_a_reference_lru_model() {
-    let nodes = cache_nodes();
-    let node_list: Vec<Node> = nodes.iter().collect();
-    let slots_per_node = (CACHE_SLOTS / node_list.len()).max(1);
-    let cache = new_cache(nodes, slots_per_node);
-    let experts = Experts::new(11);
-    let mut model = Model {
-        slots_per_node,
-        lru: node_list.iter().map(|&n| (n, Vec::new())).collect(),
-        hits: 0,
-        misses: 0,
-        evictions: 0,
-        loads: 0,
-    };
-    // A quarter of the run: the model's lists are linear, the cache's are not.
-    for op in stream(42, ops() / 4, &node_list) {
+/// Runs `ops` on the cache and the model alike, one thread, comparing every answer.
+fn run_against_model(cache: &ExpertCache, model: &mut Model, experts: &Experts, ops: &[Op]) {
+    for &op in ops {
         match op {
             Op::Get(key) => {
                 let got = cache.get(key.0, key.1).map(|e| e.node());
@@ -340,15 +372,132 @@ fn single_thread_hits_and_misses_equal_a_reference_lru_model() {
             }
         }
     }
+}
+
+fn assert_same_as_model(cache: &ExpertCache, model: &Model) {
     let stats = cache.stats().unwrap();
     assert_eq!(
         (stats.hits, stats.misses, stats.evictions, stats.loads),
         (model.hits, model.misses, model.evictions, model.loads)
     );
-    assert!(model.hits > 0 && model.evictions > 0);
     for n in &stats.nodes {
-        assert_eq!(n.used, model.lru[&n.node].len());
+        assert_eq!(n.used, model.used(n.node));
     }
+}
+
+/// Every key the model holds is cached, with its bytes, on the model's node (these `get`s
+/// set reference bits: call it last).
+fn assert_holds(cache: &ExpertCache, model: &Model, experts: &Experts) {
+    for key in model.cached() {
+        let entry = cache.get(key.0, key.1).expect("the model holds it");
+        experts.check(&entry);
+        assert_eq!(Some(entry.node()), model.find(key).map(|(n, _)| n));
+    }
+}
+
+#[test]
+fn single_thread_hits_and_misses_equal_a_reference_clock_model() {
+    let nodes = cache_nodes();
+    let node_list: Vec<Node> = nodes.iter().collect();
+    let slots_per_node = (CACHE_SLOTS / node_list.len()).max(1);
+    let cache = new_cache(nodes, slots_per_node);
+    let experts = Experts::new(11);
+    let mut model = Model::new(&node_list, slots_per_node);
+    // A quarter of the run: the model's lookups are linear, the cache's are not.
+    let ops = stream(42, ops() / 4, &node_list);
+    run_against_model(&cache, &mut model, &experts, &ops);
+    assert_same_as_model(&cache, &model);
+    assert!(model.hits > 0 && model.evictions > 0);
+    assert_holds(&cache, &model, &experts);
+}
+
+/// The same comparison with a concurrent phase in the middle: threads look up keys at
+/// once (hits set reference bits, misses of `get` change nothing else), which leaves the
+/// cache in one state whatever the interleaving — the model's, after the same lookups in
+/// any order. The single-threaded phase after it, with evictions, must then match the
+/// model step for step: the concurrent hits left exactly the reference bits CLOCK says.
+#[test]
+fn concurrent_hits_leave_the_state_a_reference_clock_predicts() {
+    const LOOKERS: usize = 4;
+    let nodes = cache_nodes();
+    let node_list: Vec<Node> = nodes.iter().collect();
+    let slots_per_node = (CACHE_SLOTS / node_list.len()).max(1);
+    let cache = new_cache(nodes, slots_per_node);
+    let experts = Experts::new(5);
+    let mut model = Model::new(&node_list, slots_per_node);
+    let n = (ops() / 40).max(2000);
+    run_against_model(&cache, &mut model, &experts, &stream(7, n, &node_list));
+    for round in 0..4u64 {
+        let lookups: Vec<Vec<(usize, usize)>> = (0..LOOKERS as u64)
+            .map(|t| {
+                let zipf = Zipf::new(LAYERS, EXPERTS, 0x5eed);
+                let mut rng = XorShift(1000 + round * 10 + t);
+                (0..n).map(|_| zipf.sample(&mut rng)).collect()
+            })
+            .collect();
+        let start = Barrier::new(LOOKERS);
+        std::thread::scope(|s| {
+            for keys in &lookups {
+                let (cache, experts, start) = (&cache, &experts, &start);
+                s.spawn(move || {
+                    start.wait();
+                    for &(l, e) in keys {
+                        if let Some(entry) = cache.get(l, e) {
+                            experts.check(&entry);
+                        }
+                    }
+                });
+            }
+        });
+        for &key in lookups.iter().flatten() {
+            model.get(key);
+        }
+        assert_same_as_model(&cache, &model);
+        let ops = stream(50 + round, n, &node_list);
+        run_against_model(&cache, &mut model, &experts, &ops);
+        assert_same_as_model(&cache, &model);
+    }
+    assert!(model.evictions > 0 && model.hits > 0);
+    assert_holds(&cache, &model, &experts);
+}
+
+/// Threads loading and hitting disjoint keys at once, with room for all of them: the
+/// reference is a set (no evictions), so misses = distinct keys and hits = the rest,
+/// exactly, whatever the interleaving.
+#[test]
+fn concurrent_loads_without_evictions_count_exactly() {
+    let nodes = cache_nodes();
+    let node_list: Vec<Node> = nodes.iter().collect();
+    let per_thread = 64 * 40;
+    let slots_per_node = (THREADS * 64).div_ceil(node_list.len());
+    let cache = new_cache(nodes, slots_per_node);
+    let experts = Experts::new(3);
+    let start = Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (cache, experts, start, node_list) = (&cache, &experts, &start, &node_list);
+            s.spawn(move || {
+                let mut rng = XorShift(77 + t as u64);
+                start.wait();
+                for _ in 0..per_thread {
+                    // Thread t's keys: layer t, experts 0..64.
+                    let key = (t, rng.below(64));
+                    let hint = node_list[key.1 % node_list.len()];
+                    let entry = cache
+                        .get_or_load(key.0, key.1, &experts.source(key), Some(hint))
+                        .unwrap();
+                    experts.check(&entry);
+                    assert_eq!(entry.node(), hint);
+                }
+            });
+        }
+    });
+    let stats = cache.stats().unwrap();
+    let distinct = (THREADS * 64) as u64;
+    assert_eq!(stats.misses, distinct);
+    assert_eq!(stats.loads, distinct);
+    assert_eq!(stats.hits, (THREADS * per_thread) as u64 - distinct);
+    assert_eq!(stats.evictions, 0);
 }
 
 #[test]
@@ -556,8 +705,9 @@ fn shrink_gives_pages_back_and_keeps_mappings_and_entries_reload() {
     let full = 16 * (WEIGHT_BYTES + SCALE_BYTES) as u64 / page * page;
     assert_eq!(cache.stats().unwrap().nodes[0].resident_bytes, full);
     let held = cache.get(0, 15).unwrap();
-    // Keep 4: evicts the 11 least recently used unheld entries (15 is held and most
-    // recent, so entries 0..=11 go), then releases every free slot.
+    // Keep 4: CLOCK from the hand (slot 0) evicts unreferenced unheld entries in slot
+    // order (15 is held and referenced, so entries 0..=11 go), then releases every free
+    // slot.
     assert_eq!(cache.shrink(4).unwrap(), 12);
     let stats = cache.stats().unwrap();
     assert_eq!(stats.nodes[0].used, 4);
@@ -903,4 +1053,81 @@ fn a_waiter_gets_the_loaders_error_kind() {
         "no round had a thread wait for the other's load"
     );
     assert!(cache.get(0, 0).is_none());
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// Small caches (1–4 slots) under short random streams over a few keys, where CLOCK's
+    /// corner cases live (every bit set, the hand wrapping, a slot reused at once): the
+    /// cache answers as the reference does at every step.
+    #[test]
+    fn small_caches_follow_the_reference_clock(
+        slots in 1usize..5,
+        ops in proptest::collection::vec((0usize..7, proptest::bool::ANY), 1..200),
+    ) {
+        let node = nodes().iter().next().unwrap();
+        let cache = new_cache(NodeSet::from_nodes([node.index()]).unwrap(), slots);
+        let experts = Experts::new(17);
+        let mut model = Model::new(&[node], slots);
+        let ops: Vec<Op> = ops
+            .into_iter()
+            .map(|(e, load)| if load { Op::Load((2, e), node) } else { Op::Get((2, e)) })
+            .collect();
+        run_against_model(&cache, &mut model, &experts, &ops);
+        assert_same_as_model(&cache, &model);
+        assert_holds(&cache, &model, &experts);
+    }
+}
+
+/// Entries held across other threads' churn keep their bytes: each thread keeps a few
+/// entries alive for a while (pinned) while all threads load, hit and evict; a held
+/// entry is checked again when it is dropped. An eviction or refill of a pinned slot
+/// would show as other bytes.
+#[test]
+fn held_entries_keep_their_bytes_while_others_churn() {
+    const HELD: usize = 4;
+    let nodes = cache_nodes();
+    let node_list: Vec<Node> = nodes.iter().collect();
+    // Room for every thread's held entries and one in flight, on every node.
+    let slots_per_node = THREADS * (HELD + 1) + 8;
+    let cache = new_cache(nodes, slots_per_node);
+    let experts = Experts::new(23);
+    let per_thread = ops() / THREADS / 4;
+    let start = Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (cache, experts, start, node_list) = (&cache, &experts, &start, &node_list);
+            s.spawn(move || {
+                let ops = stream(300 + t as u64, per_thread, node_list);
+                let mut rng = XorShift(9 + t as u64);
+                let mut held = std::collections::VecDeque::new();
+                start.wait();
+                for op in ops {
+                    let entry = match op {
+                        Op::Get(key) => cache.get(key.0, key.1),
+                        Op::Load(key, hint) => Some(
+                            cache
+                                .get_or_load(key.0, key.1, &experts.source(key), Some(hint))
+                                .unwrap(),
+                        ),
+                    };
+                    if let Some(entry) = entry {
+                        experts.check(&entry);
+                        if rng.below(8) == 0 {
+                            held.push_back(entry);
+                        }
+                    }
+                    if held.len() > HELD {
+                        experts.check(&held.pop_front().unwrap());
+                    }
+                }
+                for entry in held {
+                    experts.check(&entry);
+                }
+            });
+        }
+    });
+    let stats = cache.stats().unwrap();
+    assert!(stats.evictions > 0, "the run churned: {stats:?}");
+    assert_eq!(stats.load_failures, 0);
 }

@@ -7,8 +7,9 @@
 //! with the loader threads; `PinStore::bench_replica_copy`), against reading the file k
 //! times (k stores), warm (page-cached, buffered reads) and cold (`O_DIRECT`: every read
 //! from the device). Each extra copy is dropped once built, so at most two copies are
-//! resident. Lookup: `weights_local` (sched_getcpu from the vDSO, the CPU → node table,
-//! the replica) against `weights` and against indexing a `Vec<&[u8]>`.
+//! resident. Lookup: `weights_local` (the node from the thread's rseq area or `getcpu`,
+//! then the replica) against `weights` and against indexing a `Vec<&[u8]>`, in
+//! alternating rounds (`NUMAPIN_BENCH_ONLY=lookup` runs this part alone).
 
 use std::fs::File;
 use std::hint::black_box;
@@ -58,7 +59,14 @@ pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
         );
         build_rows(model, &file, layout, mode, runs);
     }
-    let (_, store) = pack(model, &file, layout, ReadMode::Buffered);
+
+    lookups(model, &file, layout, runs);
+}
+
+/// `weights_local` against `weights` (and a plain index), in alternating rounds: the
+/// median ns per call of each, their ratio, and what `current_node` alone costs.
+pub fn lookups(model: &SyntheticModel, file: &File, layout: Layout, runs: usize) {
+    let (_, store) = pack(model, file, layout, ReadMode::Buffered);
     let slices: Vec<Vec<&[u8]>> = (0..model.layers)
         .map(|l| {
             (0..model.experts)
@@ -76,25 +84,39 @@ pub fn rows(model: &SyntheticModel, path: &Path, runs: usize) {
         black_box(sum);
         start.elapsed().as_secs_f64() * 1e9 / calls as f64
     };
-    let local = median(
-        (0..runs)
-            .map(|_| time(&|l, e| store.weights_local(l, e).expect("local")[0]))
-            .collect(),
-    );
-    let plain = median(
-        (0..runs)
-            .map(|_| time(&|l, e| store.weights(l, e).expect("weights")[0]))
-            .collect(),
-    );
-    let index = median((0..runs).map(|_| time(&|l, e| slices[l][e][0])).collect());
+    // Alternating rounds, so that a burst of load on the shared machine hits all alike.
+    let rounds = runs.max(5);
+    let (mut local, mut plain, mut index, mut node, mut ratios) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let l = time(&|l, e| store.weights_local(l, e).expect("local")[0]);
+        let p = time(&|l, e| store.weights(l, e).expect("weights")[0]);
+        local.push(l);
+        plain.push(p);
+        ratios.push(l / p);
+        index.push(time(&|l, e| slices[l][e][0]));
+        node.push(time(&|_, _| {
+            numapin::topology::current_node().expect("node").index() as u8
+        }));
+    }
+    let lookup = numapin::topology::node_lookup();
     println!();
-    println!("lookup, ns per call ({calls} calls, median of {runs})");
     println!(
-        "{:<34} {:>8.1}",
-        "weights_local (sched_getcpu + table)", local
+        "lookup, ns per call ({calls} calls, median of {rounds} alternating rounds; node \
+         lookup: {lookup:?}; 2 cores shared with other builds: load {})",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
     );
-    println!("{:<34} {:>8.1}", "weights", plain);
-    println!("{:<34} {:>8.1}", "Vec<&[u8]> index", index);
+    println!("{:<34} {:>8.1}", "weights_local", median(local));
+    println!("{:<34} {:>8.1}", "weights", median(plain));
+    println!(
+        "{:<34} {:>8.2}x",
+        "weights_local / weights (median)",
+        median(ratios)
+    );
+    println!("{:<34} {:>8.1}", "current_node", median(node));
+    println!("{:<34} {:>8.1}", "Vec<&[u8]> index", median(index));
 }
 
 /// k = 2, 3 copies: the file read once and copied k - 1 times, against read k times; the

@@ -1,11 +1,15 @@
 //! The machine's shape as placement needs it at run time: which node each CPU belongs to,
-//! how far nodes are from each other, and which node the calling thread runs on. Read
-//! once from sysfs; cheap enough to ask per expert per token. The domains (sockets) the
-//! nodes form are read with it (`domains.rs`).
+//! how far nodes are from each other, and which node the calling thread runs on. The
+//! tables are read once from sysfs; the current node comes from the thread's rseq area
+//! or `getcpu`, without a system call: cheap enough to ask per expert per token. The
+//! domains (sockets) the nodes form are read with it (`domains.rs`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
+
+use numapin_sys as sys;
+use sys::cpu::RseqArea;
 
 use crate::error::{Error, Result};
 use crate::node::{self, Node, NodeSet};
@@ -135,19 +139,92 @@ impl Topology {
     }
 }
 
-/// The CPU the calling thread runs on now (`sched_getcpu`, from the vDSO where the kernel
-/// offers it: no syscall).
+/// How [`current_node`] and [`current_cpu`] learn where the calling thread runs, chosen
+/// once per process ([`node_lookup`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NodeLookup {
+    /// The thread's rseq area, which glibc (2.35+) registers and the kernel (6.3+) keeps
+    /// current: two loads, no call. Checked once against `getcpu` before it is trusted.
+    Rseq,
+    /// `getcpu` (the vDSO through glibc, or the syscall): it returns the node itself.
+    Getcpu,
+}
+
+/// The lookup this process uses, chosen on first use: rseq where glibc registered an area
+/// that the kernel fills up to `node_id` and its answer agrees with `getcpu` on this
+/// thread; `getcpu` otherwise.
+pub fn node_lookup() -> NodeLookup {
+    match rseq() {
+        Some(_) => NodeLookup::Rseq,
+        None => NodeLookup::Getcpu,
+    }
+}
+
+/// The rseq area when it is usable (see [`node_lookup`]).
+#[inline]
+fn rseq() -> Option<RseqArea> {
+    static AREA: OnceLock<Option<RseqArea>> = OnceLock::new();
+    *AREA.get_or_init(|| {
+        let area = RseqArea::find()?;
+        // A migration between the two reads can make them differ once: try a few times.
+        // Agreeing once proves the layout (offsets, fields), which is all that is checked.
+        (0..8)
+            .any(|_| {
+                let by_rseq = area.read();
+                let by_getcpu = sys::cpu::getcpu().ok();
+                by_rseq.is_some() && by_rseq == by_getcpu
+            })
+            .then_some(area)
+    })
+}
+
+/// The CPU the calling thread runs on now: the rseq area's `cpu_id` where usable (see
+/// [`node_lookup`]), else `sched_getcpu` from the vDSO. Either was true at an instant
+/// during the call; see [`current_node`] for the bound after a migration.
+#[inline]
 pub fn current_cpu() -> usize {
+    if let Some((cpu, _)) = rseq().and_then(RseqArea::read) {
+        return cpu as usize;
+    }
     rustix::thread::sched_getcpu()
 }
 
-/// The node the calling thread runs on now (node 0 where the topology is unknown).
+/// The node the calling thread runs on now, without a system call: the rseq area's
+/// `node_id` (Linux 6.3+ with glibc 2.35+), else `getcpu`'s node (the vDSO), else the
+/// CPU → node table from sysfs (node 0 where the topology is unknown).
+///
+/// # How stale it can be
+/// The answer was true at some instant during the call. The kernel rewrites the rseq
+/// area on the thread's return to user space after every preemption or migration, before
+/// the thread runs another instruction on the new CPU, and the vDSO's `getcpu` reads the
+/// CPU it runs on: a thread that moved gets the new node from its very next call. What
+/// no lookup can prevent is a migration right after it returns: a caller that must stay
+/// on the node pins the thread (`sched_setaffinity`) to that node's CPUs.
 ///
 /// # Errors
-/// The topology cannot be read.
+/// The topology cannot be read (only on the fallback to the sysfs table).
+#[inline]
 pub fn current_node() -> Result<Node> {
+    if let Some((_, node)) = rseq().and_then(RseqArea::read)
+        && let Ok(node) = u16::try_from(node)
+    {
+        return Ok(Node(node));
+    }
+    current_node_slow()
+}
+
+/// `getcpu`'s node, or the sysfs table's for `sched_getcpu`'s CPU.
+fn current_node_slow() -> Result<Node> {
+    if let Ok((_, node)) = sys::cpu::getcpu()
+        && let Ok(node) = u16::try_from(node)
+    {
+        return Ok(Node(node));
+    }
     let topology = Topology::get()?;
-    Ok(topology.node_of_cpu(current_cpu()).unwrap_or(Node(0)))
+    Ok(topology
+        .node_of_cpu(rustix::thread::sched_getcpu())
+        .unwrap_or(Node(0)))
 }
 
 /// The calling thread's domain: the domain of [`current_node`].

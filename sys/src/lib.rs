@@ -5,6 +5,8 @@
 //! right after it (the raw `syscall(2)` wrapper returns `-1` and leaves the code in
 //! `errno`; reading the return value as a negative errno is the classic probe bug).
 //! Nothing here allocates, retries or interprets an error: that is the typed crate's job.
+//! [`cpu`] answers which CPU and node the calling thread runs on (`getcpu`, rseq), safe
+//! to call.
 //!
 //! # The `maxnode` rule
 //!
@@ -38,6 +40,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use core::ffi::{c_int, c_long, c_uint, c_ulong, c_void};
+
+pub mod cpu;
 
 use linux_raw_sys::general as g;
 use linux_raw_sys::mempolicy as mp;
