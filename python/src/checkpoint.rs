@@ -234,6 +234,7 @@ impl PlacedModel {
     /// One piece's view: expert `expert`'s role `index` of `kind`.
     fn piece_view(
         &self,
+        py: Python<'_>,
         plan: &LayerPlan,
         expert: usize,
         kind: Kind,
@@ -256,7 +257,7 @@ impl PlacedModel {
         let (elem, shape) = piece_layout(&self.checkpoint, piece);
         let pin = self.cell.pin(layer);
         let address = {
-            let store = self.cell.read();
+            let store = self.cell.read_gil(py);
             let slot = match kind {
                 Kind::Weights => store.weights(layer, expert),
                 Kind::Scales => store.scales(layer, expert),
@@ -287,8 +288,8 @@ impl PlacedModel {
 
     /// The store's layout, in the short string form.
     #[getter]
-    fn layout(&self) -> String {
-        self.cell.read().layout().to_string()
+    fn layout(&self, py: Python<'_>) -> String {
+        self.cell.read_gil(py).layout().to_string()
     }
 
     /// The roles of a layer's experts in slot order (`"gate_proj"`, ..., scales last).
@@ -311,7 +312,7 @@ impl PlacedModel {
         let plan = self.layer_plan(layer)?;
         let dict = PyDict::new(py);
         for (name, kind, index) in PlacedModel::roles_of(plan) {
-            dict.set_item(name, self.piece_view(plan, expert, kind, index)?)?;
+            dict.set_item(name, self.piece_view(py, plan, expert, kind, index)?)?;
         }
         Ok(dict)
     }
@@ -319,10 +320,10 @@ impl PlacedModel {
     /// Role `role` of every expert of layer `layer`: one `[experts, ...]` view over the
     /// layer's region, the slot stride as the outer stride, so that a fused-experts
     /// parameter (`[E, 2I, H]`) is assigned without a copy.
-    fn layer(&self, layer: usize, role: &str) -> PyResult<View> {
+    fn layer(&self, py: Python<'_>, layer: usize, role: &str) -> PyResult<View> {
         let plan = self.layer_plan(layer)?;
         let (kind, index) = self.role(plan, role)?;
-        let first = self.piece_view(plan, 0, kind, index)?;
+        let first = self.piece_view(py, plan, 0, kind, index)?;
         let (elem, inner) = {
             let pieces = &plan.experts()[0];
             let piece = pieces.pieces(match kind {
@@ -332,9 +333,9 @@ impl PlacedModel {
             piece_layout(&self.checkpoint, &piece)
         };
         let pin = self.cell.pin(layer);
-        let (_, stride, experts) = self.cell.layer_geometry(layer, kind)?;
+        let (_, stride, experts) = self.cell.layer_geometry(py, layer, kind)?;
         {
-            let store = self.cell.read();
+            let store = self.cell.read_gil(py);
             let map = store.slot_map(layer).py_err()?;
             if map.uniform(kind).is_none() {
                 return Err(CheckpointError::new_err(format!(
@@ -361,9 +362,9 @@ impl PlacedModel {
 
     /// Expert `expert`'s whole weight slot (`kind="weights"`) or scale slot, raw `uint8`.
     #[pyo3(signature = (layer, expert, kind = "weights"))]
-    fn slot(&self, layer: usize, expert: usize, kind: &str) -> PyResult<View> {
+    fn slot(&self, py: Python<'_>, layer: usize, expert: usize, kind: &str) -> PyResult<View> {
         self.cell
-            .slot_view(layer, expert, crate::store::parse_kind(kind)?)
+            .slot_view(py, layer, expert, crate::store::parse_kind(kind)?)
     }
 
     /// Gives expert `expert`'s pages of layer `layer` back. Refused (`ViewsAlive`) while
@@ -404,7 +405,7 @@ impl PlacedModel {
     #[getter]
     fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         self.cell
-            .read()
+            .read_gil(py)
             .degraded()
             .map(|d| to_dict(py, &d))
             .transpose()

@@ -102,9 +102,25 @@ impl StoreCell {
         self.pins.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The store, for reading (and packing: `pack_layer` takes `&self`).
+    /// The store, for reading (and packing: `pack_layer` takes `&self`), from a thread
+    /// that does not hold the GIL (inside `py.detach`).
     pub fn read(&self) -> RwLockReadGuard<'_, numapin::store::PinStore> {
         self.store.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The store, for reading, from a thread holding the GIL. Never waits with the GIL
+    /// held: a writer queued behind a load would otherwise block this read while the
+    /// load's progress callback waits for the GIL. Waits detached, then takes the lock.
+    pub fn read_gil(&self, py: Python<'_>) -> RwLockReadGuard<'_, numapin::store::PinStore> {
+        loop {
+            match self.store.try_read() {
+                Ok(guard) => return guard,
+                Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    py.detach(|| drop(self.read()));
+                }
+            }
+        }
     }
 
     /// The progress callbacks of this store.
@@ -132,27 +148,37 @@ impl StoreCell {
     where
         T: Send,
     {
-        let pins = self.pins();
-        if let Some(&n) = pins.get(&layer).filter(|&&n| n > 0) {
-            return Err(ViewsAlive::new_err(format!(
+        // The write lock first (waiting detached), then the pins: nothing waits for
+        // anything while holding the pins lock, so this order cannot deadlock. A view
+        // pinned after the check waits for the read lock and then finds the slot released.
+        py.detach(|| {
+            let mut store = self.store.write().unwrap_or_else(|e| e.into_inner());
+            let pins = self.pins().get(&layer).copied().unwrap_or(0);
+            if pins > 0 {
+                return Err(pins);
+            }
+            Ok(change(&mut store))
+        })
+        .map_err(|n| {
+            ViewsAlive::new_err(format!(
                 "{what}: layer {layer} has {n} live view(s) into it; drop them (and the \
                  arrays and tensors made from them) first"
-            )));
-        }
-        // The pins lock is held across the change, so that no view is made meanwhile.
-        let result = py.detach(|| {
-            let mut store = self.store.write().unwrap_or_else(|e| e.into_inner());
-            change(&mut store)
-        });
-        drop(pins);
-        result.py_err()
+            ))
+        })?
+        .py_err()
     }
 
     /// A view of one slot's bytes (`uint8`), or of `piece` of it with `elem` and `shape`.
-    pub fn slot_view(self: &Arc<Self>, layer: usize, expert: usize, kind: Kind) -> PyResult<View> {
+    pub fn slot_view(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        layer: usize,
+        expert: usize,
+        kind: Kind,
+    ) -> PyResult<View> {
         let pin = self.pin(layer);
         let (address, len) = {
-            let store = self.read();
+            let store = self.read_gil(py);
             let bytes = match kind {
                 Kind::Weights => store.weights(layer, expert),
                 Kind::Scales => store.scales(layer, expert),
@@ -167,8 +193,13 @@ impl StoreCell {
 
     /// Where slot `expert` of `layer` starts, and the layer's slot stride (the distance
     /// between consecutive experts' slots), checked over every expert.
-    pub fn layer_geometry(&self, layer: usize, kind: Kind) -> PyResult<(usize, usize, usize)> {
-        let store = self.read();
+    pub fn layer_geometry(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        kind: Kind,
+    ) -> PyResult<(usize, usize, usize)> {
+        let store = self.read_gil(py);
         let map = store.slot_map(layer).py_err()?;
         let experts = map.experts();
         let at = |e: usize| -> PyResult<usize> {
@@ -253,8 +284,8 @@ impl PinStore {
 
     /// The layout, in the short string form.
     #[getter]
-    fn layout(&self) -> String {
-        self.cell.read().layout().to_string()
+    fn layout(&self, py: Python<'_>) -> String {
+        self.cell.read_gil(py).layout().to_string()
     }
 
     /// Packs layer `layer`: expert `e`'s weights are `weights[e]` (and its scales
@@ -303,33 +334,28 @@ impl PinStore {
     }
 
     /// Expert `expert`'s weights in layer `layer`: a read-only `uint8` view.
-    fn weights(&self, layer: usize, expert: usize) -> PyResult<View> {
-        self.cell.slot_view(layer, expert, Kind::Weights)
+    fn weights(&self, py: Python<'_>, layer: usize, expert: usize) -> PyResult<View> {
+        self.cell.slot_view(py, layer, expert, Kind::Weights)
     }
 
     /// Expert `expert`'s scales in layer `layer`: a read-only `uint8` view.
-    fn scales(&self, layer: usize, expert: usize) -> PyResult<View> {
-        self.cell.slot_view(layer, expert, Kind::Scales)
+    fn scales(&self, py: Python<'_>, layer: usize, expert: usize) -> PyResult<View> {
+        self.cell.slot_view(py, layer, expert, Kind::Scales)
     }
 
     /// Every expert's slot of one kind (`"weights"`, `"scales"`) in layer `layer`: a
     /// `[experts, stride]` `uint8` view, the slot stride as the outer stride.
     #[pyo3(signature = (layer, kind = "weights"))]
-    fn layer(&self, layer: usize, kind: &str) -> PyResult<View> {
+    fn layer(&self, py: Python<'_>, layer: usize, kind: &str) -> PyResult<View> {
         let kind = parse_kind(kind)?;
         let pin = self.cell.pin(layer);
-        let (first, stride, experts) = self.cell.layer_geometry(layer, kind)?;
-        let len = if experts > 1 {
-            stride
-        } else {
-            slot_len(&self.cell, layer, kind)?
-        };
+        let (first, stride, experts) = self.cell.layer_geometry(py, layer, kind)?;
         let shape = vec![
             experts as isize,
-            len.min(slot_len(&self.cell, layer, kind)?) as isize,
+            slot_len(py, &self.cell, layer, kind)? as isize,
         ];
-        // SAFETY: each row lies in its expert's slot (`len` is at most a slot's bytes),
-        // inside the layer's region, which the pin keeps mapped and unreleased.
+        // SAFETY: row e is expert e's slot (at `first + e × stride`, checked for every
+        // expert), inside the layer's region, which the pin keeps mapped and unreleased.
         Ok(unsafe { View::new(first, RAW, shape, vec![stride as isize, 1], Arc::new(pin)) })
     }
 
@@ -374,7 +400,7 @@ impl PinStore {
     #[getter]
     fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         self.cell
-            .read()
+            .read_gil(py)
             .degraded()
             .map(|d| to_dict(py, &d))
             .transpose()
@@ -382,8 +408,8 @@ impl PinStore {
 }
 
 /// Bytes of one slot of `kind` in `layer` (expert 0's).
-fn slot_len(cell: &StoreCell, layer: usize, kind: Kind) -> PyResult<usize> {
-    let store = cell.read();
+fn slot_len(py: Python<'_>, cell: &StoreCell, layer: usize, kind: Kind) -> PyResult<usize> {
+    let store = cell.read_gil(py);
     Ok(match kind {
         Kind::Weights => store.weights(layer, 0),
         Kind::Scales => store.scales(layer, 0),

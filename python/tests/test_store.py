@@ -248,3 +248,44 @@ def test_threads_read_while_others_place(fixture):
         t.join()
     assert not errors, errors
     assert store.stats()["layers"] == 12
+
+
+def test_no_deadlock_between_a_load_its_callback_a_release_and_readers():
+    """A load whose callback needs the GIL, a release queued for the write lock, and
+    readers holding the GIL: none waits for the GIL while holding a lock another needs."""
+    store = numapin.PinStore("unplaced", loader_threads=2)
+    w, s = sources(0)
+    store.pack_layer(0, w, s)
+    store.pack_layer(2, w, s)
+    big = [np.full(12 << 20, e, dtype=np.uint8) for e in range(4)]  # 48 MiB: mid-load reports
+    calls = []
+    errors = []
+
+    def load():
+        try:
+            store.pack_layer(1, big, progress=lambda p: calls.append(p.bytes_done))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def release():
+        try:
+            store.release(0, 1)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=load, daemon=True), threading.Thread(target=release, daemon=True)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        assert store.layout == "unplaced"
+        assert np.asarray(store.weights(2, 0))[0] == w[0][0]
+        for t in threads:
+            t.join(timeout=0.001)
+        if len(calls) > 1000:
+            break
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlocked"
+    assert not errors, errors
+    assert len(calls) >= 2 and calls[-1] == 4 * (12 << 20)
+    assert np.array_equal(np.asarray(store.weights(1, 3))[:16], np.full(16, 3, np.uint8))

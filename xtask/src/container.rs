@@ -144,7 +144,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     // The Python suite too, where `test-python` (or `test`) installed the package.
     match crate::python::installed() {
         Some(python) => tests.push(binaries::TestBinary {
-            name: "pytest (python/tests)".into(),
+            name: "pytest python-tests".into(),
             path: python,
             args: crate::python::pytest_args(),
         }),
