@@ -262,3 +262,46 @@ fn a_hook_whose_panic_payload_panics_on_drop_is_contained() {
         }
     }
 }
+
+#[test]
+fn a_cancelling_hook_stops_its_layer_and_leaves_the_store_usable() {
+    use std::ops::ControlFlow;
+    for threads in [1, 3] {
+        // Layer 0 is cancelled at its first report (mid-load: the layer is ~40 MiB, so
+        // the first report comes at PROGRESS_STEP); every other layer loads.
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        let hook = ProgressHook::cancellable(move |p| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            if p.layer == 0 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        let store = store(hook.clone(), threads);
+        let data0 = data(0);
+        let err = store.pack_layer(0, &spec(), &sources(&data0)).unwrap_err();
+        assert!(
+            matches!(err, numapin::Error::Cancelled { layer: 0, .. }),
+            "{err:?}"
+        );
+        assert!(!hook.panicked());
+        assert!(matches!(
+            store.weights(0, 0),
+            Err(numapin::Error::NotPacked { layer: 0, .. })
+        ));
+        assert_eq!(calls.load(Ordering::Relaxed), 1, "no report after Break");
+        let stats = store.stats().unwrap();
+        assert_eq!((stats.layers, stats.experts_loaded), (0, 0));
+        // The same store packs layer 1, and layer 0 again, and reads them right.
+        let data1 = data(1);
+        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        for (e, (w, s)) in data1.iter().enumerate() {
+            assert_eq!(store.weights(1, e).unwrap(), &w[..]);
+            assert_eq!(store.scales(1, e).unwrap(), &s[..]);
+        }
+        let stats = store.stats().unwrap();
+        assert_eq!((stats.layers, stats.experts_loaded), (1, EXPERTS));
+    }
+}

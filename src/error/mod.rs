@@ -162,6 +162,16 @@ pub enum Error {
         /// Another thread's `pack_layer` of the same layer has not finished.
         in_progress: bool,
     },
+    /// A layer's load was stopped by its progress hook
+    /// ([`ProgressHook::cancellable`](crate::store::ProgressHook::cancellable) returned
+    /// `Break`): the layer is not packed, and the store is as before the call.
+    #[error("{op}: the progress hook cancelled the load of layer {layer}; it is not packed")]
+    Cancelled {
+        /// The operation.
+        op: &'static str,
+        /// The layer whose load stopped.
+        layer: usize,
+    },
     /// A released slot was read: [`PinStore::ensure`](crate::store::PinStore::ensure)
     /// loads it again.
     #[error("{op}: layer {layer} expert {expert} {kind} is released; ensure() loads it again")]

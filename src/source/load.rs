@@ -305,6 +305,10 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
     /// Fills one batch (its first slot bound to `node`, if any) and accounts for it: the
     /// bytes written on the node and the progress, or the first error.
     fn load(&self, batch: Vec<Job<'_>>, node: Option<Node>, scratch: &mut Scratch) {
+        // A cancelled load takes no new slot; `finish` reports the cancellation.
+        if self.meter.is_some_and(|m| m.cancelled()) {
+            return;
+        }
         let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
         let batch_bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
         let result = if batch.len() == 1 {
@@ -342,7 +346,15 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         }
         finished?;
         if let Some(meter) = self.meter {
-            meter.finish();
+            if !meter.cancelled() {
+                meter.finish();
+            }
+            if meter.cancelled() {
+                return Err(Error::Cancelled {
+                    op: "PinStore::pack_layer",
+                    layer: meter.layer(),
+                });
+            }
         }
         Ok(Filled {
             reads: self.reads.into_inner(),

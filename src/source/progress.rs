@@ -11,6 +11,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::ops::ControlFlow;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,8 +74,11 @@ impl Progress {
 #[derive(Clone)]
 pub struct ProgressHook(Arc<Hook>);
 
+/// The caller's closure: `Break` cancels the layer reported on.
+type HookFn = dyn Fn(&Progress) -> ControlFlow<()> + Send + Sync;
+
 struct Hook {
-    call: Box<dyn Fn(&Progress) + Send + Sync>,
+    call: Box<HookFn>,
     /// The hook panicked once: it is not called again, by any store.
     panicked: AtomicBool,
 }
@@ -82,6 +86,21 @@ struct Hook {
 impl ProgressHook {
     /// Wraps a closure.
     pub fn new(hook: impl Fn(&Progress) + Send + Sync + 'static) -> Self {
+        ProgressHook::cancellable(move |p| {
+            hook(p);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// Wraps a closure that can stop the load: `ControlFlow::Break(())` cancels the
+    /// layer being reported on. Its loaders take no new slot, and `pack_layer` returns
+    /// [`Error::Cancelled`](crate::Error::Cancelled) without packing the layer (even
+    /// after the final report, which comes before `pack_layer` would publish it); the
+    /// store is as it was before the call. Other layers, and later loads, call the hook
+    /// again. Bindings use this to stop a load when a caller's callback raises.
+    pub fn cancellable(
+        hook: impl Fn(&Progress) -> ControlFlow<()> + Send + Sync + 'static,
+    ) -> Self {
         ProgressHook(Arc::new(Hook {
             call: Box::new(hook),
             panicked: AtomicBool::new(false),
@@ -121,6 +140,8 @@ pub(crate) struct Meter<'h> {
     reporting: Mutex<u64>,
     /// A copy of the last report's bytes, read without the lock.
     last: AtomicU64,
+    /// The hook returned `Break` for this layer: the loaders stop and the load fails.
+    cancelled: AtomicBool,
 }
 
 impl<'h> Meter<'h> {
@@ -133,7 +154,18 @@ impl<'h> Meter<'h> {
             done: Mutex::new((0, 0)),
             reporting: Mutex::new(0),
             last: AtomicU64::new(0),
+            cancelled: AtomicBool::new(false),
         }
+    }
+
+    /// The layer this meter reports on.
+    pub(crate) fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// Whether the hook cancelled this layer's load.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
     }
 
     fn snapshot(&self) -> (u64, usize) {
@@ -187,9 +219,13 @@ impl<'h> Meter<'h> {
             slots_total: self.slots_total,
         };
         // The hook sees only `&Progress`; a panic leaves nothing of ours half-updated.
-        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| (self.hook.0.call)(&progress))) {
-            self.hook.0.panicked.store(true, Ordering::Relaxed);
-            drop_payload(payload);
+        match catch_unwind(AssertUnwindSafe(|| (self.hook.0.call)(&progress))) {
+            Ok(ControlFlow::Continue(())) => {}
+            Ok(ControlFlow::Break(())) => self.cancelled.store(true, Ordering::Relaxed),
+            Err(payload) => {
+                self.hook.0.panicked.store(true, Ordering::Relaxed);
+                drop_payload(payload);
+            }
         }
     }
 }

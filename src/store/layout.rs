@@ -4,10 +4,11 @@
 //! the store asks these methods and never matches a layout itself, so adding a layout
 //! touches this file, its tests and the docs.
 
+use std::fmt;
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::node::{Node, NodeSet};
+use crate::node::{Node, NodeContext, NodeSet};
 use crate::policy::MemPolicy;
 
 /// How layers are placed. `#[non_exhaustive]`: layouts are added (a match on one needs
@@ -198,6 +199,89 @@ pub(super) fn copy_policy(group: &NodeSet) -> MemPolicy {
     }
 }
 
+/// A layout over a node set, from the set.
+type MakeLayout = fn(NodeSet) -> Layout;
+
+/// Each layout's name in the short string form (`interleave:0-3`), and how a node set
+/// becomes the layout (`None`: the layout takes no node set). A new layout adds a line
+/// here and an arm in [`Layout::name`].
+const NAMES: [(&str, Option<MakeLayout>); 6] = [
+    ("interleave", Some(Layout::Interleave)),
+    ("layer-per-node", Some(Layout::LayerPerNode)),
+    ("replicate", Some(Layout::Replicate)),
+    ("replicate-domains", Some(Layout::ReplicateDomains)),
+    ("split", Some(Layout::SplitExperts)),
+    ("unplaced", None),
+];
+
+impl Layout {
+    /// The layout's name in the short string form: `interleave`, `layer-per-node`,
+    /// `replicate`, `replicate-domains`, `split`, `unplaced`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Layout::Interleave(_) => "interleave",
+            Layout::LayerPerNode(_) => "layer-per-node",
+            Layout::Replicate(_) => "replicate",
+            Layout::ReplicateDomains(_) => "replicate-domains",
+            Layout::SplitExperts(_) => "split",
+            Layout::Unplaced => "unplaced",
+        }
+    }
+
+    /// Parses the short string form, `name[:nodes]`: `interleave:0-3`,
+    /// `layer-per-node:all`, `replicate:all`, `split:0,2`, `unplaced`; the node set in
+    /// numactl's syntax ([`NodeSet::parse_in`], against `ctx`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] ([`Invalid::BadValue`](crate::error::Invalid)) for an
+    /// unknown name, a missing node set, or a node set after `unplaced`; the node
+    /// string's [`Error::Parse`].
+    pub fn parse_in(input: &str, ctx: &NodeContext) -> Result<Layout> {
+        Layout::parse_with(input, |nodes| NodeSet::parse_in(nodes, ctx))
+    }
+
+    fn parse_with(input: &str, nodes: impl FnOnce(&str) -> Result<NodeSet>) -> Result<Layout> {
+        let bad =
+            |why: &str| Error::bad_value("Layout::from_str", "layout", format!("{input:?}"), why);
+        let (name, list) = match input.split_once(':') {
+            Some((name, list)) => (name.trim(), Some(list)),
+            None => (input.trim(), None),
+        };
+        let Some(&(_, make)) = NAMES.iter().find(|(n, _)| *n == name) else {
+            return Err(bad(
+                "unknown layout (expected interleave, layer-per-node, replicate, \
+                 replicate-domains, split or unplaced)",
+            ));
+        };
+        match (make, list) {
+            (Some(make), Some(list)) => Ok(make(nodes(list)?)),
+            (Some(_), None) => Err(bad("this layout needs a node set after ':' (e.g. all)")),
+            (None, None) => Ok(Layout::Unplaced),
+            (None, Some(_)) => Err(bad("unplaced takes no node set")),
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    /// The short string form [`Layout::parse_in`] reads: `interleave:0-3`, `unplaced`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.nodes() {
+            Some(set) => write!(f, "{}:{set}", self.name()),
+            None => f.write_str(self.name()),
+        }
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = Error;
+
+    /// [`Layout::parse_in`] against this process's topology ([`NodeContext::current`]):
+    /// `"split:all".parse::<Layout>()`.
+    fn from_str(input: &str) -> Result<Layout> {
+        Layout::parse_in(input, &NodeContext::current()?)
+    }
+}
+
 /// The experts of node `i` of `n` when `experts` are split in contiguous blocks (expert
 /// `e` on node `e × n / experts`).
 pub(crate) fn block(i: usize, n: usize, experts: usize) -> Range<usize> {
@@ -213,6 +297,8 @@ pub(crate) fn block_of(e: usize, n: usize, experts: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nodeset::MAX_NODES;
+    use proptest::prelude::*;
 
     fn set(ids: &[usize]) -> NodeSet {
         NodeSet::from_nodes(ids.iter().copied()).unwrap()
@@ -365,5 +451,68 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn short_strings_parse_to_their_layouts() {
+        let ctx = NodeContext::new(4, set(&[0, 1, 2, 3]));
+        let cases = [
+            ("interleave:0-3", Layout::Interleave(set(&[0, 1, 2, 3]))),
+            (
+                "layer-per-node:all",
+                Layout::LayerPerNode(set(&[0, 1, 2, 3])),
+            ),
+            ("replicate:all", Layout::Replicate(set(&[0, 1, 2, 3]))),
+            ("split:0,2", Layout::SplitExperts(set(&[0, 2]))),
+            ("split:!1", Layout::SplitExperts(set(&[0, 2, 3]))),
+            (" unplaced ", Layout::Unplaced),
+        ];
+        for (text, want) in cases {
+            assert_eq!(Layout::parse_in(text, &ctx).unwrap(), want, "{text}");
+        }
+        assert_eq!(Layout::SplitExperts(set(&[0, 2])).to_string(), "split:0,2");
+        assert_eq!(
+            Layout::Interleave(set(&[0, 1, 2, 3])).to_string(),
+            "interleave:0-3"
+        );
+        assert_eq!(Layout::Unplaced.to_string(), "unplaced");
+    }
+
+    #[test]
+    fn bad_short_strings_are_typed_errors() {
+        let ctx = NodeContext::new(4, set(&[0, 1, 2, 3]));
+        for text in [
+            "",
+            "interleave",
+            "unplaced:0",
+            "spread:0",
+            "split:",
+            "split:9",
+            "bind:0",
+        ] {
+            let err = Layout::parse_in(text, &ctx).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidArgument { .. } | Error::Parse { .. }),
+                "{text}: {err:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn display_and_parse_round_trip(
+            ids in proptest::collection::btree_set(0usize..MAX_NODES, 1..40),
+            which in 0usize..NAMES.len(),
+        ) {
+            let nodes = NodeSet::from_nodes(ids.iter().copied()).unwrap();
+            let layout = match NAMES[which].1 {
+                Some(make) => make(nodes),
+                None => Layout::Unplaced,
+            };
+            let ctx = NodeContext::new(MAX_NODES, nodes);
+            let text = layout.to_string();
+            prop_assert_eq!(Layout::parse_in(&text, &ctx).unwrap(), layout);
+            prop_assert_eq!(layout.name(), NAMES[which].0);
+        }
     }
 }

@@ -8,6 +8,8 @@ use std::process::Stdio;
 pub struct TestBinary {
     pub name: String,
     pub path: PathBuf,
+    /// Arguments after the path (the pytest run: the interpreter's).
+    pub args: Vec<String>,
 }
 
 /// Builds the test binaries of the numapin package (`--release` when asked) and lists them.
@@ -53,6 +55,7 @@ pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
                     name
                 },
                 path: PathBuf::from(path),
+                args: Vec::new(),
             })
         })
         .collect();

@@ -174,7 +174,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
         return Err(format!("unknown environment {:?}", request.only));
     }
     check_userns()?;
-    let tests = binaries::build(false)?;
+    let mut tests = binaries::build(false)?;
+    // The Python suite too, where `test-python` (or `test`) installed the package.
+    match crate::python::installed() {
+        Some(python) => tests.push(binaries::TestBinary {
+            name: "pytest python-tests".into(),
+            path: python,
+            args: crate::python::pytest_args(),
+        }),
+        None => eprintln!(
+            "xtask: NOT RUN: the Python suite (`cargo xtask test-python` installs the \
+             package; `cargo xtask test` always does)"
+        ),
+    }
     let mut verdicts = Vec::new();
     for round in 1..=request.repeat {
         if request.repeat > 1 {
@@ -245,6 +257,7 @@ fn run_round(envs: &[&Env], tests: &[binaries::TestBinary]) -> Result<bool, Stri
             let status = command
                 .args([SANDBOX, env.name])
                 .arg(&test.path)
+                .args(&test.args)
                 .env("NUMAPIN_EXPECT", env.expect)
                 // The randomized cache test: a tenth of the host's operations.
                 .env("NUMAPIN_CACHE_OPS", "100000")

@@ -43,9 +43,14 @@ pub fn existing() -> Option<PathBuf> {
     }
 }
 
+/// The venv the fixture writers (and the Python tests) run in.
+pub fn venv() -> PathBuf {
+    target_dir().join("fixtures-venv")
+}
+
 /// Creates the venv if needed, installs the writers, and writes the fixtures.
 pub fn run_fixtures() -> Result<PathBuf, String> {
-    let venv = target_dir().join("fixtures-venv");
+    let venv = venv();
     let python = venv.join("bin").join("python");
     if !python.exists() {
         let version = Command::new("python3").arg("--version").output();

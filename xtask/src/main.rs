@@ -1,7 +1,8 @@
 //! `cargo xtask <task>`: the project's build and test tasks, in plain Rust.
 //!
-//! - `test`: `check-layers`, the checkpoint fixtures, the host suite, then
-//!   `test-container`, then `test-numa`.
+//! - `test`: `check-layers`, the checkpoint fixtures, the host suite, the Python suite,
+//!   then `test-container`, then `test-numa`.
+//! - `test-python`: the Python package built into the fixture venv, and its pytest suite.
 //! - `check-layers`: the import graph points down a declared list of layers; every
 //!   syscall is in `sys/`.
 //! - `fixtures`: checkpoint fixtures written by the official safetensors and gguf-py
@@ -18,6 +19,7 @@ mod cpio;
 mod fixtures;
 mod layering;
 mod numa_vm;
+mod python;
 mod report;
 mod vm_provision;
 mod vm_shape;
@@ -35,8 +37,10 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask <task>
-  test              check-layers, fixtures, host tests, then test-container, then
-                    test-numa
+  test              check-layers, fixtures, host tests, test-python, then
+                    test-container, then test-numa
+  test-python       the Python package (maturin develop into the fixture venv) and its
+                    pytest suite; the container stage runs the suite again
   fixtures          checkpoint fixtures (safetensors, GGUF) into target/fixtures, written
                     by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
@@ -56,10 +60,12 @@ fn try_main() -> Result<(), String> {
             layering::run()?;
             fixtures::run_fixtures()?;
             test_host()?;
+            python::run_tests()?;
             container::run(&[])?;
             numa_vm::run()
         }
         Some("test-host") => test_host(),
+        Some("test-python") => python::run_tests(),
         Some("check-layers") => layering::run(),
         Some("fixtures") => fixtures::run_fixtures().map(|_| ()),
         Some("test-container") => container::run(rest),

@@ -1,0 +1,209 @@
+"""Type stubs for numapin's Rust extension (numapin._numapin)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from typing_extensions import Buffer
+import os
+
+class NumapinError(Exception):
+    """Every numapin error; the message names the call, the errno and the arguments."""
+
+class CheckpointError(NumapinError):
+    """A checkpoint is truncated, malformed, or its experts are incomplete."""
+
+class CacheFull(NumapinError):
+    """Every slot of the cache's chosen node is pinned by live entries or views."""
+
+class NodeNotAllowed(NumapinError):
+    """A node this process may not use."""
+
+class MissingCapability(NumapinError):
+    """The kernel's capability check refused a call the probe found allowed (CAP_SYS_NICE)."""
+
+class InvalidArgument(NumapinError):
+    """A bad argument: misaligned, out of bounds, overflowing, empty, unparsable."""
+
+class NotPacked(NumapinError):
+    """A layer that is not packed, or a released slot, was asked for."""
+
+class MapBudget(NumapinError):
+    """The mappings would cross vm.max_map_count."""
+
+class ViewsAlive(NumapinError):
+    """Release refused: views into the layer are alive."""
+
+class Cancelled(NumapinError):
+    """A load stopped by its progress callback."""
+
+def probe() -> dict[str, Any]:
+    """What this process may do here: the probe's facts, its verdict and a summary."""
+
+class Progress:
+    """Where one layer's load stands."""
+
+    layer: int
+    bytes_done: int
+    bytes_total: int
+    slots_done: int
+    slots_total: int
+
+ProgressCallback = Callable[[Progress], object]
+
+class View:
+    """A read-only, zero-copy array over placed memory (buffer protocol and DLPack).
+
+    Keeps its store alive. numpy honours the read-only flag; torch.from_dlpack ignores
+    it: never write to a tensor made from a view.
+    """
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def strides(self) -> list[int]:
+        """Bytes between consecutive elements of each dimension."""
+    @property
+    def address(self) -> int:
+        """The address of the first byte, inside the store's region."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def readonly(self) -> Literal[True]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+class PinStore:
+    """Per-layer arenas for callers with their own sources.
+
+    layout: "interleave:all", "layer-per-node:0-3", "replicate:all", "split:0,2",
+    "unplaced" (node sets in numactl's syntax).
+    """
+
+    def __init__(
+        self,
+        layout: str = "interleave:all",
+        *,
+        huge_pages: bool = True,
+        populate: bool = True,
+        loader_threads: int | None = None,
+    ) -> None: ...
+    @property
+    def layout(self) -> str: ...
+    def pack_layer(
+        self,
+        layer: int,
+        weights: Sequence[Buffer],
+        scales: Sequence[Buffer] | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """Packs a layer (GIL released); a raising progress callback aborts it."""
+    def weights(self, layer: int, expert: int) -> View: ...
+    def scales(self, layer: int, expert: int) -> View: ...
+    def layer(self, layer: int, kind: Literal["weights", "scales"] = "weights") -> View:
+        """[experts, stride] view over the layer's region."""
+    def release(self, layer: int, expert: int) -> None:
+        """Raises ViewsAlive while views into the layer are alive."""
+    def ensure(
+        self, layer: int, expert: int, weights: Buffer, scales: Buffer | None = None
+    ) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    @property
+    def degraded(self) -> str | None: ...
+
+class Checkpoint:
+    """A checkpoint's headers (safetensors, sharded or not; GGUF, split or not)."""
+
+    def __init__(self, path: str | "os.PathLike[str]") -> None: ...
+    @property
+    def format(self) -> Literal["safetensors", "gguf"]: ...
+    def tensors(self) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape outermost first) for every tensor."""
+    @property
+    def experts(self) -> dict[int, int]:
+        """{MoE layer: experts}."""
+    def pack(
+        self,
+        layout: str = "interleave:all",
+        *,
+        huge_pages: bool = True,
+        populate: bool = True,
+        loader_threads: int | None = None,
+        read_mode: Literal["buffered", "direct", "drop-behind"] = "buffered",
+        progress: ProgressCallback | Literal[False] | None = None,
+    ) -> PlacedModel:
+        """Packs every MoE layer's experts (GIL released). progress=None: a tqdm bar when
+        tqdm is installed and stderr is a terminal. A raising callback aborts the load."""
+
+class PlacedModel:
+    """A checkpoint's experts placed in a store."""
+
+    @property
+    def layers(self) -> list[int]: ...
+    @property
+    def layout(self) -> str: ...
+    def roles(self, layer: int) -> list[str]: ...
+    def expert(self, layer: int, expert: int) -> dict[str, View]:
+        """{role: view} with each tensor's dtype and shape."""
+    def layer(self, layer: int, role: str) -> View:
+        """[experts, ...] view of one role, the slot stride as the outer stride."""
+    def slot(
+        self, layer: int, expert: int, kind: Literal["weights", "scales"] = "weights"
+    ) -> View: ...
+    def release(self, layer: int, expert: int) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def report(self) -> str: ...
+    def report_dict(self) -> dict[str, Any]: ...
+    def verify(self) -> dict[str, Any]: ...
+    @property
+    def degraded(self) -> str | None: ...
+
+class CacheEntry:
+    """One cached expert; its slot stays pinned while this or a view of it lives."""
+
+    @property
+    def key(self) -> tuple[int, int]: ...
+    @property
+    def node(self) -> int: ...
+    @property
+    def weights(self) -> View: ...
+    @property
+    def scales(self) -> View: ...
+
+class ExpertCache:
+    """An LRU of experts in fixed slots per node, each node's regions bound once."""
+
+    def __init__(
+        self,
+        slots_per_node: int,
+        weight_bytes: int,
+        scale_bytes: int = 0,
+        *,
+        nodes: str = "all",
+        populate: bool = False,
+        huge_pages: bool = False,
+    ) -> None: ...
+    def get(self, layer: int, expert: int) -> CacheEntry | None: ...
+    def get_or_load(
+        self,
+        layer: int,
+        expert: int,
+        weights: Buffer,
+        scales: Buffer | None = None,
+        *,
+        hint: int | None = None,
+    ) -> CacheEntry: ...
+    def shrink(self, keep_per_node: int) -> int: ...
+    @property
+    def slots_per_node(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...

@@ -1,0 +1,421 @@
+//! `numapin.Checkpoint` (headers, tensors, experts) and `PlacedModel`, what
+//! `Checkpoint.pack` returns: the experts in a store, read through views that carry each
+//! role's dtype and shape.
+//!
+//! The whole-model plan (`Checkpoint.place(experts=..., dense=...)`, issue 22) returns a
+//! placed model too; its `tensor(name)` then reads the dense tensors the same way.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use numapin::model::{ExpertPlan, Format, LayerPlan, ModelReport, PieceRole, TensorPiece};
+use numapin::store::Kind;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict};
+
+use crate::errors::{CheckpointError, IntoPy, InvalidArgument};
+use crate::store::{Options, StoreCell, to_dict};
+use crate::view::{Elem, RAW, View, elem_of};
+
+/// A checkpoint's headers: safetensors (one file, shards with their index, fused
+/// experts) or GGUF (one file or a split set). Opening reads headers only.
+#[pyclass(frozen, module = "numapin")]
+pub struct Checkpoint {
+    inner: Arc<numapin::model::Checkpoint>,
+}
+
+/// A tensor's shape outermost first (numpy's order; GGUF states it innermost first).
+fn numpy_shape(checkpoint: &numapin::model::Checkpoint, shape: &[u64]) -> Vec<u64> {
+    match checkpoint.format() {
+        Format::Gguf => shape.iter().rev().copied().collect(),
+        _ => shape.to_vec(),
+    }
+}
+
+/// The element type and shape of one expert's piece of a tensor: the tensor's own when
+/// the piece is all of it, its shape without the experts dimension when the tensor
+/// holds every expert; raw bytes when DLPack has no such dtype or the sizes disagree.
+fn piece_layout(checkpoint: &numapin::model::Checkpoint, piece: &TensorPiece) -> (Elem, Vec<u64>) {
+    let raw = (RAW, vec![piece.len()]);
+    let Some(tensor) = checkpoint.tensors().get(piece.tensor()) else {
+        return raw;
+    };
+    let Some(elem) = elem_of(&tensor.dtype().to_string()) else {
+        return raw;
+    };
+    let full = numpy_shape(checkpoint, tensor.shape());
+    let shape = if piece.len() == tensor.len() {
+        full
+    } else {
+        full.get(1..).map(<[u64]>::to_vec).unwrap_or_default()
+    };
+    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    if elements.and_then(|n| n.checked_mul(elem.size as u64)) == Some(piece.len()) {
+        (elem, shape)
+    } else {
+        raw
+    }
+}
+
+#[pymethods]
+impl Checkpoint {
+    /// Opens a checkpoint: a `.safetensors` file, a directory of shards, or a GGUF file.
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Checkpoint> {
+        let inner = py
+            .detach(|| numapin::model::Checkpoint::open(&path))
+            .py_err()?;
+        Ok(Checkpoint {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// `"safetensors"` or `"gguf"`.
+    #[getter]
+    fn format(&self) -> &'static str {
+        match self.inner.format() {
+            Format::Gguf => "gguf",
+            _ => "safetensors",
+        }
+    }
+
+    /// Every tensor as `(name, dtype, shape)`, the shape outermost first.
+    fn tensors(&self) -> Vec<(String, String, Vec<u64>)> {
+        self.inner
+            .tensors()
+            .iter()
+            .map(|t| {
+                let shape = numpy_shape(&self.inner, t.shape());
+                (t.name().to_owned(), t.dtype().to_string(), shape)
+            })
+            .collect()
+    }
+
+    /// The MoE layers: `{layer: experts}` (the detected expert naming's plan).
+    #[getter]
+    fn experts(&self, py: Python<'_>) -> PyResult<BTreeMap<usize, usize>> {
+        let plan = py.detach(|| self.inner.expert_plan()).py_err()?;
+        Ok(plan
+            .layers()
+            .iter()
+            .map(|l| (l.layer(), l.experts().len()))
+            .collect())
+    }
+
+    /// Packs every MoE layer's experts into a new store with `layout` (the short string
+    /// form, e.g. `"split:all"`), one region per (layer, kind), each bound once, straight
+    /// from the files. The GIL is released while loading. `progress(Progress)` is called
+    /// from the loader threads (None: a tqdm bar when tqdm is installed and stderr is a
+    /// terminal; False: nothing); if it raises, the load stops and this raises that
+    /// exception. Returns the placed model.
+    #[pyo3(signature = (layout = "interleave:all", *, huge_pages = true, populate = true,
+                        loader_threads = None, read_mode = "buffered", progress = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pack(
+        &self,
+        py: Python<'_>,
+        layout: &str,
+        huge_pages: bool,
+        populate: bool,
+        loader_threads: Option<usize>,
+        read_mode: &str,
+        progress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<PlacedModel> {
+        let options = Options {
+            huge_pages,
+            populate,
+            loader_threads,
+            read_mode: read_mode.to_owned(),
+        };
+        let cell = StoreCell::new(layout, &options)?;
+        let plan = Arc::new(py.detach(|| self.inner.expert_plan()).py_err()?);
+        let layers: Vec<usize> = plan.layers().iter().map(LayerPlan::layer).collect();
+        let total: u64 = plan
+            .layers()
+            .iter()
+            .map(|l| (l.weight_bytes() + l.scale_bytes()) * l.experts().len() as u64)
+            .sum();
+        let callback = match progress {
+            Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => None,
+            Some(p) => Some(p.unbind()),
+            None => {
+                let auto = py
+                    .import("numapin._progress")?
+                    .call_method1("auto_bar", (total,))?;
+                (!auto.is_none()).then(|| auto.unbind())
+            }
+        };
+        let registration = cell.callbacks().register(py, &layers, callback.as_ref());
+        let checkpoint = &self.inner;
+        let result = py.detach(|| checkpoint.pack(&cell.read()));
+        let outcome = match result {
+            Ok(report) => Ok(report),
+            Err(e) => Err(registration.error(e)),
+        };
+        drop(registration);
+        if let Some(cb) = &callback
+            && cb.bind(py).hasattr("close")?
+        {
+            cb.bind(py).call_method0("close")?;
+        }
+        let report = outcome?;
+        Ok(PlacedModel {
+            cell,
+            checkpoint: self.inner.clone(),
+            plan,
+            report,
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Checkpoint({} file(s), {} tensors, {})",
+            self.inner.files().len(),
+            self.inner.tensors().len(),
+            self.format()
+        )
+    }
+}
+
+/// A checkpoint's experts placed in a store: `expert(layer, e)` gives `{role: view}`,
+/// `layer(layer, role)` a `[experts, ...]` view over the layer's region; `stats()`,
+/// `report()`, `verify()`. Views keep the store alive (also after `del placed`).
+#[pyclass(frozen, module = "numapin")]
+pub struct PlacedModel {
+    cell: Arc<StoreCell>,
+    checkpoint: Arc<numapin::model::Checkpoint>,
+    plan: Arc<ExpertPlan>,
+    report: ModelReport,
+}
+
+impl PlacedModel {
+    fn layer_plan(&self, layer: usize) -> PyResult<&LayerPlan> {
+        self.plan.layer(layer).ok_or_else(|| {
+            let layers: Vec<usize> = self.plan.layers().iter().map(LayerPlan::layer).collect();
+            crate::errors::NotPacked::new_err(format!(
+                "layer {layer} is not a MoE layer of this checkpoint (MoE layers: {layers:?})"
+            ))
+        })
+    }
+
+    /// The layer's roles in slot order with their kind and position within the kind.
+    fn roles_of(plan: &LayerPlan) -> Vec<(String, Kind, usize)> {
+        let (mut w, mut s) = (0, 0);
+        plan.roles()
+            .map(|(role, name)| match role {
+                PieceRole::Weight => {
+                    w += 1;
+                    (name.to_owned(), Kind::Weights, w - 1)
+                }
+                PieceRole::Scale => {
+                    s += 1;
+                    (name.to_owned(), Kind::Scales, s - 1)
+                }
+            })
+            .collect()
+    }
+
+    fn role(&self, plan: &LayerPlan, role: &str) -> PyResult<(Kind, usize)> {
+        let roles = PlacedModel::roles_of(plan);
+        roles
+            .iter()
+            .find(|(name, _, _)| name == role)
+            .map(|(_, kind, i)| (*kind, *i))
+            .ok_or_else(|| {
+                let names: Vec<&str> = roles.iter().map(|(n, _, _)| n.as_str()).collect();
+                InvalidArgument::new_err(format!(
+                    "layer {}: no role {role:?} (roles: {names:?})",
+                    plan.layer()
+                ))
+            })
+    }
+
+    /// One piece's view: expert `expert`'s role `index` of `kind`.
+    fn piece_view(
+        &self,
+        py: Python<'_>,
+        plan: &LayerPlan,
+        expert: usize,
+        kind: Kind,
+        index: usize,
+    ) -> PyResult<View> {
+        let layer = plan.layer();
+        let pieces = plan.experts().get(expert).ok_or_else(|| {
+            InvalidArgument::new_err(format!(
+                "layer {layer}: expert {expert} is out of range: there are {}",
+                plan.experts().len()
+            ))
+        })?;
+        let piece = pieces
+            .pieces(match kind {
+                Kind::Weights => PieceRole::Weight,
+                Kind::Scales => PieceRole::Scale,
+            })
+            .get(index)
+            .ok_or_else(|| CheckpointError::new_err("a role without its piece"))?;
+        let (elem, shape) = piece_layout(&self.checkpoint, piece);
+        let pin = self.cell.pin(layer);
+        let address = {
+            let store = self.cell.read_gil(py);
+            let slot = match kind {
+                Kind::Weights => store.weights(layer, expert),
+                Kind::Scales => store.scales(layer, expert),
+            }
+            .py_err()?;
+            let place = store
+                .slot_map(layer)
+                .py_err()?
+                .pieces(expert, kind)
+                .and_then(|p| p.get(index).copied())
+                .filter(|p| p.end() <= slot.len() && p.len as u64 == piece.len())
+                .ok_or_else(|| CheckpointError::new_err("a piece outside its slot"))?;
+            slot.as_ptr() as usize + place.offset
+        };
+        // SAFETY: the piece lies inside its slot (checked above), in the store's region,
+        // which the pin keeps mapped and unreleased.
+        Ok(unsafe { View::contiguous(address, elem, &shape, Arc::new(pin)) })
+    }
+}
+
+#[pymethods]
+impl PlacedModel {
+    /// The MoE layers packed, by increasing layer number.
+    #[getter]
+    fn layers(&self) -> Vec<usize> {
+        self.plan.layers().iter().map(LayerPlan::layer).collect()
+    }
+
+    /// The store's layout, in the short string form.
+    #[getter]
+    fn layout(&self, py: Python<'_>) -> String {
+        self.cell.read_gil(py).layout().to_string()
+    }
+
+    /// The roles of a layer's experts in slot order (`"gate_proj"`, ..., scales last).
+    fn roles(&self, layer: usize) -> PyResult<Vec<String>> {
+        let plan = self.layer_plan(layer)?;
+        Ok(PlacedModel::roles_of(plan)
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect())
+    }
+
+    /// Expert `expert` of layer `layer`: `{role: view}`, each view with the tensor's
+    /// dtype and shape (raw `uint8` where DLPack has no such dtype: GGML quant blocks).
+    fn expert<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        expert: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let plan = self.layer_plan(layer)?;
+        let dict = PyDict::new(py);
+        for (name, kind, index) in PlacedModel::roles_of(plan) {
+            dict.set_item(name, self.piece_view(py, plan, expert, kind, index)?)?;
+        }
+        Ok(dict)
+    }
+
+    /// Role `role` of every expert of layer `layer`: one `[experts, ...]` view over the
+    /// layer's region, the slot stride as the outer stride, so that a fused-experts
+    /// parameter (`[E, 2I, H]`) is assigned without a copy.
+    fn layer(&self, py: Python<'_>, layer: usize, role: &str) -> PyResult<View> {
+        let plan = self.layer_plan(layer)?;
+        let (kind, index) = self.role(plan, role)?;
+        let first = self.piece_view(py, plan, 0, kind, index)?;
+        let (elem, inner) = {
+            let pieces = &plan.experts()[0];
+            let piece = pieces.pieces(match kind {
+                Kind::Weights => PieceRole::Weight,
+                Kind::Scales => PieceRole::Scale,
+            })[index];
+            piece_layout(&self.checkpoint, &piece)
+        };
+        let pin = self.cell.pin(layer);
+        let (_, stride, experts) = self.cell.layer_geometry(py, layer, kind)?;
+        {
+            let store = self.cell.read_gil(py);
+            let map = store.slot_map(layer).py_err()?;
+            if map.uniform(kind).is_none() {
+                return Err(CheckpointError::new_err(format!(
+                    "layer {layer}: the experts' {} pieces do not share one layout",
+                    kind.name()
+                )));
+            }
+        }
+        let mut shape = vec![experts as isize];
+        shape.extend(inner.iter().map(|&n| n as isize));
+        let mut strides = vec![stride as isize];
+        let mut step = elem.size as isize;
+        let mut inner_strides = vec![0isize; inner.len()];
+        for (s, &n) in inner_strides.iter_mut().zip(&inner).rev() {
+            *s = step;
+            step *= n as isize;
+        }
+        strides.extend(inner_strides);
+        // SAFETY: expert e's piece starts at `first + e × stride` (every slot at one stride,
+        // one piece layout for all: checked above) and lies inside its slot, in the
+        // layer's region, which the pin keeps mapped and unreleased.
+        Ok(unsafe { View::new(first_address(&first), elem, shape, strides, Arc::new(pin)) })
+    }
+
+    /// Expert `expert`'s whole weight slot (`kind="weights"`) or scale slot, raw `uint8`.
+    #[pyo3(signature = (layer, expert, kind = "weights"))]
+    fn slot(&self, py: Python<'_>, layer: usize, expert: usize, kind: &str) -> PyResult<View> {
+        self.cell
+            .slot_view(py, layer, expert, crate::store::parse_kind(kind)?)
+    }
+
+    /// Gives expert `expert`'s pages of layer `layer` back. Refused (`ViewsAlive`) while
+    /// views into the layer are alive.
+    fn release(&self, py: Python<'_>, layer: usize, expert: usize) -> PyResult<()> {
+        self.cell.change(py, layer, "PlacedModel.release", |s| {
+            s.release(layer, expert)
+        })
+    }
+
+    /// The store's statistics as a dict (layers, bytes, VMAs, mbind calls, pages per
+    /// node, placement).
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let stats = py.detach(|| self.cell.read().stats()).py_err()?;
+        to_dict(py, &stats)
+    }
+
+    /// The pack report: one line (`naming ...: N MoE layers × E experts packed ...`).
+    fn report(&self) -> String {
+        self.report.to_string()
+    }
+
+    /// The pack report as a dict (per-layer reports included).
+    fn report_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_dict(py, &self.report)
+    }
+
+    /// Re-reads every expert piece from the files and compares: a dict with
+    /// `mismatched_slots` (0: verified).
+    fn verify(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let report = py
+            .detach(|| self.checkpoint.verify(&self.cell.read()))
+            .py_err()?;
+        to_dict(py, &report)
+    }
+
+    /// Why placement degraded here, or None.
+    #[getter]
+    fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        self.cell
+            .read_gil(py)
+            .degraded()
+            .map(|d| to_dict(py, &d))
+            .transpose()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PlacedModel({})", self.report)
+    }
+}
+
+fn first_address(view: &View) -> usize {
+    view.address_of()
+}
