@@ -38,6 +38,8 @@ mod pack;
 mod plan;
 #[doc(hidden)]
 pub mod safetensors;
+mod share;
+mod slice;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -50,8 +52,10 @@ pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
     PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
 };
-pub use pack::{ModelReport, SlotMismatch, VerifyReport};
+pub use pack::{ModelReport, ShareReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
+pub use share::{ExpertShare, LayerShare, Share};
+pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 
 use crate::error::{CheckpointFault, Error, Result};
 use files::{display, parent_dir};

@@ -725,6 +725,8 @@ pub struct LayerPlan {
     pub(crate) roles: Vec<(PieceRole, String)>,
     /// How a fused gate_up role holds gate and up, when the layer has one.
     pub(crate) gate_up: Option<GateUpLayout>,
+    /// The share held, in a plan cut to one ([`ExpertPlan::share`]).
+    pub(crate) share: Option<super::share::LayerShare>,
 }
 
 impl LayerPlan {
@@ -733,7 +735,8 @@ impl LayerPlan {
         self.layer
     }
 
-    /// The experts, index = expert number.
+    /// The experts, index = expert number (= slot; in a share, the slot of global
+    /// expert [`LayerPlan::expert_id`]).
     pub fn experts(&self) -> &[ExpertPieces] {
         &self.experts
     }
