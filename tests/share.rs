@@ -330,6 +330,15 @@ fn the_report_says_which_share_was_placed() {
     let store = store();
     let report = f.checkpoint.pack_share(&store, &share).unwrap();
     let held = report.share.clone().unwrap();
+    // A cut plan is still complete: every held expert has every role (one piece a row).
+    let plan = f.checkpoint.expert_plan().unwrap();
+    let cut = plan.share(&f.checkpoint, &share).unwrap();
+    assert!(cut.is_complete() && cut.is_share() && !plan.is_share());
+    assert!(
+        cut.share(&f.checkpoint, &share).is_err(),
+        "a share of a share"
+    );
+    assert_eq!(cut.layer(1).unwrap().share().unwrap().expert_ids(), &[0, 2]);
     assert_eq!(held.share, "experts 0,2, slice columns:1/2");
     for (&layer, ids) in &held.experts_held {
         assert_eq!(ids, "0,2", "layer {layer}");

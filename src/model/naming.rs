@@ -766,6 +766,10 @@ impl LayerPlan {
     /// has experts and a weight role): what "complete" means in a report. A plan built
     /// by [`Naming::plan`] is complete or was an error; this checks the plan itself.
     pub fn is_complete(&self) -> bool {
+        // A share's pieces were cut (one per row for columns): judged before the cut.
+        if let Some(share) = &self.share {
+            return share.complete && !self.experts.is_empty();
+        }
         let want = |role| self.roles.iter().filter(|(r, _)| *r == role).count();
         let (weights, scales) = (want(PieceRole::Weight), want(PieceRole::Scale));
         weights > 0

@@ -346,6 +346,8 @@ pub struct LayerShare {
     pub(crate) ids: Vec<usize>,
     pub(crate) of: usize,
     pub(crate) slices: Vec<RoleSlice>,
+    /// Whether the layer was complete before it was cut ([`LayerPlan::is_complete`]).
+    pub(crate) complete: bool,
 }
 
 impl LayerShare {
@@ -424,6 +426,7 @@ impl ExpertPlan {
                 ));
             }
             let of = layer.experts.len();
+            let complete = layer.is_complete();
             let ids = share.experts.resolve(layer.layer, of)?;
             // `resolve` keeps every id below the layer's count.
             layer.experts = ids
@@ -434,7 +437,12 @@ impl ExpertPlan {
                 Some(slice) => super::slice::slice_layer(checkpoint, layer, slice)?,
                 None => Vec::new(),
             };
-            layer.share = Some(LayerShare { ids, of, slices });
+            layer.share = Some(LayerShare {
+                ids,
+                of,
+                slices,
+                complete,
+            });
         }
         Ok(out)
     }
