@@ -43,6 +43,7 @@ use numapin::{NodeSet, diag};
 use support::args::PinModelArgs;
 use support::report::{
     BaselineJson, LayerRolesJson, ModelJson, PIN_MODEL_SCHEMA, PinModelJson, Purge, RunJson,
+    ShareJson,
 };
 use support::{Run, measure, minor_faults, run_baseline, run_store};
 
@@ -182,7 +183,11 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
     let err = |e: numapin::Error| e.to_string();
     let checkpoint = Checkpoint::open(path).map_err(err)?;
     let naming = Naming::detect(&checkpoint).map_err(err)?;
-    let plan = naming.plan(&checkpoint).map_err(err)?;
+    let share = args.share();
+    let mut plan = naming.plan(&checkpoint).map_err(err)?;
+    if !share.is_whole() {
+        plan = plan.share(&checkpoint, &share).map_err(err)?;
+    }
     let bytes: u64 = plan
         .layers()
         .iter()
@@ -192,12 +197,17 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
     let store = PinStore::new(args.layout(), store_options(args, &bar)).map_err(err)?;
     let faults = minor_faults();
     let start = Instant::now();
-    let report = checkpoint.pack_with(&store, &naming).map_err(err)?;
+    let report = if share.is_whole() {
+        checkpoint.pack_with(&store, &naming)
+    } else {
+        checkpoint.pack_share_with(&store, &naming, &share)
+    }
+    .map_err(err)?;
     let load_seconds = start.elapsed().as_secs_f64();
     let minor = minor_faults() - faults;
     finish(&bar);
     let verify = checkpoint
-        .verify_in_mode(&store, &naming, args.read)
+        .verify_plan(&store, &plan, args.read)
         .map_err(err)?;
     if !verify.verified() {
         return Err(format!("{}: {verify}", path.display()));
@@ -237,6 +247,7 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
                 (l.layer(), roles)
             })
             .collect(),
+        share: report.share.as_ref().map(ShareJson::new),
     };
     if !model.complete {
         return Err(format!(
@@ -256,6 +267,9 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         layer_list(&model.experts_per_layer)
     );
     print_roles(&model.layer_roles);
+    if let Some(share) = &model.share {
+        print_share(share);
+    }
     println!(
         "  for the engine   {} tensors, {} (not experts: read them yourself)",
         model.engine_tensors,
@@ -354,6 +368,43 @@ fn print_roles(layers: &BTreeMap<usize, LayerRolesJson>) {
             "  roles            {layers}: {}{layout}",
             r.roles.join(", ")
         );
+    }
+}
+
+/// The share placed: what was asked, the experts held of each layer (once when every
+/// layer holds the same), and each role's slice of the first layer.
+fn print_share(share: &ShareJson) {
+    println!("  share            {}", share.share);
+    let mut held = share.experts_held.iter();
+    if let Some((&first, ids)) = held.next() {
+        let of = share.experts_of.get(&first).copied().unwrap_or(0);
+        if share.experts_held.values().all(|v| v == ids) {
+            println!("  experts held     {ids} of {of} in every MoE layer");
+        } else {
+            for (layer, ids) in share.experts_held.iter() {
+                let of = share.experts_of.get(layer).copied().unwrap_or(0);
+                println!("  experts held     layer {layer}: {ids} of {of}");
+            }
+        }
+    }
+    if let Some((layer, slices)) = share.slices.iter().next() {
+        for s in slices {
+            let what = if s.whole {
+                "whole".to_owned()
+            } else {
+                format!(
+                    "{} {}..{} of {}",
+                    s.axis,
+                    s.start,
+                    s.start + s.len,
+                    s.extent
+                )
+            };
+            println!(
+                "  slice            layer {layer} {} {:?}: {what}",
+                s.role, s.shape
+            );
+        }
     }
 }
 

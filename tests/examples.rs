@@ -570,3 +570,48 @@ fn probe_json_is_supports_serde_form() {
         assert_eq!(back, machine);
     }
 }
+
+#[test]
+fn pin_model_share_flags_parse_to_the_share_placed() {
+    let args = parse(&[
+        "--model",
+        "/m",
+        "--experts",
+        "0-63,96",
+        "--slice",
+        "rows:0/2",
+    ])
+    .unwrap();
+    assert_eq!(args.share().to_string(), "experts 0-63,96, slice rows:0/2");
+    // The synthetic model's count is unchanged by a share-looking --model run.
+    assert_eq!(args.synthetic().experts, SyntheticModel::default().experts);
+    let k_of_n = parse(&[
+        "--model",
+        "/m",
+        "--experts",
+        "1/4",
+        "--slice",
+        "columns:128:256",
+    ])
+    .unwrap();
+    assert_eq!(
+        k_of_n.share().to_string(),
+        "experts 1/4, slice columns:128:256"
+    );
+    assert!(parse(&["--model", "/m"]).unwrap().share().is_whole());
+    let kind = |args: &[&str]| parse(args).unwrap_err().kind();
+    assert_eq!(kind(&["--slice", "rows:0/2"]), ErrorKind::ArgumentConflict);
+    assert_eq!(kind(&["--experts", "0-3"]), ErrorKind::ValueValidation);
+    assert_eq!(
+        kind(&["--model", "/m", "--experts", "0-9,5-12"]),
+        ErrorKind::ValueValidation
+    );
+    assert_eq!(
+        kind(&["--model", "/m", "--slice", "diagonal:0/2"]),
+        ErrorKind::ValueValidation
+    );
+    assert_eq!(
+        kind(&["--model", "/m", "--slice", "rows:2/2"]),
+        ErrorKind::ValueValidation
+    );
+}

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 
 use clap::error::ErrorKind;
-use clap::{CommandFactory, Parser, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use numapin::NodeSet;
+use numapin::model::{ExpertShare, Share, TensorSlice};
 use numapin::store::{Layout, ReadMode};
 use numapin_testkit::synthetic::SyntheticModel;
 
@@ -61,6 +62,49 @@ fn at_least_one(text: &str) -> Result<usize, String> {
     }
 }
 
+/// `--experts`: a count for the synthetic model, a share with --model (see
+/// [`PinModelArgs::experts`]).
+#[derive(Debug, Clone)]
+pub struct ExpertsArg {
+    /// The text as a count, when it is one (at least 1).
+    pub count: Option<usize>,
+    /// The text as a share (`5` is expert 5 alone).
+    pub share: ExpertShare,
+}
+
+impl ExpertsArg {
+    fn count(n: usize) -> ExpertsArg {
+        ExpertsArg {
+            count: Some(n),
+            share: ExpertShare::list([n]).unwrap_or_default(),
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertsArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.count {
+            Some(n) => write!(f, "{n}"),
+            None => write!(f, "{}", self.share),
+        }
+    }
+}
+
+fn experts_arg(text: &str) -> Result<ExpertsArg, String> {
+    if text.parse::<usize>() == Ok(0) {
+        return Err("must be at least 1 (expert 0 alone: 0-0, with --model)".into());
+    }
+    let share = ExpertShare::parse(text).map_err(|e| e.to_string())?;
+    Ok(ExpertsArg {
+        count: text.parse::<usize>().ok(),
+        share,
+    })
+}
+
+fn slice_arg(text: &str) -> Result<TensorSlice, String> {
+    TensorSlice::parse(text).map_err(|e| e.to_string())
+}
+
 /// A byte count.
 fn bytes(text: &str) -> Result<usize, String> {
     text.parse::<usize>().map_err(|e| e.to_string())
@@ -80,8 +124,16 @@ pub struct PinModelArgs {
     #[arg(long, default_value_t = SyntheticModel::default().layers, value_parser = at_least_one)]
     pub layers: usize,
     /// Experts in each layer.
-    #[arg(long, default_value_t = SyntheticModel::default().experts, value_parser = at_least_one)]
-    pub experts: usize,
+    ///
+    /// With --model: the experts of each MoE layer this rank places (a rank's share
+    /// under expert parallelism): global ids and inclusive ranges `0-63,96`, or `k/n`
+    /// for the k-th of n equal parts (`1/4`); every expert when absent.
+    #[arg(long, value_name = "N|SHARE", value_parser = experts_arg,
+          default_value_t = ExpertsArg::count(SyntheticModel::default().experts))]
+    pub experts: ExpertsArg,
+    /// Whether --experts was given (its default is the synthetic model's count).
+    #[arg(skip)]
+    pub experts_given: bool,
     /// Weight bytes of each expert.
     #[arg(long, default_value_t = SyntheticModel::default().weight_bytes, value_parser = at_least_one)]
     pub weight_bytes: usize,
@@ -149,6 +201,12 @@ pub struct PinModelArgs {
     /// (docs/whole-model.md).
     #[arg(long, value_name = "PLAN", requires = "model")]
     pub plan: Option<String>,
+    /// With --model: the slice of every expert tensor this rank places (tensor
+    /// parallelism): `rows:k/n` or `columns:k/n` (the k-th of n equal parts of the
+    /// outermost or innermost axis), or `rows:START:LEN`. A cut through a quantization or
+    /// scale block is refused, naming the block.
+    #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN", value_parser = slice_arg)]
+    pub slice: Option<TensorSlice>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
     #[arg(long)]
     pub no_progress: bool,
@@ -201,7 +259,24 @@ impl PinModelArgs {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let args = Self::try_parse_from(args)?;
+        let matches = Self::command().try_get_matches_from(args)?;
+        let mut args = Self::from_arg_matches(&matches)?;
+        args.experts_given =
+            matches.value_source("experts") == Some(clap::parser::ValueSource::CommandLine);
+        if args.model.is_none() {
+            if args.slice.is_some() {
+                return Err(Self::command().error(
+                    ErrorKind::ArgumentConflict,
+                    "--slice needs --model: the synthetic model has no tensors to slice",
+                ));
+            }
+            if args.experts.count.is_none() {
+                return Err(Self::command().error(
+                    ErrorKind::ValueValidation,
+                    "--experts takes a count (at least 1) for the synthetic model; a share (ids, ranges, k/n) needs --model",
+                ));
+            }
+        }
         if args.purge && !cfg!(feature = "jemalloc") {
             return Err(Self::command().error(
                 ErrorKind::ArgumentConflict,
@@ -215,7 +290,10 @@ impl PinModelArgs {
     pub fn synthetic(&self) -> SyntheticModel {
         SyntheticModel {
             layers: self.layers,
-            experts: self.experts,
+            experts: self
+                .experts
+                .count
+                .unwrap_or(SyntheticModel::default().experts),
             weight_bytes: self.weight_bytes,
             scale_bytes: self.scale_bytes,
         }
@@ -225,6 +303,19 @@ impl PinModelArgs {
     /// given wins), else on exactly when built with jemalloc.
     pub fn purge(&self) -> bool {
         self.purge || (!self.no_purge && cfg!(feature = "jemalloc"))
+    }
+
+    /// With --model: the share `--experts` and `--slice` ask for (the whole checkpoint
+    /// without either).
+    pub fn share(&self) -> Share {
+        let mut share = Share::default();
+        if self.experts_given {
+            share = share.experts(self.experts.share.clone());
+        }
+        if let Some(slice) = self.slice {
+            share = share.slice(slice);
+        }
+        share
     }
 
     /// `--layout` over `--nodes`.

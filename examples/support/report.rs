@@ -154,6 +154,69 @@ pub struct ModelJson {
     /// Model layer → the roles every expert has, in slot order (weights, then scales,
     /// as the naming calls them), and how a fused gate_up holds gate and up.
     pub layer_roles: BTreeMap<usize, LayerRolesJson>,
+    /// The rank's share placed (`--experts`, `--slice`); absent for the whole
+    /// checkpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share: Option<ShareJson>,
+}
+
+/// Which share of the checkpoint was placed (`numapin::model::ShareReport`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ShareJson {
+    /// `"experts 0-63, slice rows:0/2"`.
+    pub share: String,
+    /// Model layer → the global expert ids held, as ranges.
+    pub experts_held: BTreeMap<usize, String>,
+    /// Model layer → experts the checkpoint's layer has.
+    pub experts_of: BTreeMap<usize, usize>,
+    /// Model layer → each role's slice, in slot order (empty without --slice).
+    pub slices: BTreeMap<usize, Vec<RoleSliceJson>>,
+}
+
+/// One role's slice (`numapin::model::RoleSlice`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoleSliceJson {
+    /// The role as the naming calls it.
+    pub role: String,
+    /// `"rows"` or `"columns"`.
+    pub axis: &'static str,
+    /// First entry held, entries held, entries of the whole axis.
+    pub start: u64,
+    pub len: u64,
+    pub extent: u64,
+    /// One expert's whole tensor, row-major.
+    pub shape: Vec<u64>,
+    /// Kept whole (a one-element scale, a bias under a column cut).
+    pub whole: bool,
+}
+
+impl ShareJson {
+    pub fn new(r: &numapin::model::ShareReport) -> ShareJson {
+        ShareJson {
+            share: r.share.clone(),
+            experts_held: r.experts_held.clone(),
+            experts_of: r.experts_of.clone(),
+            slices: r
+                .slices
+                .iter()
+                .map(|(&l, s)| {
+                    let roles = s
+                        .iter()
+                        .map(|s| RoleSliceJson {
+                            role: s.role.clone(),
+                            axis: s.axis.name(),
+                            start: s.start,
+                            len: s.len,
+                            extent: s.extent,
+                            shape: s.shape.clone(),
+                            whole: s.whole,
+                        })
+                        .collect();
+                    (l, roles)
+                })
+                .collect(),
+        }
+    }
 }
 
 /// One MoE layer's roles (see [`ModelJson::layer_roles`]).

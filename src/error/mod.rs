@@ -7,8 +7,8 @@ use std::fmt;
 
 pub use invalid::Invalid;
 use invalid::wide;
-use quote::{PATH_MAX, REASON_MAX, clip_owned};
-pub(crate) use quote::{QUOTE_MAX, clip, quote, quote_list};
+use quote::{PATH_MAX, REASON_MAX};
+pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list};
 
 use crate::nodeset::{Node, NodeSet};
 
@@ -215,6 +215,20 @@ pub enum Error {
         index: usize,
         /// How many there are.
         len: usize,
+    },
+    /// An expert this store (or plan) does not hold: it packed a share of the layer's
+    /// experts (a rank's, see `numapin::model::ExpertShare`), and the id asked for is
+    /// another rank's.
+    #[error("{op}: layer {layer} expert {expert} is not in this share (held: {held})")]
+    NotHeld {
+        /// The operation.
+        op: &'static str,
+        /// The layer.
+        layer: usize,
+        /// The global expert id asked for.
+        expert: usize,
+        /// The ids held, as ranges (`"0-63,70"`, shortened when long).
+        held: String,
     },
     /// A policy names only nodes this process may not allocate on (outside
     /// `mems_allowed`, or without memory): what the kernel's `EINVAL` meant
@@ -522,6 +536,7 @@ impl From<Error> for std::io::Error {
             Error::InvalidArgument { .. }
             | Error::Parse { .. }
             | Error::OutOfRange { .. }
+            | Error::NotHeld { .. }
             | Error::NodeNotAllowed { .. } => std::io::ErrorKind::InvalidInput,
             Error::MissingCapability { .. } => std::io::ErrorKind::PermissionDenied,
             _ => std::io::ErrorKind::Other,

@@ -38,6 +38,8 @@ mod pack;
 mod plan;
 #[doc(hidden)]
 pub mod safetensors;
+mod share;
+mod slice;
 mod whole;
 
 use std::fs::File;
@@ -51,13 +53,15 @@ pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
     PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
 };
-pub use pack::{ModelReport, SlotMismatch, VerifyReport};
+pub use pack::{ModelReport, ShareReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
 pub use whole::{
     Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, ExpertPieceView, PlacedModel,
     PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
     expert_layout_text,
 };
+pub use share::{ExpertShare, LayerShare, Share};
+pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 
 use crate::error::{CheckpointFault, Error, Result};
 use files::{display, parent_dir};

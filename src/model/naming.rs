@@ -725,6 +725,8 @@ pub struct LayerPlan {
     pub(crate) roles: Vec<(PieceRole, String)>,
     /// How a fused gate_up role holds gate and up, when the layer has one.
     pub(crate) gate_up: Option<GateUpLayout>,
+    /// The share held, in a plan cut to one ([`ExpertPlan::share`]).
+    pub(crate) share: Option<super::share::LayerShare>,
 }
 
 impl LayerPlan {
@@ -733,7 +735,8 @@ impl LayerPlan {
         self.layer
     }
 
-    /// The experts, index = expert number.
+    /// The experts, index = expert number (= slot; in a share, the slot of global
+    /// expert [`LayerPlan::expert_id`]).
     pub fn experts(&self) -> &[ExpertPieces] {
         &self.experts
     }
@@ -763,6 +766,10 @@ impl LayerPlan {
     /// has experts and a weight role): what "complete" means in a report. A plan built
     /// by [`Naming::plan`] is complete or was an error; this checks the plan itself.
     pub fn is_complete(&self) -> bool {
+        // A share's pieces were cut (one per row for columns): judged before the cut.
+        if let Some(share) = &self.share {
+            return share.complete && !self.experts.is_empty();
+        }
         let want = |role| self.roles.iter().filter(|(r, _)| *r == role).count();
         let (weights, scales) = (want(PieceRole::Weight), want(PieceRole::Scale));
         weights > 0

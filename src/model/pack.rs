@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use super::{Checkpoint, ExpertPlan, LayerPlan, Naming};
+use super::{Checkpoint, ExpertPlan, LayerPlan, Naming, RoleSlice, Share};
 use crate::error::{Error, Result};
 use crate::source::ReadMode;
 use crate::source::load::{Reader, Scratch};
@@ -35,6 +35,23 @@ pub struct ModelReport {
     pub engine_bytes: u64,
     /// Each layer's report, by increasing layer number.
     pub layer_reports: Vec<LayerReport>,
+    /// The rank's share placed ([`Checkpoint::pack_share`]); `None`: the whole
+    /// checkpoint.
+    pub share: Option<ShareReport>,
+}
+
+/// Which share of a checkpoint a store holds: what an engine checks it got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ShareReport {
+    /// The share asked for ([`Share`]'s text: `experts 0-63, slice rows:0/2`).
+    pub share: String,
+    /// Model layer → the global expert ids held, as ranges (`"0-63"`).
+    pub experts_held: BTreeMap<usize, String>,
+    /// Model layer → experts the checkpoint's layer has.
+    pub experts_of: BTreeMap<usize, usize>,
+    /// Model layer → how each role was sliced (empty without a slice).
+    pub slices: BTreeMap<usize, Vec<RoleSlice>>,
 }
 
 impl fmt::Display for ModelReport {
@@ -60,7 +77,11 @@ impl fmt::Display for ModelReport {
             f,
             " packed ({} bytes, {} reads, {} files); {} tensors ({} bytes) left for the engine",
             self.bytes, self.reads, self.files, self.engine_tensors, self.engine_bytes
-        )
+        )?;
+        if let Some(share) = &self.share {
+            write!(f, "; share: {}", share.share)?;
+        }
+        Ok(())
     }
 }
 
@@ -190,6 +211,92 @@ impl Checkpoint {
     /// As [`Checkpoint::pack`].
     pub fn pack_with(&self, store: &PinStore, naming: &Naming) -> Result<ModelReport> {
         let plan = naming.plan(self)?;
+        self.pack_plan(store, &plan, None)
+    }
+
+    /// Packs a rank's share: the experts `share` holds of each layer, each piece cut to
+    /// its tensor slice ([`ExpertPlan::share`]), each layer with
+    /// [`PinStore::pack_layer_share`] so that lookups take global expert ids. The map
+    /// budget, the layouts' blocks and the report count the share. The naming is
+    /// detected; [`Checkpoint::pack_share_with`] takes one.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::pack`], and [`ExpertPlan::share`]'s errors (an expert id past a
+    /// layer's count, nothing held in a layer, a slice past an axis or through a block).
+    ///
+    /// # Example
+    /// ```no_run
+    /// use numapin::model::{Checkpoint, ExpertShare, Share, TensorSlice};
+    /// use numapin::store::{Layout, PinStore, StoreOptions};
+    ///
+    /// let checkpoint = Checkpoint::open("/models/qwen-moe")?;
+    /// let store = PinStore::new(Layout::SplitExperts(numapin::NodeSet::parse("0-1")?),
+    ///                           StoreOptions::default())?;
+    /// // Rank 1 of 2 under expert parallelism: the second half of each layer's experts.
+    /// let share = Share::default().experts(ExpertShare::part(1, 2)?);
+    /// let report = checkpoint.pack_share(&store, &share)?;
+    /// println!("{report}");
+    /// let w = store.weights(3, 100)?; // global id 100: held by rank 1 of 128 experts
+    /// assert!(checkpoint.verify_share(&store, &share)?.verified());
+    /// # let _ = (w, TensorSlice::parse("rows:0/2")?);
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    pub fn pack_share(&self, store: &PinStore, share: &Share) -> Result<ModelReport> {
+        let naming = Naming::detect(self)?;
+        self.pack_share_with(store, &naming, share)
+    }
+
+    /// [`Checkpoint::pack_share`] with a naming chosen by hand.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::pack_share`].
+    pub fn pack_share_with(
+        &self,
+        store: &PinStore,
+        naming: &Naming,
+        share: &Share,
+    ) -> Result<ModelReport> {
+        let plan = naming.plan(self)?.share(self, share)?;
+        self.pack_plan(store, &plan, Some(share))
+    }
+
+    /// Re-reads a share packed with [`Checkpoint::pack_share`] (as
+    /// [`Checkpoint::verify`]; the naming detected).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_with`] and [`ExpertPlan::share`].
+    pub fn verify_share(&self, store: &PinStore, share: &Share) -> Result<VerifyReport> {
+        let naming = Naming::detect(self)?;
+        let plan = naming.plan(self)?.share(self, share)?;
+        self.verify_plan(store, &plan, ReadMode::Buffered)
+    }
+
+    /// The source of global expert `expert` of model layer `layer` in `plan` (a share's
+    /// or the whole): what [`PinStore::ensure`] or an
+    /// [`ExpertCache`](crate::cache::ExpertCache) miss loads.
+    ///
+    /// # Errors
+    /// No such layer in the plan ([`Error::NotPacked`]), an expert the plan does not hold
+    /// ([`Error::NotHeld`]) or past the layer's experts.
+    pub fn expert_source(
+        &self,
+        plan: &ExpertPlan,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertSource<'_>> {
+        let l = plan.layer(layer).ok_or(Error::NotPacked {
+            op: "Checkpoint::expert_source",
+            layer,
+        })?;
+        self.source_of(l.expert(expert)?)
+    }
+
+    fn pack_plan(
+        &self,
+        store: &PinStore,
+        plan: &ExpertPlan,
+        share: Option<&Share>,
+    ) -> Result<ModelReport> {
         // Each layer's sources, built once: sized here, packed below.
         let mut layers = Vec::with_capacity(plan.layers().len());
         for layer in plan.layers() {
@@ -207,14 +314,38 @@ impl Checkpoint {
             store.check_model_budget(layers.len(), &widest)?;
         }
         let mut layer_reports = Vec::with_capacity(layers.len());
-        for (layer, spec, sources) in &layers {
-            layer_reports.push(store.pack_layer(*layer, spec, sources)?);
+        for ((layer, spec, sources), l) in layers.iter().zip(plan.layers()) {
+            layer_reports.push(match l.share() {
+                Some(held) => store.pack_layer_share(*layer, spec, sources, held.expert_ids())?,
+                None => store.pack_layer(*layer, spec, sources)?,
+            });
         }
-        Ok(self.report(&plan, layer_reports))
+        Ok(self.report(plan, layer_reports, share))
     }
 
-    fn report(&self, plan: &ExpertPlan, layer_reports: Vec<LayerReport>) -> ModelReport {
+    fn report(
+        &self,
+        plan: &ExpertPlan,
+        layer_reports: Vec<LayerReport>,
+        share: Option<&Share>,
+    ) -> ModelReport {
+        let share = share.map(|share| {
+            let held = || {
+                plan.layers()
+                    .iter()
+                    .filter_map(|l| Some((l.layer(), l.share()?)))
+            };
+            ShareReport {
+                share: share.to_string(),
+                experts_held: held()
+                    .map(|(l, s)| (l, crate::store::ids_text(s.expert_ids())))
+                    .collect(),
+                experts_of: held().map(|(l, s)| (l, s.of())).collect(),
+                slices: held().map(|(l, s)| (l, s.slices().to_vec())).collect(),
+            }
+        });
         ModelReport {
+            share,
             naming: plan.naming().to_owned(),
             files: self.files.len(),
             layers: plan.layers().len(),
@@ -237,6 +368,11 @@ impl Checkpoint {
 
     /// The store's sources for one layer: each plan piece as a [`Piece`] of its open file.
     fn sources(&self, layer: &LayerPlan) -> Result<Vec<ExpertSource<'_>>> {
+        layer.experts().iter().map(|e| self.source_of(e)).collect()
+    }
+
+    /// One expert's pieces as a [`Piece`] of its open file each.
+    fn source_of(&self, expert: &super::ExpertPieces) -> Result<ExpertSource<'_>> {
         let piece = |p: &super::TensorPiece| -> Result<Piece<'_>> {
             let file = self.files.get(p.file()).ok_or_else(|| {
                 Error::invalid(
@@ -256,16 +392,10 @@ impl Checkpoint {
             })?;
             Ok(Piece::new(file.file(), p.offset(), len))
         };
-        layer
-            .experts()
-            .iter()
-            .map(|e| {
-                Ok(ExpertSource::File {
-                    weights: e.weights().iter().map(piece).collect::<Result<_>>()?,
-                    scales: e.scales().iter().map(piece).collect::<Result<_>>()?,
-                })
-            })
-            .collect()
+        Ok(ExpertSource::File {
+            weights: expert.weights().iter().map(piece).collect::<Result<_>>()?,
+            scales: expert.scales().iter().map(piece).collect::<Result<_>>()?,
+        })
     }
 
     /// Re-reads every expert piece from the files and compares it with its place in
@@ -306,9 +436,25 @@ impl Checkpoint {
         naming: &Naming,
         mode: ReadMode,
     ) -> Result<VerifyReport> {
+        let plan = naming.plan(self)?;
+        self.verify_plan(store, &plan, mode)
+    }
+
+    /// Re-reads the pieces of `plan` (the whole's or a share's,
+    /// [`ExpertPlan::share`]) from the files and compares each with its slot in `store`,
+    /// as [`Checkpoint::verify_in_mode`] does.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_in_mode`].
+    pub fn verify_plan(
+        &self,
+        store: &PinStore,
+        plan: &ExpertPlan,
+        mode: ReadMode,
+    ) -> Result<VerifyReport> {
         let reader = Reader::new(mode, self.files.iter().map(|f| f.file()))?;
         let mut scratch = reader.scratch()?;
-        let report = self.verify_using(store, naming, &reader, &mut scratch)?;
+        let report = self.verify_using(store, plan, &reader, &mut scratch)?;
         reader.finish()?;
         Ok(report)
     }
@@ -316,11 +462,10 @@ impl Checkpoint {
     fn verify_using(
         &self,
         store: &PinStore,
-        naming: &Naming,
+        plan: &ExpertPlan,
         reader: &Reader<'_>,
         scratch: &mut Scratch,
     ) -> Result<VerifyReport> {
-        let plan = naming.plan(self)?;
         let mut report = VerifyReport {
             slots: 0,
             bytes: 0,
@@ -340,7 +485,9 @@ impl Checkpoint {
             vec![0u8; usize::try_from(largest).map_or(VERIFY_CHUNK, |n| n.min(VERIFY_CHUNK))];
         for layer in plan.layers() {
             let map = store.slot_map(layer.layer())?;
-            for (e, expert) in layer.experts().iter().enumerate() {
+            for (slot, expert) in layer.experts().iter().enumerate() {
+                // The global id: a share's store is looked up by it.
+                let e = layer.expert_id(slot);
                 for kind in Kind::ALL {
                     let (slot, pieces) = match kind {
                         Kind::Weights => (store.weights(layer.layer(), e)?, expert.weights()),

@@ -147,6 +147,7 @@ pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<Exp
             scale_bytes,
             roles,
             gate_up,
+            share: None,
         });
     }
     let expert_plan = ExpertPlan {

@@ -26,15 +26,12 @@ impl PinStore {
     pub(super) fn slot(&self, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
         let l = self.layer(layer)?;
         // The expert is checked against the layer whatever the tensor: a layer without
-        // scales has empty scales for its experts only.
-        let experts = l.experts();
-        if expert >= experts {
-            return Err(out_of_range(layer, expert, experts));
-        }
+        // scales has empty scales for its experts only. A share's global id → its slot.
+        let slot = l.slot_of(layer, expert)?;
         let Some(arena) = l.arena(kind) else {
             return Ok(&[]);
         };
-        arena.slot(expert).ok_or(Error::Released {
+        arena.slot(slot).ok_or(Error::Released {
             op: "PinStore",
             layer,
             expert,
@@ -42,10 +39,13 @@ impl PinStore {
         })
     }
 
-    /// Exactly the weight bytes loaded for `expert` of `layer`.
+    /// Exactly the weight bytes loaded for `expert` of `layer`. `expert` is the global
+    /// expert id, also in a layer packed as a share
+    /// ([`PinStore::pack_layer_share`]).
     ///
     /// # Errors
-    /// The layer is not packed, the expert is out of range, or its weights are released.
+    /// The layer is not packed, the expert is out of range (or not in the layer's share:
+    /// [`Error::NotHeld`]), or its weights are released.
     pub fn weights(&self, layer: usize, expert: usize) -> Result<&[u8]> {
         self.slot(layer, expert, Kind::Weights)
     }
@@ -71,13 +71,15 @@ impl PinStore {
         expert: usize,
         kind: Kind,
     ) -> Result<Observed<(MemPolicy, ModeFlags)>> {
-        let arena = self.layer(layer)?.arena(kind).ok_or_else(|| {
+        let l = self.layer(layer)?;
+        let slot = l.slot_of(layer, expert)?;
+        let arena = l.arena(kind).ok_or_else(|| {
             Error::invalid("PinStore", format!("layer {layer} has no {}", kind.name()))
         })?;
-        if expert >= arena.slots() {
+        if slot >= arena.slots() {
             return Err(out_of_range(layer, expert, arena.slots()));
         }
-        arena.slot_policy(expert)
+        arena.slot_policy(slot)
     }
 
     /// Releases both tensors of an expert. See [`PinStore::release_kind`].
@@ -98,6 +100,7 @@ impl PinStore {
     /// attached ([`Error::Frozen`]).
     pub fn release_kind(&mut self, layer: usize, expert: usize, kind: Kind) -> Result<()> {
         self.check_open("PinStore::release")?;
+        let expert = self.layer(layer)?.slot_of(layer, expert)?;
         self.arena_mut(layer, expert, kind)?;
         let Some(l) = self.layers.get_mut(layer) else {
             return Ok(());
@@ -137,6 +140,8 @@ impl PinStore {
     /// the slot (padding included), or a read fails (the slot then stays released).
     pub fn ensure(&mut self, layer: usize, expert: usize, source: &ExpertSource<'_>) -> Result<()> {
         self.check_open("PinStore::ensure")?;
+        // From here on `expert` is the slot (the same number but in a share's layer).
+        let expert = self.layer(layer)?.slot_of(layer, expert)?;
         let spec = *self.layer(layer)?.spec();
         // Loaded from the CPUs of the node the slot is bound to, if one (the first copy's
         // node for a replicated layer; the replicas are copied on theirs).

@@ -4,6 +4,7 @@
 use super::LayerSpec;
 use super::arena::Arena;
 use super::slot_map::SlotMap;
+use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
 use crate::source::Kind;
 
@@ -24,6 +25,9 @@ pub(crate) struct Layer {
     replicas: Vec<(Node, Arenas)>,
     /// The nodes holding a replica (the first's included; empty: not replicated).
     replica_nodes: NodeSet,
+    /// The global expert id of each slot, increasing, for a layer packed as a share
+    /// ([`super::PinStore::pack_layer_share`]); `None`: slot `i` is expert `i`.
+    ids: Option<Box<[usize]>>,
 }
 
 impl Layer {
@@ -36,6 +40,38 @@ impl Layer {
             first_node: None,
             replicas: Vec::new(),
             replica_nodes: NodeSet::new(),
+            ids: None,
+        }
+    }
+
+    /// The layer holding, in slot `i`, global expert `ids[i]` (increasing).
+    pub(crate) fn with_ids(mut self, ids: Option<Box<[usize]>>) -> Layer {
+        self.ids = ids;
+        self
+    }
+
+    /// The global expert ids of the slots (`None`: slot `i` is expert `i`).
+    pub(crate) fn ids(&self) -> Option<&[usize]> {
+        self.ids.as_deref()
+    }
+
+    /// The slot of global expert `expert` of model layer `layer` (this layer):
+    /// [`Error::NotHeld`] for an id a share does not hold, [`Error::OutOfRange`] past
+    /// the experts of a whole layer.
+    pub(crate) fn slot_of(&self, layer: usize, expert: usize) -> Result<usize> {
+        match &self.ids {
+            None if expert < self.spec.experts => Ok(expert),
+            None => Err(super::access::out_of_range(
+                layer,
+                expert,
+                self.spec.experts,
+            )),
+            Some(ids) => ids.binary_search(&expert).map_err(|_| Error::NotHeld {
+                op: "PinStore",
+                layer,
+                expert,
+                held: ids_text(ids),
+            }),
         }
     }
 
@@ -145,5 +181,55 @@ impl Layer {
     /// Experts whose weights are loaded.
     pub(crate) fn experts_loaded(&self) -> usize {
         self.arena(Kind::Weights).map_or(0, Arena::loaded_count)
+    }
+}
+
+/// Increasing expert ids as inclusive ranges, `"0-63,70,96-127"`; past 16 ranges the rest
+/// is counted (`"…(+5 ranges)"`), so an error quoting a scattered share stays short.
+pub(crate) fn ids_text(ids: &[usize]) -> String {
+    const SHOWN: usize = 16;
+    let mut ranges: Vec<(usize, usize)> = Vec::new();
+    for &id in ids {
+        match ranges.last_mut() {
+            Some((_, end)) if end.checked_add(1) == Some(id) => *end = id,
+            _ => ranges.push((id, id)),
+        }
+    }
+    let mut text: Vec<String> = ranges
+        .iter()
+        .take(SHOWN)
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect();
+    if ranges.len() > SHOWN {
+        text.push(format!("…(+{} ranges)", ranges.len() - SHOWN));
+    }
+    if text.is_empty() {
+        return "none".to_owned();
+    }
+    text.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ids_text;
+
+    #[test]
+    fn ids_read_as_ranges_and_stay_short() {
+        assert_eq!(ids_text(&[0, 1, 2, 3, 70, 96, 97]), "0-3,70,96-97");
+        assert_eq!(ids_text(&[]), "none");
+        assert_eq!(
+            ids_text(&[usize::MAX - 1, usize::MAX]),
+            format!("{}-{}", usize::MAX - 1, usize::MAX)
+        );
+        let scattered: Vec<usize> = (0..100).map(|i| i * 2).collect();
+        let text = ids_text(&scattered);
+        assert!(text.ends_with("…(+84 ranges)"), "{text}");
+        assert!(text.starts_with("0,2,4,"), "{text}");
     }
 }

@@ -26,10 +26,11 @@ pub use crate::source::{
     DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
     PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
-use access::{check_fits, out_of_range};
+use access::check_fits;
 use arena::Arena;
 pub use assign::ExpertAssignment;
 use layer::Layer;
+pub(crate) use layer::ids_text;
 pub use layout::Layout;
 pub(crate) use layout::{block, block_of};
 pub use manifest::{Manifest, ManifestRegion};
@@ -217,9 +218,70 @@ impl PinStore {
         spec: &LayerSpec,
         sources: &[ExpertSource<'_>],
     ) -> Result<LayerReport> {
+        self.pack_layer_held(layer, spec, sources, None)
+    }
+
+    /// [`PinStore::pack_layer`] for a share of the layer's experts (a rank's, under
+    /// expert parallelism): `sources[i]` is global expert `ids[i]`, and every lookup
+    /// ([`PinStore::weights`], [`PinStore::scales`], [`PinStore::home_node`],
+    /// [`PinStore::weights_local`], [`PinStore::release`], [`PinStore::ensure`],
+    /// [`SlotMap::pieces`]) takes the global id; an id the layer does not hold is
+    /// [`Error::NotHeld`]. The layout sees only the share: [`Layout::SplitExperts`]
+    /// splits the held experts over its nodes, and the map budget counts the share's
+    /// slots.
+    ///
+    /// # Errors
+    /// As [`PinStore::pack_layer`]; `ids` not one per source, or not strictly
+    /// increasing (a repeated id, or out of order: the error names the place).
+    ///
+    /// # Example
+    /// ```
+    /// use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+    /// let store = PinStore::new(Layout::Unplaced, StoreOptions::default())?;
+    /// let (a, b) = (vec![1u8; 64], vec![2u8; 64]);
+    /// let sources = [ExpertSource::Memory { weights: &a, scales: &[] },
+    ///                ExpertSource::Memory { weights: &b, scales: &[] }];
+    /// store.pack_layer_share(0, &LayerSpec::fitting(&sources)?, &sources, &[64, 70])?;
+    /// assert_eq!(store.weights(0, 70)?, &b[..]);
+    /// assert!(matches!(store.weights(0, 1), Err(numapin::Error::NotHeld { expert: 1, .. })));
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    pub fn pack_layer_share(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        sources: &[ExpertSource<'_>],
+        ids: &[usize],
+    ) -> Result<LayerReport> {
+        if ids.len() != sources.len() {
+            return Err(Error::mismatch(
+                PACK,
+                format!("layer {layer}: expert ids, one per source"),
+                sources.len(),
+                ids.len(),
+            ));
+        }
+        if let Some(at) = ids.windows(2).position(|w| w[0] >= w[1]) {
+            return Err(Error::bad_value(
+                PACK,
+                "expert ids",
+                format!("{} then {} (at {at})", ids[at], ids[at + 1]),
+                format!("layer {layer}: a share's ids must be strictly increasing"),
+            ));
+        }
+        self.pack_layer_held(layer, spec, sources, Some(ids.into()))
+    }
+
+    fn pack_layer_held(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        sources: &[ExpertSource<'_>],
+        ids: Option<Box<[usize]>>,
+    ) -> Result<LayerReport> {
         self.check_open(PACK)?;
         let lengths = self.validate(layer, spec, sources)?;
-        let map = SlotMap::build(layer, sources, self.options.piece_align)?;
+        let map = SlotMap::build(layer, sources, self.options.piece_align)?.with_ids(ids.clone());
         let spec = &map.grown(spec);
         let order = self.slot_order(layer, spec.experts)?;
         let _mark = self.mark_packing(layer)?;
@@ -281,7 +343,7 @@ impl PinStore {
             loader_nodes: filled.loader_nodes.clone(),
             placement,
         };
-        let mut packed = Layer::new(*spec, arenas).with_slot_map(map);
+        let mut packed = Layer::new(*spec, arenas).with_slot_map(map).with_ids(ids);
         if placement.is_some_and(|p| p.is_bound())
             && let Some(first) = self.copy_groups.first().and_then(|g| g.nth(0))
         {
@@ -442,7 +504,7 @@ impl PinStore {
             let Some(arena) = arena else { continue };
             for (expert, (dest, source)) in arena.slots_mut()?.into_iter().zip(sources).enumerate()
             {
-                let places = map.pieces(expert, kind).unwrap_or_default();
+                let places = map.slot_pieces(expert, kind).unwrap_or_default();
                 let what = (layer, expert, kind);
                 jobs.extend(slot_map::jobs(places, dest, source.tensor(kind), what)?);
             }
@@ -492,7 +554,7 @@ impl PinStore {
         for (kind, arena) in Kind::ALL.into_iter().zip(arenas.iter_mut()) {
             let Some(arena) = arena else { continue };
             for expert in 0..sources.len() {
-                let places = map.pieces(expert, kind).unwrap_or_default();
+                let places = map.slot_pieces(expert, kind).unwrap_or_default();
                 arena.mark_loaded(expert, slot_map::extent(places));
             }
         }

@@ -316,12 +316,11 @@ impl PinStore {
     /// ([`PinStore::degraded`]) this is where the layout meant it to be.
     ///
     /// # Errors
-    /// The layer is not packed or the expert is out of range.
+    /// The layer is not packed, the expert is out of range, or not in the layer's share
+    /// ([`Error::NotHeld`]).
     pub fn home_node(&self, layer: usize, expert: usize) -> Result<Option<Node>> {
-        let experts = self.layer(layer)?.experts();
-        if expert >= experts {
-            return Err(super::out_of_range(layer, expert, experts));
-        }
+        let l = self.layer(layer)?;
+        let (experts, expert) = (l.experts(), l.slot_of(layer, expert)?);
         if !self.layout.has_home() {
             return Ok(None);
         }
@@ -402,15 +401,12 @@ impl PinStore {
         if nodes.is_empty() {
             return self.slot(layer, expert, kind);
         }
-        let experts = l.experts();
-        if expert >= experts {
-            return Err(super::out_of_range(layer, expert, experts));
-        }
+        let slot = l.slot_of(layer, expert)?;
         let at = self.copy_lead(Topology::get()?, node, nodes);
         let Some(arena) = at.and_then(|at| l.replica_arena(at, kind)) else {
             return Ok(&[]);
         };
-        arena.slot(expert).ok_or(Error::Released {
+        arena.slot(slot).ok_or(Error::Released {
             op: "PinStore",
             layer,
             expert,

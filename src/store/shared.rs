@@ -61,6 +61,17 @@ impl PinStore {
                 "memfd-backed arenas: set StoreOptions::shared",
             ));
         }
+        // The manifest has no place for a share's expert ids: an attached copy would
+        // answer slot numbers for global ids. Refused until it does.
+        if let Some((layer, _)) = self.layers.iter().find(|(_, l)| l.ids().is_some()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "layer {layer} holds a share of its experts, and the manifest carries no \
+                     expert ids yet"
+                ),
+            ));
+        }
         self.state = State::Frozen;
         let indices: Vec<usize> = self.layers.iter().map(|(i, _)| i).collect();
         for &layer in &indices {

@@ -62,8 +62,11 @@ pub struct SlotMap {
     piece_align: usize,
     /// Distinct layouts.
     places: Vec<Places>,
-    /// Expert → index in `places`.
+    /// Slot → index in `places`.
     of_expert: Vec<usize>,
+    /// The global expert id of each slot, increasing, for a layer packed as a share
+    /// (`None`: slot `i` is expert `i`).
+    ids: Option<Box<[usize]>>,
 }
 
 const OP: &str = "PinStore::pack_layer";
@@ -191,6 +194,7 @@ impl SlotMap {
             piece_align: align,
             places: Vec::new(),
             of_expert: Vec::with_capacity(sources.len()),
+            ids: None,
         };
         for (expert, source) in sources.iter().enumerate() {
             let mut places: Places = Default::default();
@@ -250,15 +254,37 @@ impl SlotMap {
         self.piece_align
     }
 
-    /// Experts in the layer.
+    /// Experts in the layer (in its share, for a layer packed as one).
     pub fn experts(&self) -> usize {
         self.of_expert.len()
     }
 
-    /// The pieces of `expert`'s tensor `kind`, in slot order (empty for a kind the layer
-    /// has no bytes of); `None` when the expert is out of range.
+    /// The global expert id of each slot, increasing, when the layer was packed as a
+    /// share ([`PinStore::pack_layer_share`]); `None`: slot `i` holds expert `i`.
+    pub fn expert_ids(&self) -> Option<&[usize]> {
+        self.ids.as_deref()
+    }
+
+    /// The map with the slots' global expert ids.
+    pub(super) fn with_ids(mut self, ids: Option<Box<[usize]>>) -> SlotMap {
+        self.ids = ids;
+        self
+    }
+
+    /// The pieces of `expert`'s tensor `kind` (`expert` the global id), in slot order
+    /// (empty for a kind the layer has no bytes of); `None` when the expert is out of
+    /// range or not in the layer's share.
     pub fn pieces(&self, expert: usize, kind: Kind) -> Option<&[SlotPiece]> {
-        let at = *self.of_expert.get(expert)?;
+        let slot = match &self.ids {
+            Some(ids) => ids.binary_search(&expert).ok()?,
+            None => expert,
+        };
+        self.slot_pieces(slot, kind)
+    }
+
+    /// The pieces of slot `slot` (the slot's index, not a share's global id).
+    pub(super) fn slot_pieces(&self, slot: usize, kind: Kind) -> Option<&[SlotPiece]> {
+        let at = *self.of_expert.get(slot)?;
         Some(&self.places[at][kind.index()])
     }
 

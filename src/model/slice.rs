@@ -1,0 +1,505 @@
+//! [`TensorSlice`]: the part of each expert tensor a tensor-parallel rank holds, along the
+//! outermost axis (rows: one contiguous piece per tensor) or the innermost (columns: one
+//! strided piece per row), and what it does to an expert's pieces.
+//!
+//! Axes are row-major, outermost first, over one expert's tensor (a merged tensor's
+//! experts axis removed): safetensors shapes as written; GGUF's `ne` reversed (`ne0` is
+//! the innermost). A cut along the innermost axis must keep whole encoding units: GGML
+//! blocks (32 or 256 elements), MXFP4's 32-element blocks (gpt-oss `…_blocks`
+//! `[…, H/32, 16]` bytes), sub-byte dtypes' bytes. Scale and bias pieces follow the
+//! weight they belong to (the naming puts them in the weights' order): a scale grid
+//! (DeepSeek's FP8 `weight_scale_inv` `[⌈out/128⌉, ⌈in/128⌉]`, MXFP4 `…_scales`) is cut at
+//! the same place, which must fall on a block boundary; a one-element scale is kept
+//! whole, and so is a bias under a column cut (a row-parallel sum adds it once).
+//!
+//! The type knows only an axis and a range, so it applies to any tensor described by a
+//! [`TensorInfo`] (shape and dtype): dense tensors can take the same slices once the
+//! whole-model plan places them.
+
+use std::fmt;
+use std::ops::Range;
+
+use super::safetensors::Dtype as StDtype;
+use super::{Checkpoint, Dtype, LayerPlan, PieceRole, TensorInfo, TensorPiece};
+use crate::error::{Error, Result, quote};
+
+const OP: &str = "TensorSlice";
+
+/// The axis a [`TensorSlice`] cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum SliceAxis {
+    /// The outermost axis (row-major `dims[0]`): one contiguous piece per tensor.
+    Rows,
+    /// The innermost axis: one piece per row, strided in the file.
+    Columns,
+}
+
+impl SliceAxis {
+    /// `"rows"` or `"columns"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SliceAxis::Rows => "rows",
+            SliceAxis::Columns => "columns",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Extent {
+    Part { k: u64, n: u64 },
+    Span { start: u64, len: u64 },
+}
+
+/// A slice of every expert tensor along one axis: the `k`-th of `n` equal parts, or
+/// `len` entries from `start`.
+///
+/// # Example
+/// ```
+/// use numapin::model::{SliceAxis, TensorSlice};
+/// let half = TensorSlice::parse("rows:1/2")?;
+/// assert_eq!(half.resolve(1024).unwrap(), 512..1024);
+/// let span = TensorSlice::parse("columns:128:256")?;
+/// assert_eq!(span.axis(), SliceAxis::Columns);
+/// assert!(span.resolve(300).is_err()); // past the axis
+/// assert!(TensorSlice::parse("rows:0/3")?.resolve(1024).is_err()); // 3 does not divide 1024
+/// # Ok::<(), numapin::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSlice {
+    axis: SliceAxis,
+    extent: Extent,
+}
+
+impl fmt::Display for TensorSlice {
+    /// The CLI syntax: `rows:0/2`, `columns:128:256`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.extent {
+            Extent::Part { k, n } => write!(f, "{}:{k}/{n}", self.axis.name()),
+            Extent::Span { start, len } => write!(f, "{}:{start}:{len}", self.axis.name()),
+        }
+    }
+}
+
+impl TensorSlice {
+    /// The `k`-th of `n` equal parts of `axis` (each tensor's axis must divide by `n`).
+    ///
+    /// # Errors
+    /// `n` is 0 or `k ≥ n`.
+    pub fn part(axis: SliceAxis, k: u64, n: u64) -> Result<TensorSlice> {
+        if n == 0 || k >= n {
+            return Err(Error::bad_value(
+                OP,
+                "tensor slice part",
+                format!("{k}/{n}"),
+                "k/n takes the k-th of n parts: n > 0 and k < n",
+            ));
+        }
+        Ok(TensorSlice {
+            axis,
+            extent: Extent::Part { k, n },
+        })
+    }
+
+    /// `len` entries of `axis` from `start`.
+    ///
+    /// # Errors
+    /// `len` is 0, or `start + len` overflows.
+    pub fn span(axis: SliceAxis, start: u64, len: u64) -> Result<TensorSlice> {
+        if len == 0 {
+            return Err(Error::empty(
+                OP,
+                format!("{} slice from {start}", axis.name()),
+            ));
+        }
+        start
+            .checked_add(len)
+            .ok_or_else(|| Error::overflow(OP, format!("{start} + {len}")))?;
+        Ok(TensorSlice {
+            axis,
+            extent: Extent::Span { start, len },
+        })
+    }
+
+    /// The axis it cuts.
+    pub fn axis(&self) -> SliceAxis {
+        self.axis
+    }
+
+    /// Parses `AXIS:k/n` or `AXIS:start:len`, AXIS `rows` (or `outer`) or `columns`
+    /// (`cols`, `inner`).
+    ///
+    /// # Errors
+    /// [`Error::Parse`] naming the piece that is wrong; the constructors' errors.
+    pub fn parse(text: &str) -> Result<TensorSlice> {
+        let parse_error = |part: &str, reason: &str| Error::Parse {
+            input: crate::error::clip_owned(text.to_owned(), 200),
+            part: crate::error::clip_owned(part.to_owned(), 64),
+            reason: reason.to_owned(),
+        };
+        let (axis, rest) = text
+            .trim()
+            .split_once(':')
+            .ok_or_else(|| parse_error(text, "AXIS:k/n or AXIS:start:len"))?;
+        let axis = match axis {
+            "rows" | "outer" => SliceAxis::Rows,
+            "columns" | "cols" | "inner" => SliceAxis::Columns,
+            _ => return Err(parse_error(axis, "the axis is rows or columns")),
+        };
+        let number = |part: &str| -> Result<u64> {
+            part.parse::<u64>()
+                .map_err(|_| parse_error(part, "not a number"))
+        };
+        if let Some((k, n)) = rest.split_once('/') {
+            return TensorSlice::part(axis, number(k)?, number(n)?);
+        }
+        let (start, len) = rest
+            .split_once(':')
+            .ok_or_else(|| parse_error(rest, "k/n or start:len"))?;
+        TensorSlice::span(axis, number(start)?, number(len)?)
+    }
+
+    /// The entries of an axis of `extent` it holds. `Err` says why (for the caller to
+    /// name the tensor): a part that does not divide the axis, a span past it.
+    pub fn resolve(&self, extent: u64) -> std::result::Result<Range<u64>, String> {
+        match self.extent {
+            Extent::Part { k, n } => {
+                if extent == 0 || !extent.is_multiple_of(n) {
+                    return Err(format!(
+                        "{n} equal parts of an axis of {extent}: {n} does not divide it"
+                    ));
+                }
+                let len = extent / n;
+                Ok(k * len..(k + 1) * len)
+            }
+            Extent::Span { start, len } => {
+                let end = start + len; // checked in `span`
+                if end > extent {
+                    return Err(format!(
+                        "{start}..{end} runs past the axis, which has {extent}"
+                    ));
+                }
+                Ok(start..end)
+            }
+        }
+    }
+}
+
+/// How one role of a layer was sliced: what an engine checks it got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct RoleSlice {
+    /// The role, as the naming calls it (`"gate_proj"`, `"down_proj scale"`).
+    pub role: String,
+    /// Weight or scale slot.
+    pub weight: bool,
+    /// The axis cut.
+    pub axis: SliceAxis,
+    /// First entry held along it.
+    pub start: u64,
+    /// Entries held.
+    pub len: u64,
+    /// Entries the whole axis has.
+    pub extent: u64,
+    /// One expert's whole tensor, row-major (outermost first; GGUF's `ne` reversed).
+    pub shape: Vec<u64>,
+    /// Kept whole rather than cut (a one-element scale; a bias under a column cut).
+    pub whole: bool,
+}
+
+/// One expert tensor's encoding, as a slice sees it.
+struct Geometry {
+    name: String,
+    dims: Vec<u64>,
+    rows: u64,
+    /// The innermost axis in elements.
+    cols: u64,
+    /// Elements and bytes of the smallest piece the innermost axis splits into.
+    unit: (u64, u64),
+    unit_name: String,
+    len: u64,
+}
+
+fn geometry(checkpoint: &Checkpoint, piece: &TensorPiece) -> Result<Geometry> {
+    let t: &TensorInfo = checkpoint
+        .tensors()
+        .get(piece.tensor)
+        .ok_or_else(|| Error::invalid(OP, format!("a piece names tensor {}", piece.tensor)))?;
+    let shape_error = |why: String| {
+        Error::bad_value(
+            OP,
+            "tensor slice",
+            quote(t.name()),
+            format!("its shape {:?} {why}", t.shape()),
+        )
+    };
+    let mut dims: Vec<u64> = match t.dtype() {
+        Dtype::Safetensors(_) => t.shape().to_vec(),
+        Dtype::Ggml(_) => t.shape().iter().rev().copied().collect(),
+    };
+    if piece.len != t.len() {
+        // A merged tensor `[E, …]` or a flattened one `[E·I, …]`: one expert's part.
+        let n = match piece.len {
+            0 => 0,
+            l if t.len().is_multiple_of(l) => t.len() / l,
+            _ => 0,
+        };
+        match dims.first().copied() {
+            Some(d) if n > 0 && d == n => {
+                dims.remove(0);
+            }
+            Some(d) if n > 0 && d.is_multiple_of(n) => dims[0] = d / n,
+            _ => {
+                return Err(shape_error(format!(
+                    "does not hold {} bytes per expert",
+                    piece.len
+                )));
+            }
+        }
+    }
+    let last = dims.last().copied().unwrap_or(1);
+    let (cols, unit, unit_name) = match t.dtype() {
+        Dtype::Ggml(ty) => {
+            let b = u64::from(ty.block_size());
+            let name = format!("{} blocks of {b} elements", ty.name());
+            (last, (b, u64::from(ty.type_size())), name)
+        }
+        Dtype::Safetensors(StDtype::U8)
+            if t.name().ends_with("_blocks") && dims.len() >= 3 && last == 16 =>
+        {
+            // gpt-oss MXFP4: `[…, H/32, 16]` bytes, two FP4 values a byte.
+            let groups = dims[dims.len() - 2];
+            let cols = groups
+                .checked_mul(32)
+                .ok_or_else(|| shape_error("overflows".into()))?;
+            dims.truncate(dims.len() - 2);
+            dims.push(cols);
+            (cols, (32, 16), "MXFP4 blocks of 32 elements".to_owned())
+        }
+        Dtype::Safetensors(d) => {
+            let bits = d.bits().max(1);
+            let g = gcd(bits, 8);
+            let unit = (8 / g, bits / g);
+            let name = if unit.0 > 1 {
+                format!("{}: {} elements in {} byte(s)", d.name(), unit.0, unit.1)
+            } else {
+                format!("{} elements", d.name())
+            };
+            (last, unit, name)
+        }
+    };
+    Ok(Geometry {
+        name: t.name().to_owned(),
+        rows: dims.first().copied().unwrap_or(1),
+        dims,
+        cols,
+        unit,
+        unit_name,
+        len: piece.len,
+    })
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl Geometry {
+    /// The (offset, len) pieces within the tensor that hold `range` of `axis`.
+    fn cuts(
+        &self,
+        axis: SliceAxis,
+        range: &Range<u64>,
+    ) -> std::result::Result<Vec<(u64, u64)>, String> {
+        let n = range.end - range.start;
+        match axis {
+            SliceAxis::Rows => {
+                if self.rows == 0 || !self.len.is_multiple_of(self.rows) {
+                    return Err(format!(
+                        "{} bytes are not {} equal rows",
+                        self.len, self.rows
+                    ));
+                }
+                let stride = self.len / self.rows;
+                Ok(vec![(range.start * stride, n * stride)])
+            }
+            SliceAxis::Columns => {
+                let (unit, unit_bytes) = self.unit;
+                if !range.start.is_multiple_of(unit) || !n.is_multiple_of(unit) {
+                    return Err(format!(
+                        "columns {}..{} cut through its {}: a cut falls on a multiple of {unit}",
+                        range.start, range.end, self.unit_name
+                    ));
+                }
+                let row = (self.cols / unit) * unit_bytes;
+                if row == 0 || !self.len.is_multiple_of(row) {
+                    return Err(format!(
+                        "{} bytes are not whole rows of {row} bytes",
+                        self.len
+                    ));
+                }
+                let (start, bytes) = (range.start / unit * unit_bytes, n / unit * unit_bytes);
+                if bytes == row {
+                    return Ok(vec![(0, self.len)]);
+                }
+                Ok((0..self.len / row)
+                    .map(|r| (r * row + start, bytes))
+                    .collect())
+            }
+        }
+    }
+}
+
+/// Cuts every expert's pieces of `layer` to `slice`; the slot sizes follow. Returns how
+/// each role (weights, then scales) was cut.
+pub(crate) fn slice_layer(
+    checkpoint: &Checkpoint,
+    layer: &mut LayerPlan,
+    slice: &TensorSlice,
+) -> Result<Vec<RoleSlice>> {
+    let Some(first) = layer.experts.first().cloned() else {
+        return Ok(Vec::new());
+    };
+    let names = |role: PieceRole| -> Vec<String> {
+        layer
+            .roles
+            .iter()
+            .filter(|(r, _)| *r == role)
+            .map(|(_, n)| n.clone())
+            .collect()
+    };
+    let (weight_names, scale_names) = (names(PieceRole::Weight), names(PieceRole::Scale));
+    let axis = slice.axis;
+    let bad = |role: &str, g: &Geometry, why: String| {
+        Error::bad_value(
+            OP,
+            "tensor slice",
+            slice,
+            format!(
+                "layer {} {role} ({} {:?}): {why}",
+                layer.layer,
+                quote(&g.name),
+                g.dims
+            ),
+        )
+    };
+    let mut report = Vec::new();
+    let mut weight_cuts = Vec::new();
+    let mut weight_axes = Vec::new();
+    for (j, p) in first.weights.iter().enumerate() {
+        let role = weight_names.get(j).map_or("weight", String::as_str);
+        let g = geometry(checkpoint, p)?;
+        if g.dims.len() < 2 {
+            return Err(bad(role, &g, "a 1-D tensor has no axis to slice".into()));
+        }
+        let extent = match axis {
+            SliceAxis::Rows => g.rows,
+            SliceAxis::Columns => g.cols,
+        };
+        let range = slice.resolve(extent).map_err(|why| bad(role, &g, why))?;
+        weight_cuts.push(g.cuts(axis, &range).map_err(|why| bad(role, &g, why))?);
+        report.push(role_slice(role, true, axis, &range, extent, &g, false));
+        weight_axes.push((extent, range));
+    }
+    let mut scale_cuts = Vec::new();
+    for (j, p) in first.scales.iter().enumerate() {
+        let role = scale_names.get(j).map_or("scale", String::as_str);
+        let g = geometry(checkpoint, p)?;
+        let numel: u64 = g.dims.iter().product();
+        let paired = weight_axes.get(j % weight_axes.len().max(1));
+        let whole = numel <= 1 || (g.dims.len() == 1 && axis == SliceAxis::Columns);
+        let Some((n, wrange)) = paired.filter(|_| !whole) else {
+            scale_cuts.push(vec![(0, p.len)]);
+            let all = 0..g.rows;
+            report.push(role_slice(role, false, axis, &all, g.rows, &g, true));
+            continue;
+        };
+        let s = match axis {
+            SliceAxis::Rows => g.rows,
+            SliceAxis::Columns => g.cols,
+        };
+        // Block b: a grid of S entries over N means ⌈N / S⌉ entries a block.
+        let b = if s == 0 { 0 } else { n.div_ceil(s) };
+        if b == 0 || n.div_ceil(b) != s {
+            return Err(bad(
+                role,
+                &g,
+                format!(
+                    "{s} entries along the {} do not tile the weight's {n}",
+                    axis.name()
+                ),
+            ));
+        }
+        let cut_ok = |x: u64| x.is_multiple_of(b) || x == *n;
+        if !cut_ok(wrange.start) || !cut_ok(wrange.end) {
+            return Err(bad(
+                role,
+                &g,
+                format!(
+                    "{} {}..{} of {n} cut through its scale blocks of {b}: a cut falls on \
+                     a multiple of {b}",
+                    axis.name(),
+                    wrange.start,
+                    wrange.end
+                ),
+            ));
+        }
+        let range = wrange.start / b..wrange.end.div_ceil(b);
+        scale_cuts.push(g.cuts(axis, &range).map_err(|why| bad(role, &g, why))?);
+        report.push(role_slice(role, false, axis, &range, s, &g, false));
+    }
+    for expert in &mut layer.experts {
+        expert.weights = apply(&expert.weights, &weight_cuts, &first.weights)?;
+        expert.scales = apply(&expert.scales, &scale_cuts, &first.scales)?;
+    }
+    let bytes = |cuts: &[Vec<(u64, u64)>]| cuts.iter().flatten().map(|c| c.1).sum::<u64>();
+    layer.weight_bytes = bytes(&weight_cuts);
+    layer.scale_bytes = bytes(&scale_cuts);
+    Ok(report)
+}
+
+fn role_slice(
+    role: &str,
+    weight: bool,
+    axis: SliceAxis,
+    range: &Range<u64>,
+    extent: u64,
+    g: &Geometry,
+    whole: bool,
+) -> RoleSlice {
+    RoleSlice {
+        role: role.to_owned(),
+        weight,
+        axis,
+        start: range.start,
+        len: range.end - range.start,
+        extent,
+        shape: g.dims.clone(),
+        whole,
+    }
+}
+
+/// Each of `pieces` cut as the reference expert's were (every expert of a layer has the
+/// same piece lengths).
+fn apply(
+    pieces: &[TensorPiece],
+    cuts: &[Vec<(u64, u64)>],
+    reference: &[TensorPiece],
+) -> Result<Vec<TensorPiece>> {
+    let mut out = Vec::with_capacity(cuts.iter().map(Vec::len).sum());
+    for ((p, cuts), r) in pieces.iter().zip(cuts).zip(reference) {
+        if p.len != r.len {
+            return Err(Error::mismatch(
+                OP,
+                "bytes of one role of two experts",
+                r.len,
+                p.len,
+            ));
+        }
+        out.extend(cuts.iter().map(|&(offset, len)| TensorPiece {
+            offset: p.offset + offset,
+            len,
+            ..*p
+        }));
+    }
+    Ok(out)
+}
