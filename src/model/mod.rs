@@ -55,13 +55,13 @@ pub use naming::{
 };
 pub use pack::{ModelReport, ShareReport, SlotMismatch, VerifyReport};
 pub use safetensors::Dtype as SafetensorsDtype;
+pub use share::{ExpertShare, LayerShare, Share};
+pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 pub use whole::{
     Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, ExpertPieceView, PlacedModel,
     PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
     expert_layout_text,
 };
-pub use share::{ExpertShare, LayerShare, Share};
-pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 
 use crate::error::{CheckpointFault, Error, Result};
 use files::{display, parent_dir};

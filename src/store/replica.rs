@@ -22,7 +22,7 @@
 use super::Layout;
 use super::arena::Arena;
 use super::layer::{Arenas, Layer};
-use super::layout::{block, copy_policy};
+use super::layout::copy_policy;
 use super::{Kind, LayerSpec, PinStore};
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};

@@ -388,6 +388,18 @@ fn expert_cost(
                     }
                     (set.len(), set.len(), set.len())
                 }
+                Layout::ReplicateDomains(set) => {
+                    // One copy per domain of the live machine, interleaved over its nodes.
+                    let groups = crate::topology::Topology::get()
+                        .map(|t| t.domains_within(&set))
+                        .unwrap_or_else(|_| {
+                            set.iter().map(|n| std::iter::once(n).collect()).collect()
+                        });
+                    for group in &groups {
+                        spread(&mut c.node_bytes, *group, bytes);
+                    }
+                    (groups.len(), groups.len(), groups.len())
+                }
                 Layout::SplitExperts(set) => {
                     let n = set.len().max(1);
                     let mut blocks = 0;

@@ -85,37 +85,15 @@ impl fmt::Display for DenseLayout {
     }
 }
 
-/// The text form of an expert [`Layout`]: `split:NODES`, `interleave:NODES`,
-/// `replicate:NODES`, `layer-per-node:NODES`, `unplaced`.
+/// The text form of an expert [`Layout`] (its `Display`): `split:NODES`,
+/// `interleave:NODES`, `replicate:NODES`, `replicate-domains:NODES`,
+/// `layer-per-node:NODES`, `unplaced`.
 pub fn expert_layout_text(layout: &Layout) -> String {
-    match layout {
-        Layout::SplitExperts(set) => format!("split:{set}"),
-        Layout::Interleave(set) => format!("interleave:{set}"),
-        Layout::Replicate(set) => format!("replicate:{set}"),
-        Layout::LayerPerNode(set) => format!("layer-per-node:{set}"),
-        Layout::Unplaced => "unplaced".to_owned(),
-    }
+    layout.to_string()
 }
 
 fn parse_expert_layout(text: &str) -> Result<Layout> {
-    let (kind, nodes) = text.split_once(':').unwrap_or((text, ""));
-    let set = || NodeSet::parse(nodes);
-    Ok(match kind {
-        "split" => Layout::SplitExperts(set()?),
-        "interleave" => Layout::Interleave(set()?),
-        "replicate" => Layout::Replicate(set()?),
-        "layer-per-node" => Layout::LayerPerNode(set()?),
-        "unplaced" if nodes.is_empty() => Layout::Unplaced,
-        _ => {
-            return Err(Error::bad_value(
-                "PlacementPlan",
-                "experts layout",
-                text,
-                "not split:NODES, interleave:NODES, replicate:NODES, layer-per-node:NODES or \
-                 unplaced",
-            ));
-        }
-    })
+    text.parse()
 }
 
 /// A layout for every tensor of a checkpoint: the routed experts keep a store
