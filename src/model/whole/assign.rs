@@ -405,6 +405,17 @@ fn expert_cost(
                     unbound = unbound.saturating_add(bytes);
                     (1, 0, 1)
                 }
+                // A layout added later: priced as a copy per node of its set, the most
+                // any layout here costs, until it is counted exactly.
+                #[allow(unreachable_patterns)]
+                other => {
+                    let set = other.nodes().unwrap_or_default();
+                    for node in set.iter() {
+                        *c.node_bytes.entry(node).or_default() += bytes;
+                    }
+                    let n = set.len().max(1);
+                    (n, n, n)
+                }
             };
             c.mappings += maps;
             c.mbind_calls += calls;

@@ -94,6 +94,10 @@ pub fn expert_layout_text(layout: &Layout) -> String {
         Layout::Replicate(set) => format!("replicate:{set}"),
         Layout::LayerPerNode(set) => format!("layer-per-node:{set}"),
         Layout::Unplaced => "unplaced".to_owned(),
+        // Layouts added later (the enum is non-exhaustive) print as their Debug form
+        // until they get a word here.
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
     }
 }
 
