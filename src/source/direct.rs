@@ -17,7 +17,7 @@ use rustix::io::Errno;
 
 use super::mode::ReadFallback;
 use super::read::{Segment, path_of};
-use super::uring::{CHUNK, Request, Ring};
+use super::uring::{CHUNK, MAX_BUFS, Request, Ring};
 use crate::error::{Error, Result};
 
 /// The bounce buffer of one loader thread for direct reads (at least two alignment
@@ -196,11 +196,7 @@ impl Direct {
                 && (s.dest.as_ptr() as usize).is_multiple_of(mem)
         });
         if aligned && let Some(ring) = scratch.ring.as_mut() {
-            let requests = run
-                .iter_mut()
-                .flat_map(|s| chunks(s.offset, &mut *s.dest))
-                .collect();
-            return self.read_ring(ring, requests, what);
+            return self.read_ring(ring, requests(run), what);
         }
         if aligned {
             for group in run.chunks_mut(IOV_MAX) {
@@ -377,8 +373,44 @@ fn chunks(offset: u64, dest: &mut [u8]) -> impl Iterator<Item = Request<'_>> {
         .enumerate()
         .map(move |(i, buf)| Request {
             offset: offset + (i * CHUNK) as u64,
-            buf,
+            bufs: vec![buf],
         })
+}
+
+/// A run of segments that continue each other in the file as ring requests: consecutive
+/// segments together, up to [`CHUNK`] bytes and [`MAX_BUFS`] buffers a request; a segment
+/// larger than that over several.
+fn requests<'d>(run: &'d mut [Segment<'_, '_>]) -> Vec<Request<'d>> {
+    let mut out: Vec<Request<'d>> = Vec::new();
+    let mut current: Option<(Request<'d>, usize)> = None;
+    for segment in run.iter_mut() {
+        let mut offset = segment.offset;
+        let mut rest: &'d mut [u8] = &mut *segment.dest;
+        while !rest.is_empty() {
+            let (mut request, used) = current.take().unwrap_or_else(|| {
+                (
+                    Request {
+                        offset,
+                        bufs: Vec::new(),
+                    },
+                    0,
+                )
+            });
+            let take = (CHUNK - used).min(rest.len());
+            let (now, later) = std::mem::take(&mut rest).split_at_mut(take);
+            request.bufs.push(now);
+            rest = later;
+            offset += take as u64;
+            let used = used + take;
+            if used == CHUNK || request.bufs.len() == MAX_BUFS {
+                out.push(request);
+            } else {
+                current = Some((request, used));
+            }
+        }
+    }
+    out.extend(current.map(|(request, _)| request));
+    out
 }
 
 fn no_scratch(what: &dyn Fn() -> String) -> Error {

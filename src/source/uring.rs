@@ -33,8 +33,9 @@ use crate::error::{Errno, Error, Result};
 /// completion queue has twice as many, so it cannot overflow).
 pub(crate) const DEPTH: usize = 32;
 
-/// The longest single read a ring issues: a slot larger than this is read as several
-/// requests in flight at once.
+/// The longest single read a ring issues (the disk here takes requests of up to 4 MiB,
+/// `max_sectors_kb`): consecutive slots are read together up to this, and a slot larger
+/// than this is read as several requests in flight at once.
 pub(crate) const CHUNK: usize = 4 << 20;
 
 /// Mappings one ring adds while it lives: the submission ring, its entries, and the
@@ -75,10 +76,35 @@ fn fallback_or_error(errno: Errno, entries: usize) -> Result<IoUringFallback> {
     }
 }
 
-/// One read: `buf` filled from the file at `offset`.
+/// Buffers per request, at most (a request is one `IORING_OP_READV`).
+pub(crate) const MAX_BUFS: usize = 64;
+
+/// One read: the buffers filled in order from the file at `offset` (one contiguous range
+/// of the file; the buffers are slots of two regions, weights and scales, for example).
 pub(crate) struct Request<'d> {
     pub(crate) offset: u64,
-    pub(crate) buf: &'d mut [u8],
+    pub(crate) bufs: Vec<&'d mut [u8]>,
+}
+
+impl<'d> Request<'d> {
+    fn len(&self) -> usize {
+        self.bufs.iter().map(|b| b.len()).sum()
+    }
+
+    /// The rest of the request once its first `done` bytes are read.
+    fn advance(self, mut done: usize) -> Request<'d> {
+        let offset = self.offset + done as u64;
+        let mut bufs = Vec::with_capacity(self.bufs.len());
+        for buf in self.bufs {
+            if done >= buf.len() {
+                done -= buf.len();
+            } else {
+                bufs.push(&mut buf[done..]);
+                done = 0;
+            }
+        }
+        Request { offset, bufs }
+    }
 }
 
 /// What one completion means for its request.
@@ -154,7 +180,9 @@ impl Ring {
         let fd = types::Fd(file.as_raw_fd());
         // Taken from the end: reverse so that the file is read forwards.
         let mut pending: Vec<Request<'_>> = requests.into_iter().rev().collect();
-        let mut flight: Vec<Option<Request<'_>>> = (0..DEPTH).map(|_| None).collect();
+        // Each request in flight with its iovecs, which the kernel reads until it completes.
+        let mut flight: Vec<Option<(Request<'_>, Vec<libc::iovec>)>> =
+            (0..DEPTH).map(|_| None).collect();
         let mut free: Vec<usize> = (0..DEPTH).rev().collect();
         let mut in_flight = 0usize;
         let mut first_error: Option<Error> = None;
@@ -162,27 +190,34 @@ impl Ring {
             // One request at a time: fault its pages in, then submit it, so that the
             // faults of the next request overlap the transfers of those in flight.
             let room = first_error.is_none() && !free.is_empty();
-            if let Some(request) = room.then(|| pending.pop()).flatten() {
+            if let Some(mut request) = room.then(|| pending.pop()).flatten() {
                 let slot = free.pop().unwrap_or_default();
-                prefault(request.buf);
-                // Requests are at most CHUNK; a longer one reads its first 4 GiB - 4 KiB (page
-                // aligned, as direct reads need) and the rest as a short read's remainder.
-                let len = u32::try_from(request.buf.len()).unwrap_or(0xFFFF_F000);
-                let entry = opcode::Read::new(fd, request.buf.as_mut_ptr(), len)
+                let iovecs: Vec<libc::iovec> = request
+                    .bufs
+                    .iter_mut()
+                    .map(|buf| {
+                        prefault(buf);
+                        libc::iovec {
+                            iov_base: buf.as_mut_ptr().cast(),
+                            iov_len: buf.len(),
+                        }
+                    })
+                    .collect();
+                let count = u32::try_from(iovecs.len()).unwrap_or(u32::MAX);
+                let entry = opcode::Readv::new(fd, iovecs.as_ptr(), count)
                     .offset(request.offset)
                     .build()
                     .user_data(slot as u64);
-                // SAFETY: the buffer is a live `&mut [u8]` borrowed for this whole call,
-                // kept in `flight[slot]` until its completion is reaped, and this
-                // function does not return while any read is in flight (module docs).
-                // The queue has DEPTH entries and at most DEPTH reads are in flight, so
-                // the push finds room.
+                // SAFETY: the buffers are live `&mut [u8]` borrowed for this whole call;
+                // they and their iovecs (a heap array that does not move with the Vec) are
+                // kept in `flight[slot]` until the completion is reaped, and this function
+                // does not return while any read is in flight (module docs).
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
                     pending.push(request);
                     free.push(slot);
                     self.wait_one();
                 } else {
-                    flight[slot] = Some(request);
+                    flight[slot] = Some((request, iovecs));
                     in_flight += 1;
                     self.submit();
                 }
@@ -197,7 +232,7 @@ impl Ring {
                 .map(|cqe| (cqe.user_data(), cqe.result()))
                 .collect();
             for (slot, res) in completions {
-                let Some(request) = usize::try_from(slot)
+                let Some((request, _iovecs)) = usize::try_from(slot)
                     .ok()
                     .and_then(|s| flight.get_mut(s))
                     .and_then(Option::take)
@@ -206,13 +241,10 @@ impl Ring {
                 };
                 free.push(slot as usize);
                 in_flight -= 1;
-                let len = request.buf.len();
+                let len = request.len();
                 match settle(res, len) {
                     Settled::Done => {}
-                    Settled::Again { done } => pending.push(Request {
-                        offset: request.offset + done as u64,
-                        buf: &mut request.buf[done..],
-                    }),
+                    Settled::Again { done } => pending.push(request.advance(done)),
                     Settled::Eof { done } => {
                         let at = request.offset + done as u64;
                         first_error.get_or_insert_with(|| eof(at, len - done));
@@ -281,6 +313,25 @@ fn prefault(buf: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_short_read_leaves_the_rest_of_the_buffers() {
+        let (mut a, mut b, mut c) = ([0u8; 10], [0u8; 20], [0u8; 5]);
+        let request = Request {
+            offset: 100,
+            bufs: vec![&mut a[..], &mut b[..], &mut c[..]],
+        };
+        assert_eq!(request.len(), 35);
+        let rest = request.advance(15);
+        assert_eq!(rest.offset, 115);
+        assert_eq!(
+            rest.bufs.iter().map(|b| b.len()).collect::<Vec<_>>(),
+            [15, 5]
+        );
+        let rest = rest.advance(15);
+        assert_eq!((rest.offset, rest.len()), (130, 5));
+        assert!(rest.advance(5).bufs.is_empty());
+    }
 
     #[test]
     fn completions_settle_as_the_kernel_means_them() {
