@@ -290,7 +290,7 @@ impl PinStore {
         if expert >= experts {
             return Err(super::out_of_range(layer, expert, experts));
         }
-        if !self.layout.has_home() {
+        if !self.layout.has_home() || self.is_hot(layer, expert) {
             return Ok(None);
         }
         Ok(self.expert_node(layer, experts, expert))
@@ -375,6 +375,10 @@ impl PinStore {
         let Some(arena) = at.and_then(|at| l.replica_arena(at, kind)) else {
             return Ok(&[]);
         };
+        if !arena.holds(expert) {
+            // A hybrid layer's copy of its hot experts, asked for a cold one: its home.
+            return self.slot(layer, expert, kind);
+        }
         arena.slot(expert).ok_or(Error::Released {
             op: "PinStore",
             layer,
@@ -397,7 +401,7 @@ impl PinStore {
                 continue;
             }
             for (node, arena) in others {
-                if arena.loaded(expert).is_none() {
+                if arena.holds(expert) && arena.loaded(expert).is_none() {
                     let _on_node = OnNode::enter(node);
                     arena.copy_slot_from(first, expert)?;
                 }
@@ -415,13 +419,19 @@ pub(super) fn node_bytes(
     layer: &Layer,
     into: &mut std::collections::BTreeMap<Node, u64>,
 ) {
+    // A split layer's first copy is counted expert by expert below; its other copies
+    // (a hybrid layer's hot experts) whole.
+    let split = store.layout.blocks().is_some();
     let mut replicated = false;
-    for (node, arenas) in layer.replicas() {
+    for (i, (node, arenas)) in layer.replicas().enumerate() {
         replicated = true;
+        if split && i == 0 {
+            continue;
+        }
         let bytes: u64 = arenas.iter().flatten().map(Arena::loaded_bytes).sum();
         *into.entry(node).or_default() += bytes;
     }
-    if replicated {
+    if replicated && !split {
         return;
     }
     let experts = layer.experts();
