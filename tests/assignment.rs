@@ -189,3 +189,119 @@ fn balanced_experts_live_on_their_homes() {
     }
     assert_eq!(store.stats().unwrap().node_bytes, want);
 }
+
+/// A hybrid layer (the two hottest experts on every node, the rest balanced): every read
+/// path returns the source's bytes, hot experts have no single home, release and ensure
+/// restore every copy, and the per-node shares add up (counted here from the counts and
+/// the assignment, not by the store).
+#[test]
+fn a_hybrid_layer_reads_back_every_expert() {
+    let set = nodes();
+    let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1];
+    let stats = RoutingStats::from_counts([(0, counts.clone())]).unwrap();
+    let a = ExpertAssignment::hybrid(&stats, &[(0, 8)], set.len(), 2).unwrap();
+    let store = PinStore::new(
+        Layout::SplitExperts(set),
+        options().assignment(Some(a.clone())),
+    )
+    .unwrap();
+    let d = data(8);
+    store.pack_layer(0, &spec(8), &sources(&d)).unwrap();
+    for (e, w) in d.iter().enumerate() {
+        assert_eq!(store.weights(0, e).unwrap(), &w[..], "expert {e}");
+        assert_eq!(store.weights_local(0, e).unwrap(), &w[..], "expert {e}");
+        assert_eq!(store.scales_local(0, e).unwrap(), &w[..512]);
+        for node in set.iter() {
+            assert_eq!(store.weights_on(node, 0, e).unwrap(), &w[..]);
+        }
+        let home = store.home_node(0, e).unwrap();
+        match a.home(0, e).unwrap() {
+            ExpertAssignment::EVERY_NODE => assert_eq!(home, None, "expert {e} is hot"),
+            h => assert_eq!(home, set.nth(h)),
+        }
+    }
+    let shares = store.expert_shares(Some(&stats)).unwrap();
+    let total: u64 = counts.iter().sum();
+    for (node, share) in &shares {
+        assert_eq!(share.hot_experts, 2);
+        let i = set.iter().position(|n| n == *node).unwrap();
+        let cold: Vec<usize> = (0..8).filter(|&e| a.home(0, e) == Some(i)).collect();
+        assert_eq!(share.cold_experts, cold.len());
+        let mine: u64 = cold.iter().map(|&e| counts[e]).sum();
+        let want = (mine as f64 + 190.0 / set.len() as f64) / total as f64;
+        assert!(
+            (share.load_share - want).abs() < 1e-12,
+            "{node:?}: {share:?}"
+        );
+    }
+    assert_eq!(shares.values().map(|s| s.cold_experts).sum::<usize>(), 6);
+    let mut store = store;
+    for e in [0, 7] {
+        store.release(0, e).unwrap();
+        assert!(store.weights(0, e).is_err());
+        let s = sources(&d);
+        store.ensure(0, e, &s[e]).unwrap();
+        for node in set.iter() {
+            assert_eq!(store.weights_on(node, 0, e).unwrap(), &d[e][..]);
+        }
+    }
+}
+
+/// In the VM (2+ nodes; on the 1-node host this says it did not run): a hybrid layer
+/// over 3 nodes (2 where only 2 are allowed) puts each hot expert's pages on every node,
+/// each cold one on its home, costs kinds × (blocks + nodes − 1) `mbind`s, and reports per
+/// node the hot bytes plus its cold experts' bytes.
+#[test]
+fn hybrid_hot_on_every_node_cold_on_their_homes() {
+    let Some(all) = need_nodes("hybrid_hot_on_every_node_cold_on_their_homes", 2) else {
+        return;
+    };
+    let set: numapin::NodeSet = all.iter().take(3).collect();
+    let n = set.len();
+    let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1, 1];
+    let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
+    let a = ExpertAssignment::hybrid(&stats, &[(0, 9)], n, 2).unwrap();
+    let store = PinStore::new(
+        Layout::SplitExperts(set),
+        options().assignment(Some(a.clone())),
+    )
+    .unwrap();
+    let d = data(9);
+    let report = store.pack_layer(0, &spec(9), &sources(&d)).unwrap();
+    assert_eq!(report.mbind_calls, 2 * (n + n - 1), "{report:?}");
+    let slot = (W + 512) as u64;
+    let mut want = std::collections::BTreeMap::new();
+    for (e, w) in d.iter().enumerate() {
+        match a.home(0, e).unwrap() {
+            ExpertAssignment::EVERY_NODE => {
+                for node in set.iter() {
+                    let copy = store.weights_on(node, 0, e).unwrap();
+                    assert_eq!(copy, &w[..]);
+                    let h = pages_of(copy.as_ptr(), W);
+                    assert_eq!(
+                        h.on(node),
+                        W / numapin::page_size(),
+                        "hot {e} on {node:?}: {h:?}"
+                    );
+                    *want.entry(node).or_insert(0u64) += slot;
+                }
+            }
+            i => {
+                let home = set.nth(i).unwrap();
+                let h = pages_of(store.weights(0, e).unwrap().as_ptr(), W);
+                assert_eq!(h.on(home), W / numapin::page_size(), "cold {e}: {h:?}");
+                for node in set.iter() {
+                    // Every node reads a cold expert from its home.
+                    let p = store.weights_on(node, 0, e).unwrap().as_ptr();
+                    assert_eq!(p, store.weights(0, e).unwrap().as_ptr());
+                }
+                *want.entry(home).or_insert(0u64) += slot;
+            }
+        }
+    }
+    assert_eq!(store.stats().unwrap().node_bytes, want);
+    let shares = store.expert_shares(Some(&stats)).unwrap();
+    for (node, bytes) in &want {
+        assert_eq!(shares[node].bytes, *bytes);
+    }
+}

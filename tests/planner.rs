@@ -1,5 +1,5 @@
 //! The planner end to end: sizes read from a real safetensors header (written here with
-//! known sizes), the committed topology description of docs/planner.md, routing
+//! known sizes), the committed topology description of docs/planner.md (compiled in), routing
 //! statistics from their JSON, and the live machine. The figures themselves are checked
 //! on hand-computed cases in the unit tests (src/planner/tests.rs).
 #![cfg(feature = "model")]
@@ -52,11 +52,8 @@ fn sizes_from_a_header_and_a_plan_for_the_described_machine() {
     // A page per kind per expert in the store.
     assert_eq!(sizes.expert_bytes(), 2 * 4 * 2 * 4096);
 
-    let topology = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/docs/planner/nps4_2socket.json"
-    );
-    let machine = Machine::from_file(topology).unwrap();
+    // Compiled in: the VM and the containers run the binary without the source tree.
+    let machine = Machine::from_json(include_str!("../docs/planner/nps4_2socket.json")).unwrap();
     assert_eq!(machine.nodes.len(), 8);
     assert_eq!(machine.domains(), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
     assert_eq!(machine.distances[0][1], 12);

@@ -6,7 +6,7 @@
 use super::table::{Candidate, PlanRow, PlanTable};
 use super::{Machine, ModelSizes, PlanOptions};
 use crate::routing::{RoutingStats, balance};
-use crate::store::block;
+use crate::store::{ExpertAssignment, block};
 
 /// Where one expert's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -327,8 +327,14 @@ impl<'a> Ctx<'a> {
                     places[e] = Place::Home(h);
                     bytes[h] = bytes[h].saturating_add(l.slot_bytes());
                 }
-                // One region per kind per node: the hot copies and that node's cold ones.
-                mappings += l.kinds() * n;
+                // As the store builds it: the first copy in one block per node holding
+                // experts (the hot ones in the first node's), and a region of the hot
+                // ones on every other node.
+                let hot = cold_ids.len() < l.experts;
+                let mut blocks: Vec<bool> = (0..n).map(|h| homes.contains(&h)).collect();
+                blocks[0] |= hot;
+                let copies = if hot { n - 1 } else { 0 };
+                mappings += l.kinds() * (blocks.iter().filter(|&&b| b).count() + copies);
                 places
             })
             .collect();
@@ -402,8 +408,25 @@ impl<'a> Ctx<'a> {
         let fits = d.bytes.iter().zip(&self.budget).all(|(b, m)| b <= m)
             && d.mappings <= self.machine.map_limit;
         let frac = |x: f64| if total > 0.0 { x / total } else { 0.0 };
+        let assignment =
+            matches!(candidate, Candidate::SplitByLoad | Candidate::Hybrid).then(|| {
+                self.model.moe_layers.iter().zip(&d.places).fold(
+                    ExpertAssignment::new(),
+                    |a, (l, places)| {
+                        let homes = places
+                            .iter()
+                            .map(|p| match p {
+                                Place::Home(h) => *h,
+                                _ => ExpertAssignment::EVERY_NODE,
+                            })
+                            .collect();
+                        a.layer(l.layer, homes)
+                    },
+                )
+            });
         PlanRow {
             candidate,
+            assignment,
             bytes_per_node: d.bytes,
             fits,
             mappings: d.mappings,

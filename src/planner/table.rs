@@ -3,6 +3,7 @@
 use std::fmt;
 
 use crate::nodeset::Node;
+use crate::store::ExpertAssignment;
 
 /// A candidate layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -85,6 +86,19 @@ pub struct PlanRow {
     pub hot_experts: usize,
     /// Fraction of routed expert traffic (probability-weighted bytes) that goes to those.
     pub hot_traffic: f64,
+    /// The experts' homes of [`Candidate::SplitByLoad`] and [`Candidate::Hybrid`].
+    pub(super) assignment: Option<ExpertAssignment>,
+}
+
+impl PlanRow {
+    /// What to give a store to build this row: for [`Candidate::SplitByLoad`] and
+    /// [`Candidate::Hybrid`], the experts' homes as indices into the planned nodes
+    /// (hot: [`ExpertAssignment::EVERY_NODE`]), for
+    /// `Layout::SplitExperts(nodes)` with `StoreOptions::assignment`; `None` for the
+    /// other layouts.
+    pub fn assignment(&self) -> Option<&ExpertAssignment> {
+        self.assignment.as_ref()
+    }
 }
 
 /// The planner's answer: a row per candidate and a recommendation.

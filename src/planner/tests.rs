@@ -126,6 +126,16 @@ fn hybrid_at_a_budget_by_hand() {
     assert!(row(&t, Candidate::LayerPerNode).fits); // 5 pages on node 1: just fits
     assert_eq!(t.recommended(), Some(Candidate::Hybrid));
     assert!(t.why.starts_with("hybrid fits"), "{}", t.why);
+    // The row's assignment is what a store builds: 0 and 1 everywhere, 2 and 3 apart;
+    // its mappings are the store's: 2 blocks + 1 hot copy.
+    let a = h.assignment().unwrap();
+    let homes: Vec<usize> = (0..4).map(|e| a.home(1, e).unwrap()).collect();
+    let every = crate::store::ExpertAssignment::EVERY_NODE;
+    assert_eq!(&homes[..2], &[every, every]);
+    assert_ne!(homes[2], homes[3]);
+    assert_eq!(h.mappings, 3);
+    assert!(row(&t, Candidate::SplitByLoad).assignment().is_some());
+    assert!(row(&t, Candidate::Interleave).assignment().is_none());
     assert!(t.why.contains("replicate-node"), "{}", t.why);
     // Without statistics every expert is equally likely: hot by index (0 and 1), the
     // cold ones by index; remote = .5 of the other .5.

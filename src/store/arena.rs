@@ -41,13 +41,18 @@ pub(crate) struct Arena {
     region: Region,
     stride: usize,
     slot_bytes: usize,
-    /// Bytes loaded in each slot; `None` when never loaded or released.
+    /// Bytes loaded in each slot (by position); `None` when never loaded or released.
     loaded: Vec<Option<usize>>,
     /// Where expert `i`'s slot is, when not at `i` (a split by an
-    /// [`ExpertAssignment`](super::ExpertAssignment): the slots go node by node). Every
-    /// method takes expert numbers; only [`Arena::bind_slots`] takes slot positions.
+    /// [`ExpertAssignment`](super::ExpertAssignment): the slots go node by node);
+    /// [`ABSENT`] marks an expert the arena does not hold (a hybrid layer's copies of its
+    /// hot experts). Every method takes expert numbers; only [`Arena::bind_slots`] takes
+    /// slot positions.
     order: Option<std::sync::Arc<[usize]>>,
 }
+
+/// In an arena's slot order: the arena holds no slot for this expert.
+pub(crate) const ABSENT: usize = usize::MAX;
 
 /// The stride for slots of `slot_bytes`: the size rounded up to `align` (a power of two
 /// at least the page size; see [`SlotAlign`](super::SlotAlign)). `None` on overflow.
@@ -125,19 +130,24 @@ impl Arena {
         }
     }
 
-    /// Lays expert `i` at slot `order[i]` (a permutation of the slots, checked by the
-    /// caller: [`SlotOrder`](super::assign::SlotOrder)).
+    /// Lays expert `i` at slot `order[i]` ([`ABSENT`]: not held), each slot used once
+    /// (checked by the caller: [`SlotOrder`](super::assign::SlotOrder)).
     pub(crate) fn with_order(mut self, order: std::sync::Arc<[usize]>) -> Arena {
         self.order = Some(order);
         self
     }
 
-    /// The slot position of expert `i`.
-    fn position(&self, i: usize) -> usize {
-        self.order
-            .as_ref()
-            .and_then(|o| o.get(i).copied())
-            .unwrap_or(i)
+    /// The slot position of expert `i` (`None`: the arena does not hold it).
+    fn position(&self, i: usize) -> Option<usize> {
+        match &self.order {
+            Some(o) => o.get(i).copied().filter(|&p| p != ABSENT),
+            None => Some(i),
+        }
+    }
+
+    /// Whether the arena has a slot for expert `i`.
+    pub(crate) fn holds(&self, i: usize) -> bool {
+        self.position(i).is_some_and(|p| p < self.loaded.len())
     }
 
     pub(crate) fn bind(&self, policy: &MemPolicy) -> Result<Placement> {
@@ -199,9 +209,9 @@ impl Arena {
         self.loaded.len()
     }
 
-    /// Bytes loaded in slot `i` (`None`: released or out of range).
+    /// Bytes loaded in expert `i`'s slot (`None`: released, not held or out of range).
     pub(crate) fn loaded(&self, i: usize) -> Option<usize> {
-        *self.loaded.get(i)?
+        *self.loaded.get(self.position(i)?)?
     }
 
     /// Slots that hold data.
@@ -216,14 +226,16 @@ impl Arena {
 
     /// Byte range of expert `i`'s slot within the region (the whole stride).
     pub(crate) fn slot_range(&self, i: usize) -> Range<usize> {
-        let p = self.position(i);
-        p * self.stride..(p + 1) * self.stride
+        match self.position(i) {
+            Some(p) => p * self.stride..(p + 1) * self.stride,
+            None => 0..0,
+        }
     }
 
     /// The loaded bytes of expert `i`'s slot.
     pub(crate) fn slot(&self, i: usize) -> Option<&[u8]> {
         let len = self.loaded(i)?;
-        let start = self.position(i).checked_mul(self.stride)?;
+        let start = self.position(i)?.checked_mul(self.stride)?;
         self.region.as_slice().get(start..start.checked_add(len)?)
     }
 
@@ -240,6 +252,7 @@ impl Arena {
             .iter()
             .map(|&p| by_slot.get_mut(p).and_then(Option::take))
             .collect::<Option<Vec<_>>>()
+            .filter(|slots| slots.len() == self.loaded.len())
             .ok_or_else(|| Error::invalid("PinStore", "an arena's slot order is not a permutation"))
     }
 
@@ -263,16 +276,19 @@ impl Arena {
 
     /// Records that slot `i` holds `len` bytes.
     pub(crate) fn mark_loaded(&mut self, i: usize, len: usize) {
-        if let Some(slot) = self.loaded.get_mut(i) {
+        if let Some(slot) = self.position(i).and_then(|p| self.loaded.get_mut(p)) {
             *slot = Some(len);
         }
     }
 
     /// Gives slot `i`'s pages back (its addresses and the region's policy stay).
     pub(crate) fn release_slot(&mut self, i: usize) -> Result<()> {
+        let Some(p) = self.position(i) else {
+            return Ok(()); // not held here (a hybrid layer's hot copy of a cold expert)
+        };
         let range = self.slot_range(i);
         self.region.release(range)?;
-        if let Some(slot) = self.loaded.get_mut(i) {
+        if let Some(slot) = self.loaded.get_mut(p) {
             *slot = None;
         }
         Ok(())
@@ -305,9 +321,9 @@ impl Arena {
         self.region
             .freeze_shared()
             .map_err(|e| (e, self.region.is_empty()))?;
-        for (i, len) in self.loaded.iter().enumerate() {
+        for (p, len) in self.loaded.iter().enumerate() {
             if let Some(len) = *len {
-                let start = self.position(i) * self.stride;
+                let start = p * self.stride;
                 self.region
                     .populate_read(start..start + len)
                     .map_err(|e| (e, false))?;

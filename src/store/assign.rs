@@ -1,5 +1,6 @@
 //! [`ExpertAssignment`]: which node of a [`Layout::SplitExperts`] set each expert of a
-//! layer lives on, when that is not the contiguous split by index.
+//! layer lives on, when that is not the contiguous split by index — or that it lives on
+//! every node ([`ExpertAssignment::EVERY_NODE`]: a hot expert of a hybrid layout).
 //!
 //! Why the assignment is data beside the layout and not in it: [`Layout`] is `Copy`, a
 //! few words, matched everywhere; an assignment is a list per layer (thousands of
@@ -12,6 +13,13 @@
 //! slots are laid out node by node, each node's experts in index order, and every
 //! accessor translates the expert number to its slot. Nothing outside the store sees the
 //! order: `weights(layer, e)` is expert `e`.
+//!
+//! Hot experts (the hybrid layout): the first copy of the layer holds every expert, the
+//! hot ones in the first node's block right after its cold ones (so that block is still
+//! one `mbind`); every other node of the set gets one more region per kind holding only
+//! the hot experts, bound to it. `weights_local` reads a hot expert from the calling
+//! thread's node (the nearest) and a cold one from its home; `home_node` is `None` for a
+//! hot expert (it lives on every node). Mappings per layer: kinds × (blocks + nodes − 1).
 //!
 //! [`Layout`]: super::Layout
 //! [`Layout::SplitExperts`]: super::Layout::SplitExperts
@@ -28,21 +36,25 @@ use crate::routing::{RoutingStats, balance};
 
 const OP: &str = "ExpertAssignment";
 
-/// Each expert's home, as an index into the layout's node set, per layer.
+/// Each expert's home, as an index into the layout's node set
+/// ([`ExpertAssignment::EVERY_NODE`]: a copy on every node), per layer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExpertAssignment {
     layers: BTreeMap<usize, Arc<[usize]>>,
 }
 
 impl ExpertAssignment {
+    /// The home of a hot expert: a copy on every node of the set.
+    pub const EVERY_NODE: usize = usize::MAX;
+
     /// No layer assigned: every layer split by index.
     pub fn new() -> ExpertAssignment {
         ExpertAssignment::default()
     }
 
     /// Assigns the experts of `layer`: `homes[e]` is the index, in the layout's node set,
-    /// of expert `e`'s node. Checked against the layer and the set when the layer is
-    /// packed.
+    /// of expert `e`'s node, or [`ExpertAssignment::EVERY_NODE`]. Checked against the
+    /// layer and the set when the layer is packed.
     #[must_use]
     pub fn layer(mut self, layer: usize, homes: Vec<usize>) -> Self {
         self.layers.insert(layer, homes.into());
@@ -78,7 +90,51 @@ impl ExpertAssignment {
         Ok(out)
     }
 
-    /// The home index of `expert` of `layer`, if the layer is assigned.
+    /// Hybrid: in each `(layer, experts)` of `model` with statistics, the `hot` most
+    /// routed experts (ties to the lower expert) on every node, the others balanced by
+    /// load over `nodes` nodes with each node holding its share of the split by index of
+    /// the cold ones. Layers without statistics are left out (split by index). The
+    /// planner chooses `hot` per layer at a memory budget
+    /// ([`PlanRow::assignment`](crate::planner::PlanRow::assignment)); this is the same
+    /// shape with one number.
+    ///
+    /// # Errors
+    /// As [`ExpertAssignment::balanced`].
+    pub fn hybrid(
+        stats: &RoutingStats,
+        model: &[(usize, usize)],
+        nodes: usize,
+        hot: usize,
+    ) -> Result<ExpertAssignment> {
+        if nodes == 0 {
+            return Err(Error::empty(OP, "nodes to balance over"));
+        }
+        stats.check_against(model)?;
+        let mut out = ExpertAssignment::new();
+        for &(layer, experts) in model {
+            let Some(counts) = stats.layer(layer) else {
+                continue;
+            };
+            let mut by_count: Vec<usize> = (0..experts).collect();
+            by_count.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
+            let mut homes = vec![ExpertAssignment::EVERY_NODE; experts];
+            let cold: Vec<usize> = by_count.iter().copied().skip(hot).collect();
+            let mut cold_sorted = cold.clone();
+            cold_sorted.sort_unstable();
+            let cold_counts: Vec<u64> = cold_sorted.iter().map(|&e| counts[e]).collect();
+            let caps: Vec<usize> = (0..nodes)
+                .map(|i| block(i, nodes, cold_sorted.len()).len())
+                .collect();
+            for (&e, h) in cold_sorted.iter().zip(balance(&cold_counts, &caps)?) {
+                homes[e] = h;
+            }
+            out = out.layer(layer, homes);
+        }
+        Ok(out)
+    }
+
+    /// The home index of `expert` of `layer`, if the layer is assigned
+    /// ([`ExpertAssignment::EVERY_NODE`] for a hot expert).
     pub fn home(&self, layer: usize, expert: usize) -> Option<usize> {
         self.layers.get(&layer)?.get(expert).copied()
     }
@@ -99,8 +155,11 @@ impl ExpertAssignment {
 pub(crate) struct SlotOrder {
     /// `slot[e]`: the slot expert `e` occupies.
     pub(crate) slot: Arc<[usize]>,
-    /// `blocks[i]`: the slots of the `i`-th node of the set.
+    /// `blocks[i]`: the slots of the `i`-th node of the set (the first node's block holds
+    /// the hot experts after its cold ones).
     pub(crate) blocks: Vec<Range<usize>>,
+    /// The hot experts, by index.
+    pub(crate) hot: Vec<usize>,
 }
 
 impl SlotOrder {
@@ -121,7 +180,12 @@ impl SlotOrder {
                 homes.len(),
             ));
         }
-        if let Some((e, &h)) = homes.iter().enumerate().find(|&(_, &h)| h >= nodes) {
+        const HOT: usize = ExpertAssignment::EVERY_NODE;
+        if let Some((e, &h)) = homes
+            .iter()
+            .enumerate()
+            .find(|&(_, &h)| h >= nodes && h != HOT)
+        {
             return Err(Error::bad_value(
                 PACK,
                 "assignment",
@@ -131,9 +195,14 @@ impl SlotOrder {
                 ),
             ));
         }
+        let hot: Vec<usize> = (0..experts).filter(|&e| homes[e] == HOT).collect();
         let mut count = vec![0usize; nodes];
-        for &h in homes {
+        for &h in homes.iter().filter(|&&h| h != HOT) {
             count[h] += 1;
+        }
+        // The hot experts right after the first node's cold ones: one block, one mbind.
+        if let Some(first) = count.first_mut() {
+            *first += hot.len();
         }
         let mut next = Vec::with_capacity(nodes);
         let mut blocks = Vec::with_capacity(nodes);
@@ -143,19 +212,87 @@ impl SlotOrder {
             blocks.push(start..start + c);
             start += c;
         }
+        let mut hot_next = next.first().copied().unwrap_or(0) + blocks[0].len() - hot.len();
         let slot = homes
             .iter()
             .map(|&h| {
+                if h == HOT {
+                    hot_next += 1;
+                    return hot_next - 1;
+                }
                 let s = next[h];
                 next[h] += 1;
                 s
             })
             .collect();
-        Ok(SlotOrder { slot, blocks })
+        Ok(SlotOrder { slot, blocks, hot })
     }
 }
 
+/// One node's share of a split (or hybrid) store's experts:
+/// [`PinStore::expert_shares`](super::PinStore::expert_shares).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct NodeShare {
+    /// Expert bytes loaded on the node (its cold experts, and its copy of the hot ones).
+    pub bytes: u64,
+    /// Hot experts (a copy on every node): the same on every node.
+    pub hot_experts: usize,
+    /// Experts whose only copy is on this node.
+    pub cold_experts: usize,
+    /// The fraction of routed tokens that run here when each cold expert runs on its home
+    /// and each hot one on every node alike (counts from the statistics; without them,
+    /// every expert equally).
+    pub load_share: f64,
+}
+
 impl super::PinStore {
+    /// Per node of the layout's set: the bytes, hot and cold experts and load share of
+    /// every packed layer (see [`NodeShare`]). Without placement (degraded) the hot
+    /// experts have one copy, and the figures are where the layout meant them.
+    ///
+    /// # Errors
+    /// As [`PinStore::stats`](super::PinStore::stats).
+    pub fn expert_shares(&self, stats: Option<&RoutingStats>) -> Result<BTreeMap<Node, NodeShare>> {
+        let node_bytes = self.stats()?.node_bytes;
+        let Some(set) = self.layout.nodes() else {
+            return Ok(BTreeMap::new());
+        };
+        let mut out: BTreeMap<Node, NodeShare> =
+            set.iter().map(|n| (n, NodeShare::default())).collect();
+        let mut total = 0.0;
+        for (index, layer) in self.layers.iter() {
+            let experts = layer.experts();
+            let counts = stats
+                .and_then(|s| s.layer(index))
+                .filter(|c| c.len() == experts);
+            for e in 0..experts {
+                let w = counts.map_or(1.0, |c| c[e] as f64);
+                total += w;
+                match self.home_node(index, e)? {
+                    Some(node) => {
+                        let share = out.entry(node).or_default();
+                        share.cold_experts += 1;
+                        share.load_share += w;
+                    }
+                    None => {
+                        for share in out.values_mut() {
+                            share.hot_experts += 1;
+                            share.load_share += w / set.len() as f64;
+                        }
+                    }
+                }
+            }
+        }
+        for (node, share) in &mut out {
+            share.bytes = node_bytes.get(node).copied().unwrap_or(0);
+            if total > 0.0 {
+                share.load_share /= total;
+            }
+        }
+        Ok(out)
+    }
+
     /// The slot order of `layer` under the store's assignment (`None`: by index).
     pub(super) fn slot_order(&self, layer: usize, experts: usize) -> Result<Option<SlotOrder>> {
         let (Some(set), Some(homes)) = (
@@ -170,8 +307,9 @@ impl super::PinStore {
         SlotOrder::new(layer, homes, experts, set.len()).map(Some)
     }
 
-    /// The node `expert` of `layer` (of `experts`) is bound to: its assigned home where
-    /// the store's assignment names the layer, else the layout's node.
+    /// The node `expert` of `layer` (of `experts`) is bound to in the first copy: its
+    /// assigned home where the store's assignment names the layer (the first node for a
+    /// hot expert), else the layout's node.
     pub(super) fn expert_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
         if let (Some(set), Some(homes)) = (
             self.layout.blocks(),
@@ -181,9 +319,86 @@ impl super::PinStore {
                 .and_then(|a| a.homes(layer)),
         ) && homes.len() == experts
         {
-            return homes.get(expert).and_then(|&h| set.nth(h));
+            return match homes.get(expert) {
+                Some(&ExpertAssignment::EVERY_NODE) => set.nth(0),
+                Some(&h) => set.nth(h),
+                None => None,
+            };
         }
         self.layout.target_node(layer, experts, expert)
+    }
+
+    /// Whether `expert` of `layer` is hot (a copy on every node of the set).
+    pub(super) fn is_hot(&self, layer: usize, expert: usize) -> bool {
+        self.layout.blocks().is_some()
+            && self
+                .options
+                .assignment
+                .as_ref()
+                .and_then(|a| a.home(layer, expert))
+                == Some(ExpertAssignment::EVERY_NODE)
+    }
+
+    /// After the first copy is filled: a region per kind on every other node of the set
+    /// holding the hot experts only, bound to its node, copied from the first copy on a
+    /// thread of that node. Mappings are counted by `check_copies` beforehand.
+    pub(super) fn build_hot_copies(
+        &self,
+        layer: usize,
+        spec: &super::LayerSpec,
+        first: &super::layer::Arenas,
+        order: &SlotOrder,
+    ) -> Result<super::replica::Built> {
+        let mut built = super::replica::Built::default();
+        let Some(set) = self.layout.blocks() else {
+            return Ok(built);
+        };
+        let mut slot = vec![super::arena::ABSENT; spec.experts];
+        for (k, &e) in order.hot.iter().enumerate() {
+            slot[e] = k;
+        }
+        let slot: Arc<[usize]> = slot.into();
+        let backing = super::arena::Backing::of(&self.options, layer);
+        let align = self.options.slot_align.bytes()?;
+        for node in set.iter().skip(1) {
+            let mut copy: super::layer::Arenas = Default::default();
+            let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+            for kind in spec.kinds() {
+                let _reservation = self
+                    .maps
+                    .reserve(|| format!("layer {layer} {} hot copy", kind.name()), 1)?;
+                let arena = super::arena::Arena::reserve(
+                    kind,
+                    order.hot.len(),
+                    spec.bytes(kind),
+                    align,
+                    &backing,
+                )?
+                .with_order(slot.clone());
+                self.name_region(arena.region(), layer, kind)?;
+                let _ = self.note_placement(arena.bind(&policy)?);
+                self.mbind_calls
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                built.mbind_calls += 1;
+                copy[kind.index()] = Some(arena);
+            }
+            // Written from the node's own CPUs (rule 12), where it has any.
+            let on_node = crate::source::load::OnNode::enter(node);
+            for (to, from) in copy.iter_mut().zip(first) {
+                let (Some(to), Some(from)) = (to, from) else {
+                    continue;
+                };
+                for &e in &order.hot {
+                    let n = to.copy_slot_from(from, e)?;
+                    if on_node.moved() {
+                        built.local_bytes += n as u64;
+                    }
+                }
+            }
+            drop(on_node);
+            built.replicas.push((node, copy));
+        }
+        Ok(built)
     }
 }
 
@@ -218,6 +433,40 @@ mod tests {
         arena.release_slot(0).unwrap();
         assert!(arena.slot(0).is_none());
         assert_eq!(arena.slot(1).unwrap(), &[2; 10]);
+    }
+
+    /// Hot experts sit right after the first node's cold ones, inside its block.
+    #[test]
+    fn hot_slots_join_the_first_block() {
+        const H: usize = ExpertAssignment::EVERY_NODE;
+        let o = SlotOrder::new(0, &[1, H, 0, H, 1], 5, 2).unwrap();
+        assert_eq!(o.hot, vec![1, 3]);
+        assert_eq!(o.blocks, vec![0..3, 3..5]);
+        assert_eq!(&o.slot[..], &[3, 1, 0, 2, 4]);
+        // All hot: one block.
+        let o = SlotOrder::new(0, &[H, H], 2, 3).unwrap();
+        assert_eq!(o.blocks, vec![0..2, 2..2, 2..2]);
+    }
+
+    #[test]
+    fn hybrid_takes_the_hottest_and_balances_the_rest() {
+        let stats = RoutingStats::from_counts([(0, vec![1, 50, 2, 40, 3, 3])]).unwrap();
+        let a = ExpertAssignment::hybrid(&stats, &[(0, 6)], 2, 2).unwrap();
+        let homes: Vec<usize> = (0..6).map(|e| a.home(0, e).unwrap()).collect();
+        assert_eq!(homes[1], ExpertAssignment::EVERY_NODE);
+        assert_eq!(homes[3], ExpertAssignment::EVERY_NODE);
+        // Cold 1, 2, 3, 3 two per node: {3, 1} and {3, 2} (loads 4 and 5) or better.
+        let load = |n: usize| -> u64 {
+            [1u64, 50, 2, 40, 3, 3]
+                .iter()
+                .zip(&homes)
+                .filter(|&(_, &h)| h == n)
+                .map(|(c, _)| c)
+                .sum()
+        };
+        assert_eq!(load(0) + load(1), 9);
+        assert!(load(0).max(load(1)) <= 5);
+        assert_eq!(homes.iter().filter(|&&h| h == 0).count(), 2);
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use crate::source::{
 };
 use access::check_fits;
 use arena::Arena;
-pub use assign::ExpertAssignment;
+pub use assign::{ExpertAssignment, NodeShare};
 use layer::Layer;
 pub(crate) use layer::ids_text;
 pub use layout::Layout;
@@ -286,7 +286,8 @@ impl PinStore {
         let order = self.slot_order(layer, spec.experts)?;
         let _mark = self.mark_packing(layer)?;
         let copies = self.copies();
-        self.check_copies(layer, spec)?;
+        let hot = order.as_ref().map_or(0, |o| o.hot.len());
+        self.check_copies(layer, spec, hot)?;
         let mut arenas = self.reserve(layer, spec, order.as_ref())?;
         let policy = self.policy_for(layer);
         let (placement, mut mbind_calls) =
@@ -314,8 +315,11 @@ impl PinStore {
         let direct_io = reader.direct_io();
         // Replicas only where the first copy was bound: a degraded store keeps one
         // unplaced copy.
-        let built = if copies > 1 && placement.is_some_and(|p| p.is_bound()) {
+        let bound = placement.is_some_and(|p| p.is_bound());
+        let built = if copies > 1 && bound {
             self.build_replicas(layer, spec, &arenas)?
+        } else if let Some(order) = order.as_ref().filter(|o| bound && !o.hot.is_empty()) {
+            self.build_hot_copies(layer, spec, &arenas, order)?
         } else {
             replica::Built::default()
         };
@@ -344,9 +348,11 @@ impl PinStore {
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map).with_ids(ids);
-        if placement.is_some_and(|p| p.is_bound())
-            && let Some(first) = self.copy_groups.first().and_then(|g| g.nth(0))
-        {
+        let first = match hot {
+            0 => self.copy_groups.first().and_then(|g| g.nth(0)),
+            _ => self.layout.nodes().and_then(|set| set.nth(0)),
+        };
+        if bound && let Some(first) = first {
             packed = packed.with_replicas(first, replicas);
         }
         self.layers
@@ -362,7 +368,7 @@ impl PinStore {
     /// Before anything is mapped: every node of a replicated layout has the memory for
     /// this layer's copy, and the mappings of all copies (and split blocks) fit the map
     /// budget.
-    fn check_copies(&self, layer: usize, spec: &LayerSpec) -> Result<()> {
+    fn check_copies(&self, layer: usize, spec: &LayerSpec, hot: usize) -> Result<()> {
         let copies = self.copies();
         if !self.copy_groups.is_empty() {
             let align = self.options.slot_align.bytes()?;
@@ -370,7 +376,15 @@ impl PinStore {
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
         }
         let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
-        let maps = per_copy.checked_mul(copies).ok_or_else(|| {
+        // A hybrid layer's hot experts: one more region per kind on every other node.
+        let hot_copies = match (hot, self.layout.nodes()) {
+            (1.., Some(set)) => spec.kinds().count() * (set.len() - 1),
+            _ => 0,
+        };
+        let maps = per_copy
+            .checked_mul(copies)
+            .and_then(|m| m.checked_add(hot_copies));
+        let maps = maps.ok_or_else(|| {
             Error::overflow(
                 PACK,
                 format!("layer {layer}: the mappings of {copies} copies"),

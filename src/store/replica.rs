@@ -321,7 +321,7 @@ impl PinStore {
     pub fn home_node(&self, layer: usize, expert: usize) -> Result<Option<Node>> {
         let l = self.layer(layer)?;
         let (experts, expert) = (l.experts(), l.slot_of(layer, expert)?);
-        if !self.layout.has_home() {
+        if !self.layout.has_home() || self.is_hot(layer, expert) {
             return Ok(None);
         }
         Ok(self.expert_node(layer, experts, expert))
@@ -406,6 +406,10 @@ impl PinStore {
         let Some(arena) = at.and_then(|at| l.replica_arena(at, kind)) else {
             return Ok(&[]);
         };
+        if !arena.holds(slot) {
+            // A hybrid layer's copy of its hot experts, asked for a cold one: its home.
+            return self.slot(layer, expert, kind);
+        }
         arena.slot(slot).ok_or(Error::Released {
             op: "PinStore",
             layer,
@@ -442,7 +446,7 @@ impl PinStore {
                 continue;
             }
             for (node, arena) in others {
-                if arena.loaded(expert).is_none() {
+                if arena.holds(expert) && arena.loaded(expert).is_none() {
                     let _on_node = OnNode::enter(node);
                     arena.copy_slot_from(first, expert)?;
                 }
@@ -460,9 +464,15 @@ pub(super) fn node_bytes(
     layer: &Layer,
     into: &mut std::collections::BTreeMap<Node, u64>,
 ) {
+    // A split layer's first copy is counted expert by expert below; its other copies
+    // (a hybrid layer's hot experts) whole.
+    let split = store.layout.blocks().is_some();
     let mut replicated = false;
-    for (lead, arenas) in layer.replicas() {
+    for (i, (lead, arenas)) in layer.replicas().enumerate() {
         replicated = true;
+        if split && i == 0 {
+            continue;
+        }
         let bytes: u64 = arenas.iter().flatten().map(Arena::loaded_bytes).sum();
         // An interleaved copy: an equal share per node of its group (the remainder on
         // the lowest nodes).
@@ -477,7 +487,7 @@ pub(super) fn node_bytes(
             *into.entry(node).or_default() += bytes / n + u64::from((i as u64) < bytes % n);
         }
     }
-    if replicated {
+    if replicated && !split {
         return;
     }
     let experts = layer.experts();
