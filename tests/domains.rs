@@ -125,6 +125,12 @@ fn domains_are_the_sockets_the_vm_was_given() {
         assert_eq!(here.id(), domain, "cpu {cpu}: {here:?}");
     }
     assert_eq!(topology.domain_of(Node(3)).map(Domain::id), Some(1));
+    // The planner's live machine groups the nodes the same way (indices into its nodes,
+    // which are 0..4 here).
+    let machine = numapin::planner::Machine::live().unwrap();
+    let ids: Vec<u16> = machine.nodes.iter().map(|n| n.node.0).collect();
+    assert_eq!(ids, [0, 1, 2, 3], "{machine:?}");
+    assert_eq!(machine.domains(), [vec![0, 1], vec![2, 3]], "{machine:?}");
 }
 
 #[test]

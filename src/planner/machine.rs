@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::nodeset::Node;
+use crate::topology::Topology;
 
 const OP: &str = "Machine::from_json";
 
@@ -51,8 +52,7 @@ impl Machine {
 
     /// This machine: the nodes this process may allocate on (mems_allowed with memory),
     /// their free memory and distances, and `vm.max_map_count` less the mappings the
-    /// process has. Each node is its own domain until the topology reads sockets
-    /// (issue 23 §1): [`live_domain_of`] is the one place to wire that.
+    /// process has; the domains (sockets) as [`Topology::domains`] reads them.
     ///
     /// # Errors
     /// The probe fails, or no node is allowed.
@@ -271,10 +271,22 @@ impl Machine {
     }
 }
 
-/// The domain of `node` among `nodes` on the live machine: its own index until the
-/// topology reads sockets (issue 23 §1 wires `Topology::domains()` here).
-pub fn live_domain_of(node: Node, nodes: &[Node]) -> usize {
-    nodes.iter().position(|&n| n == node).unwrap_or(0)
+/// The domain of `node` among `nodes` on the live machine, as an index: the topology's
+/// domains ([`Topology::domains`]) numbered in the order `nodes` first meets them. A node
+/// the topology does not place (or a topology that cannot be read) is a domain of its own.
+fn live_domain_of(node: Node, nodes: &[Node]) -> usize {
+    let topology = Topology::get().ok();
+    let key = |n: Node| match topology.and_then(|t| t.domain_of(n)) {
+        Some(domain) => (true, domain.id()),
+        None => (false, usize::from(n.0)),
+    };
+    let mut seen: Vec<(bool, usize)> = Vec::new();
+    for &n in nodes {
+        if !seen.contains(&key(n)) {
+            seen.push(key(n));
+        }
+    }
+    seen.iter().position(|&k| k == key(node)).unwrap_or(0)
 }
 
 fn read_distances(d: &Value, n: usize) -> Result<Vec<Vec<u32>>> {

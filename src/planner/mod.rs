@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::Checkpoint;
 use crate::routing::RoutingStats;
 
-pub use machine::{Machine, MachineNode, live_domain_of};
+pub use machine::{Machine, MachineNode};
 pub use table::{Candidate, PlanRow, PlanTable};
 
 /// One MoE layer's sizes.
