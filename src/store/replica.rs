@@ -422,6 +422,10 @@ impl PinStore {
     /// the node of the groups nearest to `node` (`node` itself when a group holds it),
     /// among the copies the layer has (`leads`).
     fn copy_lead(&self, topology: &Topology, node: Node, leads: &NodeSet) -> Option<Node> {
+        if self.copy_groups.is_empty() {
+            // A hybrid layer's hot copies: one per node of the split set, each its own.
+            return topology.nearest(node, leads);
+        }
         let groups: Vec<&NodeSet> = self
             .copy_groups
             .iter()
