@@ -62,7 +62,7 @@ impl ExpertCache {
             match state.slots[slot as usize].state {
                 SlotState::Ready => {
                     // No one evicts while we hold the lock: the pin fails only with
-                    // u32::MAX entries of this slot alive on one shard.
+                    // 2^31 entries of this slot alive on one shard.
                     let entry = self.pin(slot, key, !counted).ok_or_else(|| {
                         Error::overflow(OP, format!("the pins of layer {} expert {}", key.0, key.1))
                     })?;

@@ -148,11 +148,12 @@ impl Slots {
         }
         let shard = topology::current_cpu() & self.mask;
         let count = self.count(shard, slot);
-        if count.fetch_add(1, Ordering::SeqCst) == u32::MAX {
-            // u32::MAX live entries of one slot on one shard: refuse the pin.
-            count.fetch_sub(1, Ordering::Relaxed);
+        // Refuse a pin past 2^31 live entries of one slot on one shard, well before the
+        // count could wrap to the 0 an evictor reads as "unpinned".
+        if count.load(Ordering::Relaxed) >= u32::MAX / 2 {
             return None;
         }
+        count.fetch_add(1, Ordering::SeqCst);
         let word = s.word.load(Ordering::SeqCst);
         if word & READY == 0 || !s.holds(key) {
             count.fetch_sub(1, Ordering::Release);
