@@ -41,7 +41,7 @@ impl ExpertCache {
         let lens = self.fits(key, source)?;
         let node = self.choose_node(&state, hint)?;
         let slot = state
-            .take_slot(node, &self.shared, &self.hints)
+            .take_slot(node, &self.slots, &self.hints)
             .ok_or(Error::CacheFull {
                 op: OP,
                 layer: key.0,
@@ -62,7 +62,7 @@ impl ExpertCache {
             match state.slots[slot as usize].state {
                 SlotState::Ready => {
                     // No one evicts while we hold the lock: the pin fails only with
-                    // u32::MAX entries of this slot alive.
+                    // 2^31 entries of this slot alive on one shard.
                     let entry = self.pin(slot, key, !counted).ok_or_else(|| {
                         Error::overflow(OP, format!("the pins of layer {} expert {}", key.0, key.1))
                     })?;
@@ -152,8 +152,7 @@ impl ExpertCache {
             .find(|&n| {
                 !state.nodes[n].free.is_empty()
                     || (base(n)..base(n) + self.slots_per_node).any(|s| {
-                        matches!(state.slots[s].state, SlotState::Ready)
-                            && self.shared[s].evictable()
+                        matches!(state.slots[s].state, SlotState::Ready) && self.slots.evictable(s)
                     })
             })
             .unwrap_or(0))
@@ -193,10 +192,11 @@ impl ExpertCache {
                 let meta = &mut state.slots[slot as usize];
                 meta.state = SlotState::Ready;
                 meta.hint = self.hints.insert(key, slot);
-                self.shared[slot as usize].publish(key, lens);
+                let shard = self.slots.publish(slot as usize, key, lens);
                 Ok(Entry {
                     cache: self,
                     slot,
+                    shard,
                     key,
                     weight_len: lens.weights,
                     scale_len: lens.scales,

@@ -10,19 +10,20 @@
 //!
 //! # Concurrency: hits take no lock
 //!
-//! A hit is lock-free: it hashes the key into a table of hints (`hints.rs`), pins the
-//! candidate slot with one compare-exchange on the slot's atomic word (pins, a `READY`
-//! bit, a reference bit; `slot.rs` explains the memory orderings), confirms the key, and
-//! counts the hit on the slot's own cache line. Dropping the [`Entry`] is one atomic
-//! decrement. Threads hitting different slots write different cache lines only.
+//! A hit is lock-free: it hashes the key into a table of hints (`hints.rs`), counts a pin
+//! in the slot's count for the caller's CPU, then checks the slot's word (a `READY` bit,
+//! a reference bit) and key; `slot.rs` explains the memory orderings. Dropping the
+//! [`Entry`] is one atomic decrement. Pin counts and hit counters are split by CPU, so
+//! threads hitting the *same* experts write different cache lines: the slot's word is
+//! only read on a hit (written only to set a clear reference bit).
 //!
 //! One mutex guards the rest: the authoritative key index, slot states, free lists,
 //! clock hands and the miss-side counters. It is held for bookkeeping, never while bytes
 //! are copied. A miss marks its slot *loading*, releases the lock, copies the expert in,
 //! and re-takes the lock to publish. A second thread missing on a key being loaded waits
 //! on a condition variable until the first publishes (or gets its error). A pinned slot
-//! is never evicted or written: eviction is a compare-exchange from "ready, 0 pins" that
-//! fails if a hit pinned the slot meanwhile.
+//! is never evicted or written: eviction clears `READY`, then reads every pin count, and
+//! gives the slot back if any is set (Dekker's pattern, all `SeqCst`: see `slot.rs`).
 //!
 //! # Replacement: CLOCK per node
 //!
@@ -71,7 +72,7 @@ use crate::policy::Placement;
 use crate::region::{Region, resident_pages};
 use crate::source::ExpertSource;
 use hints::Hints;
-use slot::Shared;
+use slot::Slots;
 use state::State;
 
 /// The key of an entry: `(layer, expert)`.
@@ -143,7 +144,7 @@ pub struct ExpertCache {
     weight_stride: usize,
     scale_stride: usize,
     /// Per slot (global id), the atomics a hit uses.
-    shared: Box<[Shared]>,
+    slots: Slots,
     hints: Hints,
     /// Lookups that found no ready entry (rare next to hits: one shared counter).
     misses: AtomicU64,
@@ -160,6 +161,8 @@ pub struct ExpertCache {
 pub struct Entry<'a> {
     cache: &'a ExpertCache,
     slot: u32,
+    /// The pin-count shard this entry was counted in.
+    shard: u32,
     key: Key,
     weight_len: usize,
     scale_len: usize,
@@ -231,9 +234,7 @@ impl ExpertCache {
             scale_bytes,
             weight_stride: geometry.weight_stride,
             scale_stride: geometry.scale_stride,
-            shared: (0..geometry.total_slots)
-                .map(|_| Shared::default())
-                .collect(),
+            slots: Slots::new(geometry.total_slots),
             hints: Hints::new(geometry.total_slots),
             misses: AtomicU64::new(0),
             state: Mutex::new(State::new(nodes.len(), slots_per_node, options.populate)),
@@ -346,13 +347,14 @@ impl ExpertCache {
     /// Pins `slot` if it is ready and holds `key` (see `slot.rs`).
     #[inline]
     fn pin(&self, slot: u32, key: Key, count_hit: bool) -> Option<Entry<'_>> {
-        let lens = self.shared.get(slot as usize)?.pin(key, count_hit)?;
+        let pin = self.slots.pin(slot as usize, key, count_hit)?;
         Some(Entry {
             cache: self,
             slot,
+            shard: pin.shard,
             key,
-            weight_len: lens.weights,
-            scale_len: lens.scales,
+            weight_len: pin.lens.weights,
+            scale_len: pin.lens.scales,
         })
     }
 
@@ -368,7 +370,7 @@ impl ExpertCache {
         let mut state = self.lock();
         for n in 0..self.regions.len() {
             while state.nodes[n].used > keep_per_node {
-                let Some(slot) = state.victim(n, &self.shared) else {
+                let Some(slot) = state.victim(n, &self.slots) else {
                     break;
                 };
                 state.forget(slot, &self.hints);
@@ -429,7 +431,7 @@ impl ExpertCache {
             });
         }
         Ok(CacheStats {
-            hits: self.shared.iter().map(Shared::hits).sum(),
+            hits: self.slots.hits(),
             misses: self.misses.load(Ordering::Relaxed),
             evictions: counters.evictions,
             loads: counters.loads,
@@ -485,8 +487,8 @@ impl Entry<'_> {
 
 impl Drop for Entry<'_> {
     fn drop(&mut self) {
-        // No lock: one atomic decrement (Release: see slot.rs).
-        self.cache.shared[self.slot as usize].unpin();
+        // No lock: one atomic decrement on this shard's line (Release: see slot.rs).
+        self.cache.slots.unpin(self.slot as usize, self.shard);
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::Key;
 use super::hints::Hints;
-use super::slot::{Clock, Shared};
+use super::slot::{Clock, Slots};
 use crate::error::Error;
 
 /// What a slot holds, as the lock holder sees it.
@@ -98,7 +98,7 @@ impl State {
     /// cleared; the caller finishes with [`State::forget`]). Two passes find a victim
     /// unless every ready slot is pinned, or hits re-reference slots as fast as the hand
     /// clears them: a third pass then takes any unpinned slot. `None`: all are held.
-    pub fn victim(&mut self, node: usize, shared: &[Shared]) -> Option<u32> {
+    pub fn victim(&mut self, node: usize, slots: &Slots) -> Option<u32> {
         let n = self.slots_per_node;
         let base = node * n;
         for pass in 0..3 {
@@ -107,7 +107,7 @@ impl State {
                 self.nodes[node].hand = (i + 1) % n;
                 let slot = base + i;
                 if matches!(self.slots[slot].state, SlotState::Ready)
-                    && shared[slot].clock(pass < 2) == Clock::Evicted
+                    && slots.clock(slot, pass < 2) == Clock::Evicted
                 {
                     return Some(slot as u32);
                 }
@@ -138,11 +138,11 @@ impl State {
 
     /// A free slot of the node, or a victim's; `None` when every slot is held (pinned,
     /// loading, or failed with waiters).
-    pub fn take_slot(&mut self, node: usize, shared: &[Shared], hints: &Hints) -> Option<u32> {
+    pub fn take_slot(&mut self, node: usize, slots: &Slots, hints: &Hints) -> Option<u32> {
         if let Some(slot) = self.nodes[node].free.pop() {
             return Some(slot);
         }
-        let slot = self.victim(node, shared)?;
+        let slot = self.victim(node, slots)?;
         self.forget(slot, hints);
         self.nodes[node].used -= 1;
         Some(slot)
