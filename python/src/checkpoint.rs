@@ -459,11 +459,7 @@ impl PlacedModel {
     /// Why placement degraded here, or None.
     #[getter]
     fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        self.cell
-            .read_gil(py)
-            .degraded()
-            .map(|d| to_dict(py, &d))
-            .transpose()
+        self.cell.degraded(py)
     }
 
     fn __repr__(&self) -> String {
