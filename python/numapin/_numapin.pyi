@@ -155,8 +155,10 @@ class PlacedModel:
     def roles(self, layer: int) -> list[str]: ...
     def expert(self, layer: int, expert: int) -> dict[str, View]:
         """{role: view} with each tensor's dtype and shape."""
-    def layer(self, layer: int, role: str) -> View:
-        """[experts, ...] view of one role, the slot stride as the outer stride."""
+    def layer(self, layer: int, role: str, *, through: str | None = None) -> View:
+        """[experts, ...] view of one role, the slot stride as the outer stride; with
+        `through`, the roles role..through joined along their first dimension (e.g.
+        gate_proj through up_proj: transformers' fused [E, 2I, H] gate_up_proj)."""
     def slot(
         self, layer: int, expert: int, kind: Literal["weights", "scales"] = "weights"
     ) -> View: ...

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::IntoPy;
+use crate::store::{buffers, bytes};
 use crate::view::{RAW, View};
 
 /// A pinned entry and the cache it lives in. Field order matters: the entry (whose drop
@@ -45,25 +46,6 @@ pub struct ExpertCache {
 #[pyclass(frozen, module = "numapin")]
 pub struct CacheEntry {
     held: Arc<Held>,
-}
-
-fn buffer_bytes(buffer: &pyo3::buffer::PyUntypedBuffer) -> &[u8] {
-    if buffer.len_bytes() == 0 {
-        return &[];
-    }
-    // SAFETY: a C-contiguous buffer (checked by the caller) of `len_bytes` at
-    // `buf_ptr`, held by `buffer` for the slice's lifetime.
-    unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
-}
-
-fn contiguous(object: &Bound<'_, PyAny>) -> PyResult<pyo3::buffer::PyUntypedBuffer> {
-    let buffer = pyo3::buffer::PyUntypedBuffer::get(object)?;
-    if !buffer.is_c_contiguous() {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "a source must be C-contiguous (numpy.ascontiguousarray)",
-        ));
-    }
-    Ok(buffer)
 }
 
 #[pymethods]
@@ -123,11 +105,11 @@ impl ExpertCache {
         scales: Option<Bound<'_, PyAny>>,
         hint: Option<u16>,
     ) -> PyResult<CacheEntry> {
-        let w = contiguous(&weights)?;
-        let s = scales.as_ref().map(contiguous).transpose()?;
+        let w = buffers(&[weights])?;
+        let s = buffers(&scales.into_iter().collect::<Vec<_>>())?;
         let source = ExpertSource::Memory {
-            weights: buffer_bytes(&w),
-            scales: s.as_ref().map_or(&[][..], buffer_bytes),
+            weights: bytes(&w[0]),
+            scales: s.first().map_or(&[][..], bytes),
         };
         let hint = hint.map(numapin::Node);
         let cache = &self.cache;

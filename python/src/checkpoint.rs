@@ -231,6 +231,55 @@ impl PlacedModel {
             })
     }
 
+    /// The element type and shape of pieces `first..=last` of `kind` joined along their
+    /// first dimension; an error unless every expert has one piece layout, the pieces
+    /// are back to back, share a dtype and their inner dimensions.
+    fn joined_layout(
+        &self,
+        py: Python<'_>,
+        plan: &LayerPlan,
+        kind: Kind,
+        first: usize,
+        last: usize,
+    ) -> PyResult<(Elem, Vec<u64>)> {
+        let layer = plan.layer();
+        let role = match kind {
+            Kind::Weights => PieceRole::Weight,
+            Kind::Scales => PieceRole::Scale,
+        };
+        let pieces = plan.experts()[0].pieces(role);
+        let store = self.cell.read_gil(py);
+        let map = store.slot_map(layer).py_err()?;
+        let places = map.uniform(kind).ok_or_else(|| {
+            CheckpointError::new_err(format!(
+                "layer {layer}: the experts' {} pieces do not share one layout",
+                kind.name()
+            ))
+        })?;
+        let head = pieces
+            .get(first)
+            .ok_or_else(|| CheckpointError::new_err("a role without its piece"))?;
+        let (elem, mut shape) = piece_layout(&self.checkpoint, head);
+        for (i, piece) in pieces.iter().enumerate().take(last + 1).skip(first + 1) {
+            let (e, s) = piece_layout(&self.checkpoint, piece);
+            let adjacent = places
+                .get(i - 1)
+                .zip(places.get(i))
+                .is_some_and(|(a, b)| a.end() == b.offset);
+            if e.name != elem.name || s.get(1..) != shape.get(1..) || s.is_empty() || !adjacent {
+                return Err(InvalidArgument::new_err(format!(
+                    "layer {layer}: pieces {first}..={i} of the {} slot cannot be joined \
+                     (dtypes {} and {}, shapes {shape:?} and {s:?}, back to back: {adjacent})",
+                    kind.name(),
+                    elem.name,
+                    e.name
+                )));
+            }
+            shape[0] += s[0];
+        }
+        Ok((elem, shape))
+    }
+
     /// One piece's view: expert `expert`'s role `index` of `kind`.
     fn piece_view(
         &self,
@@ -319,31 +368,36 @@ impl PlacedModel {
 
     /// Role `role` of every expert of layer `layer`: one `[experts, ...]` view over the
     /// layer's region, the slot stride as the outer stride, so that a fused-experts
-    /// parameter (`[E, 2I, H]`) is assigned without a copy.
-    fn layer(&self, py: Python<'_>, layer: usize, role: &str) -> PyResult<View> {
+    /// parameter is assigned without a copy. With `through`, the view spans the roles
+    /// from `role` to `through` (back to back in each slot, one dtype, the same inner
+    /// dimensions), joined along their first dimension: `layer(l, "gate_proj",
+    /// through="up_proj")` is transformers' `[E, 2I, H]` `gate_up_proj` of a checkpoint
+    /// saved per expert.
+    #[pyo3(signature = (layer, role, *, through = None))]
+    fn layer(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        role: &str,
+        through: Option<&str>,
+    ) -> PyResult<View> {
         let plan = self.layer_plan(layer)?;
         let (kind, index) = self.role(plan, role)?;
-        let first = self.piece_view(py, plan, 0, kind, index)?;
-        let (elem, inner) = {
-            let pieces = &plan.experts()[0];
-            let piece = pieces.pieces(match kind {
-                Kind::Weights => PieceRole::Weight,
-                Kind::Scales => PieceRole::Scale,
-            })[index];
-            piece_layout(&self.checkpoint, &piece)
+        let last = match through {
+            Some(t) => match self.role(plan, t)? {
+                (k, i) if k == kind && i >= index => i,
+                _ => {
+                    return Err(InvalidArgument::new_err(format!(
+                        "layer {layer}: {t:?} does not follow {role:?} in the same slot"
+                    )));
+                }
+            },
+            None => index,
         };
+        let first = self.piece_view(py, plan, 0, kind, index)?;
+        let (elem, inner) = self.joined_layout(py, plan, kind, index, last)?;
         let pin = self.cell.pin(layer);
         let (_, stride, experts) = self.cell.layer_geometry(py, layer, kind)?;
-        {
-            let store = self.cell.read_gil(py);
-            let map = store.slot_map(layer).py_err()?;
-            if map.uniform(kind).is_none() {
-                return Err(CheckpointError::new_err(format!(
-                    "layer {layer}: the experts' {} pieces do not share one layout",
-                    kind.name()
-                )));
-            }
-        }
         let mut shape = vec![experts as isize];
         shape.extend(inner.iter().map(|&n| n as isize));
         let mut strides = vec![stride as isize];
@@ -354,10 +408,11 @@ impl PlacedModel {
             step *= n as isize;
         }
         strides.extend(inner_strides);
-        // SAFETY: expert e's piece starts at `first + e × stride` (every slot at one stride,
-        // one piece layout for all: checked above) and lies inside its slot, in the
-        // layer's region, which the pin keeps mapped and unreleased.
-        Ok(unsafe { View::new(first_address(&first), elem, shape, strides, Arc::new(pin)) })
+        // SAFETY: expert e's pieces `index..=last` start at `first + e × stride` (every
+        // slot at one stride, one piece layout for all, the pieces back to back: checked
+        // by `layer_geometry` and `joined_layout`) and lie inside its slot, in the layer's
+        // region, which the pin keeps mapped and unreleased.
+        Ok(unsafe { View::new(first.address_of(), elem, shape, strides, Arc::new(pin)) })
     }
 
     /// Expert `expert`'s whole weight slot (`kind="weights"`) or scale slot, raw `uint8`.
@@ -404,18 +459,10 @@ impl PlacedModel {
     /// Why placement degraded here, or None.
     #[getter]
     fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        self.cell
-            .read_gil(py)
-            .degraded()
-            .map(|d| to_dict(py, &d))
-            .transpose()
+        self.cell.degraded(py)
     }
 
     fn __repr__(&self) -> String {
         format!("PlacedModel({})", self.report)
     }
-}
-
-fn first_address(view: &View) -> usize {
-    view.address_of()
 }

@@ -123,6 +123,15 @@ impl StoreCell {
         }
     }
 
+    /// Why placement degraded here, as a Python value (`"denied"`, `"unsupported"`), or
+    /// None.
+    pub fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        self.read_gil(py)
+            .degraded()
+            .map(|d| to_dict(py, &d))
+            .transpose()
+    }
+
     /// The progress callbacks of this store.
     pub fn callbacks(&self) -> &Callbacks {
         &self.callbacks
@@ -225,7 +234,7 @@ impl StoreCell {
 }
 
 /// Each Python object's bytes, held (and their exporters pinned) for the call.
-fn buffers(objects: &[Bound<'_, PyAny>]) -> PyResult<Vec<PyUntypedBuffer>> {
+pub fn buffers(objects: &[Bound<'_, PyAny>]) -> PyResult<Vec<PyUntypedBuffer>> {
     objects
         .iter()
         .map(|o| {
@@ -240,7 +249,8 @@ fn buffers(objects: &[Bound<'_, PyAny>]) -> PyResult<Vec<PyUntypedBuffer>> {
         .collect()
 }
 
-fn bytes(buffer: &PyUntypedBuffer) -> &[u8] {
+/// The bytes of a C-contiguous buffer from [`buffers`].
+pub fn bytes(buffer: &PyUntypedBuffer) -> &[u8] {
     if buffer.len_bytes() == 0 {
         return &[];
     }
@@ -399,11 +409,7 @@ impl PinStore {
     /// Why placement degraded here (`"denied"`: EPERM, `"unsupported"`: ENOSYS), or None.
     #[getter]
     fn degraded(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        self.cell
-            .read_gil(py)
-            .degraded()
-            .map(|d| to_dict(py, &d))
-            .transpose()
+        self.cell.degraded(py)
     }
 }
 

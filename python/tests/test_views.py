@@ -175,3 +175,29 @@ def test_a_view_outlives_its_store(fixture):
     assert slot.tobytes() == fx.expected(layer, 1, "weights")
     assert by_dlpack.tobytes() == fx.expected(layer, 1, "weights")[-by_dlpack.nbytes:]
     assert by_buffer[1].tobytes() == fx.expected(layer, 1, "weights")[: by_buffer[1].nbytes]
+
+
+def test_a_layer_view_through_two_roles_is_transformers_gate_up(fixture):
+    """A checkpoint saved per expert, read as transformers v5's fused [E, 2I, H]
+    gate_up_proj: gate and up are back to back in each slot, one strided view spans both."""
+    fx = fixture("st-single")
+    tensors = safetensors_numpy.load_file(str(fx.path))
+    placed = numapin.Checkpoint(fx.path).pack("interleave:all", progress=False)
+    for layer, experts in fx.layers.items():
+        want = np.stack([
+            np.concatenate([tensors[f"model.layers.{layer}.mlp.experts.{e}.{r}.weight"]
+                            for r in ("gate_proj", "up_proj")])
+            for e in range(experts)
+        ])
+        view = placed.layer(layer, "gate_proj", through="up_proj")
+        for got in (np.from_dlpack(view), np.asarray(view)):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert np.array_equal(got, want)
+        assert view.address == placed.expert(layer, 0)["gate_proj"].address
+        # gate [I, H] and down [H, I] do not join; down does not follow up's slot order.
+        with pytest.raises(numapin.InvalidArgument, match="cannot be joined"):
+            placed.layer(layer, "gate_proj", through="down_proj")
+        with pytest.raises(numapin.InvalidArgument, match="does not follow"):
+            placed.layer(layer, "up_proj", through="gate_proj")
+        with pytest.raises(numapin.InvalidArgument, match="does not follow"):
+            placed.layer(layer, "gate_proj", through="gate_proj scale")

@@ -48,6 +48,20 @@ pub fn venv() -> PathBuf {
     target_dir().join("fixtures-venv")
 }
 
+/// `python -m pip install --quiet PACKAGES` (from PyPI).
+pub fn pip_install(python: &std::path::Path, packages: &[&str]) -> Result<(), String> {
+    run(Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(packages))
+    .map_err(|e| format!("{e}\ninstalling {packages:?} from PyPI failed"))
+}
+
 /// Creates the venv if needed, installs the writers, and writes the fixtures.
 pub fn run_fixtures() -> Result<PathBuf, String> {
     let venv = venv();
@@ -66,18 +80,7 @@ pub fn run_fixtures() -> Result<PathBuf, String> {
             )
         })?;
     }
-    run(Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .args(PACKAGES))
-    .map_err(|e| {
-        format!("{e}\ninstalling {PACKAGES:?} from PyPI failed: the fixtures need the registry")
-    })?;
+    pip_install(&python, PACKAGES).map_err(|e| format!("{e}: the fixtures need the registry"))?;
     let out = dir();
     run(Command::new(&python)
         .arg(

@@ -45,16 +45,7 @@ pub fn install() -> Result<PathBuf, String> {
     let fixtures = fixtures::run_fixtures()?;
     let venv = venv();
     let python = venv.join("bin").join("python");
-    run(Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .args(PACKAGES))
-    .map_err(|e| format!("{e}\ninstalling {PACKAGES:?} from PyPI failed"))?;
+    fixtures::pip_install(&python, PACKAGES)?;
     let start = Instant::now();
     run(Command::new(venv.join("bin").join("maturin"))
         .current_dir(root().join("python"))
