@@ -72,8 +72,8 @@ fn parse_list(text: &str) -> Vec<usize> {
 }
 
 /// The node whose CPUs should fill `node`, worked out here from sysfs (not through the
-/// library's topology): `node` itself when this thread may run on one of its CPUs; for a
-/// node without such CPUs (a memory-only CXL node in the VM's second boot), the nearest
+/// library's topology): `node` itself when it has CPUs; for a node without any (a
+/// memory-only CXL node in the VM's second boot), the nearest
 /// node that has one, by `node`'s `distance` row (whose columns are the online nodes in
 /// order), ties to the lower id. Without NUMA sysfs, `node`.
 fn filler(node: Node) -> Node {
@@ -95,7 +95,7 @@ fn filler(node: Node) -> Node {
                 .any(|cpu| cpu < rustix::thread::CpuSet::MAX_CPU && allowed.is_set(cpu))
         })
         .collect();
-    if usable.contains(&node.index()) {
+    if usable.contains(&node.index()) || !read(node.index(), "cpulist").trim().is_empty() {
         return node;
     }
     let row: Vec<u32> = read(node.index(), "distance")

@@ -21,8 +21,7 @@ pub(crate) struct OnNode {
 
 impl OnNode {
     /// Moves the calling thread onto the CPUs that fill `node`: its own, or for a node
-    /// whose CPUs the thread may not use (none at all, or outside its cpuset) the nearest
-    /// node's whose it may ([`fill_node`]).
+    /// without CPUs the nearest node's whose CPUs the thread may use ([`fill_node`]).
     #[doc(alias = "sched_setaffinity")]
     pub(crate) fn enter(node: Node) -> OnNode {
         let stay = OnNode {
@@ -83,10 +82,14 @@ impl Drop for OnNode {
 }
 
 /// The node whose CPUs fill `node`'s memory for a thread allowed on `allowed`: `node`
-/// itself when some of its CPUs are allowed; otherwise the nearest node by sysfs distance
-/// with an allowed CPU, ties to the lower id (a memory-only node — CXL, HBM — is written
-/// at the speed of the link from there). `None`: no allowed CPU has a known node.
+/// itself when it has CPUs (if none of them is allowed the loader stays put and says so);
+/// for a memory-only node (CXL, HBM) the nearest node by sysfs distance with an allowed
+/// CPU, ties to the lower id (it is written at the speed of the link from there). `None`:
+/// no allowed CPU has a known node.
 pub(crate) fn fill_node(topology: &Topology, node: Node, allowed: &CpuSet) -> Option<Node> {
+    if !topology.cpus_of(node).is_empty() {
+        return Some(node);
+    }
     let usable: NodeSet = (0..CpuSet::MAX_CPU)
         .filter(|&cpu| allowed.is_set(cpu))
         .filter_map(|cpu| topology.node_of_cpu(cpu))
@@ -133,11 +136,11 @@ mod tests {
         for n in 0..3 {
             assert_eq!(fill_node(&topology, Node(n), &all), Some(Node(n)));
         }
-        // A cpuset without node 2's CPUs: nodes 2 and 3 from the nearest allowed node,
-        // ties to the lower id.
+        // A cpuset without node 2's CPUs: node 3 from the nearest allowed node, ties to
+        // the lower id; node 2 keeps its own (its loader then cannot move, and says so).
         let socket0 = cpus(&[0, 1]);
         assert_eq!(fill_node(&topology, Node(3), &socket0), Some(Node(0)));
-        assert_eq!(fill_node(&topology, Node(2), &socket0), Some(Node(0)));
+        assert_eq!(fill_node(&topology, Node(2), &socket0), Some(Node(2)));
         assert_eq!(fill_node(&topology, Node(3), &cpus(&[1])), Some(Node(1)));
         // No allowed CPU with a known node: nowhere to go.
         assert_eq!(fill_node(&topology, Node(3), &CpuSet::new()), None);
