@@ -61,6 +61,61 @@ fn bound_here() -> bool {
     common::degrade_here().is_none()
 }
 
+/// A sysfs CPU or node list (`0-3,8`), as the kernel prints it.
+fn parse_list(text: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        out.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap());
+    }
+    out
+}
+
+/// The node whose CPUs should fill `node`, worked out here from sysfs (not through the
+/// library's topology): `node` itself when it has CPUs; for a node without any (a
+/// memory-only CXL node in the VM's second boot), the nearest
+/// node that has one, by `node`'s `distance` row (whose columns are the online nodes in
+/// order), ties to the lower id. Without NUMA sysfs, `node`.
+fn filler(node: Node) -> Node {
+    let allowed = rustix::thread::sched_getaffinity(None).unwrap();
+    let sys = std::path::Path::new("/sys/devices/system/node");
+    let Ok(online) = std::fs::read_to_string(sys.join("online")) else {
+        return node;
+    };
+    let online = parse_list(&online);
+    let read = |n: usize, file: &str| {
+        std::fs::read_to_string(sys.join(format!("node{n}/{file}"))).unwrap_or_default()
+    };
+    let usable: Vec<usize> = online
+        .iter()
+        .copied()
+        .filter(|&n| {
+            parse_list(&read(n, "cpulist"))
+                .into_iter()
+                .any(|cpu| cpu < rustix::thread::CpuSet::MAX_CPU && allowed.is_set(cpu))
+        })
+        .collect();
+    if usable.contains(&node.index()) || !read(node.index(), "cpulist").trim().is_empty() {
+        return node;
+    }
+    let row: Vec<u32> = read(node.index(), "distance")
+        .split_whitespace()
+        .map(|d| d.parse().unwrap())
+        .collect();
+    let column = |n: usize| online.iter().position(|&m| m == n).unwrap();
+    let nearest = usable
+        .into_iter()
+        .min_by_key(|&n| (row[column(n)], n))
+        .expect("no node with an allowed CPU");
+    Node(u16::try_from(nearest).unwrap())
+}
+
+/// The distinct nodes whose CPUs fill `nodes` ([`filler`]), sorted.
+fn fillers(nodes: impl IntoIterator<Item = Node>) -> Vec<Node> {
+    let set: std::collections::BTreeSet<Node> = nodes.into_iter().map(filler).collect();
+    set.into_iter().collect()
+}
+
 #[test]
 fn replicate_puts_a_full_copy_on_every_node_and_local_reads_find_one() {
     let set = common::nodes();
@@ -72,9 +127,11 @@ fn replicate_puts_a_full_copy_on_every_node_and_local_reads_find_one() {
         assert_eq!(report.replicas, copies);
         assert_eq!(report.regions, 2 * copies);
         assert_eq!(report.bytes, model_bytes());
-        // Every copy written by a loader on its node (the file's read and each copy).
+        // Every copy written by a loader on its node (the file's read and each copy), or
+        // for a node without CPUs on the nearest node with some.
         assert_eq!(report.local_bytes, model_bytes() * copies as u64);
         assert_eq!(report.off_node_loaders, 0);
+        assert_eq!(report.loader_nodes, fillers(set.iter().take(copies)));
         assert_eq!(report.mbind_calls, 2 * copies);
     }
     assert_eq!(store.degraded(), common::degrade_here());
@@ -160,6 +217,9 @@ fn split_experts_puts_contiguous_blocks_on_the_nodes_in_order() {
     assert_eq!(report.policy, None);
     assert_eq!(report.local_bytes, model_bytes());
     assert_eq!(report.off_node_loaders, 0);
+    // A loader on each block's node, or the nearest node with CPUs for one without.
+    let homes = (0..EXPERTS).map(|e| set.nth(e * n / EXPERTS).unwrap());
+    assert_eq!(report.loader_nodes, fillers(homes));
     assert_eq!(store.degraded(), common::degrade_here());
     let mut per_node = std::collections::BTreeMap::new();
     for (e, (w, s)) in data.iter().enumerate() {
@@ -184,6 +244,9 @@ fn layer_per_node_loaders_write_on_the_layers_node() {
         let data = model(layer);
         let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
         assert_eq!(report.local_bytes, model_bytes(), "layer {layer}");
+        // Its loaders ran on its node, or the nearest one with CPUs if it has none.
+        let node = set.nth(layer % set.len()).unwrap();
+        assert_eq!(report.loader_nodes, vec![filler(node)], "layer {layer}");
         assert_eq!(
             store.home_node(layer, 3).unwrap(),
             set.nth(layer % set.len())
@@ -312,7 +375,9 @@ fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
         let data = model(0);
         let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
         if bound_here() {
-            assert_eq!(report.loader_nodes, set.iter().collect::<Vec<Node>>());
+            // One per node; a node without CPUs gets its loader on the nearest node with
+            // some (which also has its own).
+            assert_eq!(report.loader_nodes, fillers(set.iter()));
         } else {
             // Placement degraded: nothing to be near, the loaders stay put.
             assert!(report.loader_nodes.is_empty(), "{report:?}");
@@ -326,7 +391,7 @@ fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
         // The other layouts' loaders follow the node they fill instead.
         let store = PinStore::new(Layout::LayerPerNode(set), options(set.len())).unwrap();
         let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
-        assert!(report.loader_nodes.is_empty());
+        assert_eq!(report.loader_nodes, vec![filler(set.nth(0).unwrap())]);
     })
     .join()
     .unwrap();

@@ -197,14 +197,17 @@ pub(crate) struct Loading<'r, 'a> {
 pub(crate) struct Filled {
     /// `pread` calls (planned reads, after coalescing).
     pub(crate) reads: usize,
-    /// Bytes written by a loader that was on the slot's target node when it finished it.
+    /// Bytes written by a loader that was on the CPUs filling the slot's target node (its
+    /// own, or the nearest node's for a node without CPUs) when it finished it.
     pub(crate) local_bytes: u64,
     /// Loader threads that could not be moved onto the node's CPUs (none of them in the
     /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
     /// were.
     pub(crate) off_node_loaders: usize,
-    /// The nodes the loader threads ran on when spread ([`Loading::spread`]), distinct and
-    /// sorted; empty when not spread.
+    /// The nodes whose CPUs the loader threads were moved onto, spread
+    /// ([`Loading::spread`]) or following their slots' node ([`Loading::target`]); a node
+    /// without CPUs is loaded from the nearest node with some. Distinct and sorted; empty
+    /// when no loader moved.
     pub(crate) loader_nodes: Vec<Node>,
 }
 
@@ -365,9 +368,22 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
                     counted_off_node = true;
                     self.off_node.fetch_add(1, Ordering::Relaxed);
                 }
+                if let Some(host) = entered.node()
+                    && let Ok(mut nodes) = self.loader_nodes.lock()
+                {
+                    nodes.insert(host);
+                }
                 on_node = Some((node, entered));
             }
-            self.load(batch, node, &mut scratch);
+            // Local: written from the CPUs that fill the node (its own, or the nearest
+            // node's for a node without CPUs; see `OnNode`).
+            let host = node.map(|n| {
+                on_node
+                    .as_ref()
+                    .and_then(|(_, guard)| guard.node())
+                    .unwrap_or(n)
+            });
+            self.load(batch, host, &mut scratch);
         }
     }
 
@@ -376,18 +392,19 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         let spread = self.spread;
         spread.get(worker % spread.len().max(1)).map(|&node| {
             let entered = OnNode::enter(node);
-            if entered.moved()
+            if let Some(host) = entered.node()
                 && let Ok(mut nodes) = self.loader_nodes.lock()
             {
-                nodes.insert(node);
+                nodes.insert(host);
             }
             entered
         })
     }
 
-    /// Fills one batch (its first slot bound to `node`, if any) and accounts for it: the
-    /// bytes written on the node and the progress, or the first error.
-    fn load(&self, batch: Vec<Job<'_>>, node: Option<Node>, scratch: &mut Scratch) {
+    /// Fills one batch and accounts for it: the bytes written from `host` (the node whose
+    /// CPUs fill its first slot's node, if it is bound to one) and the progress, or the
+    /// first error.
+    fn load(&self, batch: Vec<Job<'_>>, host: Option<Node>, scratch: &mut Scratch) {
         // A cancelled load takes no new slot; `finish` reports the cancellation.
         if self.meter.is_some_and(|m| m.cancelled()) {
             return;
@@ -403,7 +420,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         };
         match result {
             Ok(()) => {
-                if node.is_some_and(running_on) {
+                if host.is_some_and(running_on) {
                     self.local_bytes.fetch_add(batch_bytes, Ordering::Relaxed);
                 }
                 if let Some(meter) = self.meter {

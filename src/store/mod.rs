@@ -344,7 +344,11 @@ impl PinStore {
             replicas: 1 + replicas.len(),
             local_bytes: filled.local_bytes + built.local_bytes,
             off_node_loaders: filled.off_node_loaders + built.off_node_loaders,
-            loader_nodes: filled.loader_nodes.clone(),
+            loader_nodes: (filled.loader_nodes.iter().chain(&built.loader_nodes))
+                .copied()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
             placement,
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map).with_ids(ids);

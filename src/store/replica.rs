@@ -41,6 +41,8 @@ pub(super) struct Built {
     pub(super) local_bytes: u64,
     /// Loader threads that could not run on the replica's node.
     pub(super) off_node_loaders: usize,
+    /// The nodes the copying loaders ran on (see [`load::Filled::loader_nodes`]).
+    pub(super) loader_nodes: Vec<Node>,
 }
 
 /// The figure [`Error::NodeMemory`] compares against.
@@ -176,6 +178,7 @@ impl PinStore {
             built.mbind_calls += calls;
             built.local_bytes += filled.local_bytes;
             built.off_node_loaders += filled.off_node_loaders;
+            built.loader_nodes.extend(filled.loader_nodes);
             built.replicas.push((lead, copy));
         }
         Ok(built)

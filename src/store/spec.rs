@@ -115,7 +115,8 @@ pub struct LayerReport {
     /// [`Layout::ReplicateDomains`] (1 where placement
     /// degraded), 1 for the other layouts.
     pub replicas: usize,
-    /// Bytes written by a loader running on the node they were bound to, over every copy
+    /// Bytes written by a loader running on the node they were bound to (for a node
+    /// without CPUs, such as CXL memory: on the nearest node with CPUs), over every copy
     /// (0 for [`Layout::Interleave`] and [`Layout::Unplaced`], which bind to no single
     /// node). With [`LayerReport::bytes`] × [`LayerReport::replicas`] it says how much
     /// of the load was node-local.
@@ -124,9 +125,12 @@ pub struct LayerReport {
     /// thread's allowed set, or `sched_setaffinity` refused) and loaded from where they
     /// were, summed over the fill and each replica's copy.
     pub off_node_loaders: usize,
-    /// [`Layout::Interleave`]: the nodes the loader threads ran on, spread one per node
-    /// (loader `w` on the `w mod n`-th node of the set), distinct and sorted; empty for
-    /// the other layouts, whose loaders follow the node they fill.
+    /// The nodes whose CPUs the loader threads ran on, over every copy, distinct and
+    /// sorted: for [`Layout::Interleave`] spread one per node (loader `w` on the `w mod
+    /// n`-th node of the set), for the other layouts the node each loader filled. A node
+    /// without CPUs (CXL or HBM memory) is filled from the nearest node with CPUs the
+    /// process may use (by sysfs distance, ties to the lower id). Empty where no loader
+    /// could move (placement degraded, or `sched_setaffinity` refused).
     pub loader_nodes: Vec<crate::node::Node>,
     /// Bound, or degraded with its reason (`None` for [`Layout::Unplaced`]).
     pub placement: Option<Placement>,

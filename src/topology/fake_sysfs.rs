@@ -6,13 +6,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A sysfs tree under a fresh temporary directory, removed on drop.
-pub(super) struct FakeSysfs {
+pub(crate) struct FakeSysfs {
     root: PathBuf,
 }
 
 impl FakeSysfs {
     /// An empty tree (no `node/online`: a kernel without NUMA).
-    pub(super) fn new() -> FakeSysfs {
+    pub(crate) fn new() -> FakeSysfs {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let root = std::env::temp_dir().join(format!(
             "numapin-sysfs-{}-{}",
@@ -25,12 +25,12 @@ impl FakeSysfs {
     }
 
     /// The directory standing for `/sys/devices/system`.
-    pub(super) fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.root
     }
 
     /// Writes `text` to `relative` (directories created).
-    pub(super) fn write(&self, relative: &str, text: &str) -> &FakeSysfs {
+    pub(crate) fn write(&self, relative: &str, text: &str) -> &FakeSysfs {
         let path = self.root.join(relative);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
@@ -39,7 +39,7 @@ impl FakeSysfs {
 
     /// Online nodes `0..distances.len()`, node `n` with the CPUs `cpus[n]` (a kernel
     /// list, empty for none) and the distance row `distances[n]`.
-    pub(super) fn nodes(&self, cpus: &[&str], distances: &[&[u32]]) -> &FakeSysfs {
+    pub(crate) fn nodes(&self, cpus: &[&str], distances: &[&[u32]]) -> &FakeSysfs {
         self.write("node/online", &format!("0-{}\n", distances.len() - 1));
         for (n, row) in distances.iter().enumerate() {
             let row: Vec<String> = row.iter().map(u32::to_string).collect();
@@ -50,7 +50,7 @@ impl FakeSysfs {
     }
 
     /// `cpu/cpuN/topology/physical_package_id` of each CPU of `cpus` (`0-3`).
-    pub(super) fn package(&self, cpus: std::ops::RangeInclusive<usize>, id: &str) -> &FakeSysfs {
+    pub(crate) fn package(&self, cpus: std::ops::RangeInclusive<usize>, id: &str) -> &FakeSysfs {
         for cpu in cpus {
             self.write(
                 &format!("cpu/cpu{cpu}/topology/physical_package_id"),
@@ -62,7 +62,7 @@ impl FakeSysfs {
 
     /// Lists `initiator` in `node/nodeN/access0/initiators/` (beside the latency and
     /// bandwidth files the kernel puts there too).
-    pub(super) fn initiator(&self, node: usize, initiator: usize) -> &FakeSysfs {
+    pub(crate) fn initiator(&self, node: usize, initiator: usize) -> &FakeSysfs {
         let dir = format!("node/node{node}/access0/initiators");
         self.write(&format!("{dir}/read_latency"), "120\n");
         self.write(&format!("{dir}/node{initiator}"), "")

@@ -16,7 +16,7 @@ use crate::node::{self, Node, NodeSet};
 
 mod domains;
 #[cfg(test)]
-mod fake_sysfs;
+pub(crate) mod fake_sysfs;
 
 pub use domains::Domain;
 

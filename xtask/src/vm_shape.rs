@@ -9,7 +9,7 @@
 //!   split into nodes 0 and 1 (sub-NUMA clusters, CPUs 0 and 1), socket 1 is node 2
 //!   (CPUs 2 and 3), and node 3 is memory without CPUs, farther than any (CXL-like) and
 //!   nearest node 2. Its domains are {0,1} and {2,3}. Only the binaries that need this
-//!   shape run here (see [`Shape::binaries`]), so the boot stays short.
+//!   shape (domains, and layouts' loaders for a CPU-less node) run here (see [`Shape::binaries`]), so the boot stays short.
 
 use std::process::Command;
 
@@ -45,9 +45,9 @@ impl Shape {
     pub fn binaries(self) -> Option<&'static [&'static str]> {
         match self {
             Shape::FourNodes => None,
-            // Not `layouts`: its loader tests expect CPUs on every memory node, and node 3
-            // has none here.
-            Shape::Sockets => Some(&["domains"]),
+            // `layouts` here too: node 3 has memory and no CPUs, so its loaders must run
+            // on the nearest node with CPUs (node 2).
+            Shape::Sockets => Some(&["domains", "layouts"]),
         }
     }
 
