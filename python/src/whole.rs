@@ -93,10 +93,19 @@ pub fn place(
             (!auto.is_none()).then(|| auto.unbind())
         }
     };
-    // Stores number their layers: expert stores by model layer, dense stores by group
-    // ordinal; both stay below the tensor count + the highest layer number, so every
-    // report finds the callback.
-    let layers: Vec<usize> = (0..=checkpoint.tensors().len().saturating_mul(2)).collect();
+    // Stores number their layers: the expert store by MoE layer, a dense store by group
+    // ordinal (fewer groups than tensors); the callback is registered for all of them.
+    let mut layers: Vec<usize> = (0..checkpoint.tensors().len()).collect();
+    if let Ok(experts) = py.detach(|| checkpoint.expert_plan()) {
+        layers.extend(
+            experts
+                .layers()
+                .iter()
+                .map(numapin::model::LayerPlan::layer),
+        );
+    }
+    layers.sort_unstable();
+    layers.dedup();
     let registration = callbacks.register(py, &layers, callback.as_ref());
     let result = py.detach(|| checkpoint.place(&plan, store_options));
     let outcome = result.map_err(|e| registration.error(e));
