@@ -2,8 +2,9 @@
 
 >>> import numapin, numpy
 >>> ckpt = numapin.Checkpoint("model.safetensors")        # headers only
->>> placed = ckpt.pack(layout="split:all")                 # experts, bound once per region
->>> gate = numpy.from_dlpack(placed.expert(3, 0)["gate_proj"])  # read-only, zero-copy
+>>> model = ckpt.place(experts="split:all", dense="replicate:all")  # every tensor
+>>> q = numpy.from_dlpack(model.tensor("model.layers.0.self_attn.q_proj.weight"))
+>>> gate = numpy.from_dlpack(model.expert(3, 0)["gate_proj"])  # read-only, zero-copy
 
 Views (`View`) export the buffer protocol and DLPack; they are read-only and keep their
 store alive. `torch.from_dlpack` ignores DLPack's read-only flag: never write to a tensor
@@ -29,6 +30,7 @@ from ._numapin import (
     Progress,
     View,
     ViewsAlive,
+    WholeModel,
     probe,
 )
 
@@ -50,5 +52,6 @@ __all__ = [
     "Progress",
     "View",
     "ViewsAlive",
+    "WholeModel",
     "probe",
 ]

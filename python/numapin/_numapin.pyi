@@ -145,6 +145,28 @@ class Checkpoint:
         """Packs every MoE layer's experts (GIL released). progress=None: a tqdm bar when
         tqdm is installed and stderr is a terminal. A raising callback aborts the load."""
 
+    def place(
+        self,
+        experts: str = "split:all",
+        dense: str = "replicate:all",
+        *,
+        plan: str | None = None,
+        huge_pages: bool = True,
+        populate: bool = True,
+        loader_threads: int | None = None,
+        read_mode: Literal["buffered", "direct", "drop-behind"] = "buffered",
+        progress: ProgressCallback | Literal[False] | None = None,
+        **classes: str,
+    ) -> WholeModel:
+        """Places every tensor (GIL released): routed experts under `experts`
+        (split/interleave/replicate/layer-per-node:NODES, unplaced), every dense class
+        under `dense` (replicate/interleave:NODES, bind:NODE, unplaced). `plan` is the
+        text form ("experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"),
+        overriding experts/dense; keywords named after a class (shared, attention,
+        dense_mlp, norms, embeddings, head, global) override last. Map budget and node
+        memory are checked before anything is reserved. A bad plan (unknown layout,
+        class, or a pattern matching no dense tensor) raises InvalidArgument."""
+
 class PlacedModel:
     """A checkpoint's experts placed in a store."""
 
@@ -169,6 +191,31 @@ class PlacedModel:
     def verify(self) -> dict[str, Any]: ...
     @property
     def degraded(self) -> str | None: ...
+
+class WholeModel:
+    """A checkpoint placed whole by Checkpoint.place. Views keep the placed memory alive
+    (also after `del model`); a placed model has no call that releases memory."""
+
+    @property
+    def plan(self) -> str | None:
+        """The plan's text form (node sets spelled out)."""
+    def tensor(self, name: str) -> View:
+        """Tensor `name`: dtype, shape in numpy's order (GGUF's ne reversed), raw uint8
+        for GGML quant blocks; this thread's node's copy where the class is replicated.
+        A tensor holding every expert of a layer raises InvalidArgument: use expert()."""
+    def tensors(self) -> list[str]:
+        """Every tensor's name, in checkpoint order."""
+    def classes(self) -> list[tuple[str, str, int | None]]:
+        """(name, class, layer) of every tensor."""
+    def expert(self, layer: int, expert: int) -> dict[str, View]:
+        """{role: view} with each piece's dtype and per-expert shape."""
+    def stats(self) -> dict[str, Any]:
+        """{"experts": store stats or None, "dense": [store stats + "class"]}."""
+    def report(self) -> str: ...
+    def report_dict(self) -> dict[str, Any]: ...
+    def verify(self) -> dict[str, Any]:
+        """Every copy of every tensor re-read from the files: "verified", "mismatched"."""
+    def __len__(self) -> int: ...
 
 class CacheEntry:
     """One cached expert; its slot stays pinned while this or a view of it lives."""

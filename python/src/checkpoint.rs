@@ -168,6 +168,47 @@ impl Checkpoint {
         })
     }
 
+    /// Places the whole checkpoint: routed experts under `experts` (`"split:all"`,
+    /// `"interleave:0-3"`, ...), every dense class under `dense` (`"replicate:all"`,
+    /// `"interleave:all"`, `"bind:0"`, `"unplaced"`); `plan` is the text form
+    /// (`"experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"`), whose
+    /// items override `experts`/`dense`; keyword arguments named after a class
+    /// (`embeddings="interleave:all"`, `attention=...`, `head=...`; also `shared`, `dense_mlp`, `norms`, `global`) override last.
+    /// Map budget and node memory are checked before anything is reserved. The GIL is
+    /// released while loading; `progress` as in `pack`. Returns a `WholeModel`.
+    #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
+                        huge_pages = true, populate = true, loader_threads = None,
+                        read_mode = "buffered", progress = None, **classes))]
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &self,
+        py: Python<'_>,
+        experts: &str,
+        dense: &str,
+        plan: Option<&str>,
+        huge_pages: bool,
+        populate: bool,
+        loader_threads: Option<usize>,
+        read_mode: &str,
+        progress: Option<Bound<'_, PyAny>>,
+        classes: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<crate::whole::WholeModel> {
+        let mut overrides = Vec::new();
+        if let Some(classes) = classes {
+            for (k, v) in classes.iter() {
+                overrides.push((k.extract::<String>()?, v.extract::<String>()?));
+            }
+        }
+        let plan = crate::whole::build_plan(experts, dense, plan, &overrides)?;
+        let options = Options {
+            huge_pages,
+            populate,
+            loader_threads,
+            read_mode: read_mode.to_owned(),
+        };
+        crate::whole::place(py, &self.inner, plan, &options, progress)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Checkpoint({} file(s), {} tensors, {})",

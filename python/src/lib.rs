@@ -11,6 +11,7 @@ mod errors;
 mod progress;
 mod store;
 mod view;
+mod whole;
 
 /// `numapin.probe()`: what this process may do here, as a dict (the crate's `Support`:
 /// the mempolicy verdict, nodes, mems_allowed, distances, THP, map counts, ...), plus
@@ -36,6 +37,7 @@ fn _numapin(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PinStore>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
     m.add_class::<checkpoint::PlacedModel>()?;
+    m.add_class::<whole::WholeModel>()?;
     m.add_class::<cache::ExpertCache>()?;
     m.add_class::<cache::CacheEntry>()?;
     Ok(())

@@ -62,7 +62,7 @@ pub struct Options {
 }
 
 impl Options {
-    fn build(&self, callbacks: &Callbacks) -> PyResult<StoreOptions> {
+    pub(crate) fn build(&self, callbacks: &Callbacks) -> PyResult<StoreOptions> {
         let mode = match self.read_mode.as_str() {
             "buffered" => ReadMode::Buffered,
             "direct" => ReadMode::Direct,

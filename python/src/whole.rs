@@ -1,0 +1,255 @@
+//! `Checkpoint.place(...)` (the whole-model plan) and `WholeModel`, what it returns:
+//! every tensor of the checkpoint in its class's store, read by name through views that
+//! carry the tensor's dtype and shape.
+//!
+//! The placed model has no call that gives memory back (its stores live as long as it),
+//! so a view holding it alive is enough: nothing can release bytes under a live view.
+
+use std::sync::Arc;
+
+use numapin::model::{Dtype, PlacementPlan};
+use numapin::store::{Layout, StoreOptions};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict};
+
+use crate::errors::{IntoPy, InvalidArgument};
+use crate::progress::Callbacks;
+use crate::store::{Options, to_dict};
+use crate::view::{Elem, RAW, View, elem_of};
+
+/// The plan from the keywords: `experts` and `dense` first, then `plan` (the text form,
+/// whose items override them), then the per-class keywords.
+pub fn build_plan(
+    experts: &str,
+    dense: &str,
+    plan: Option<&str>,
+    classes: &[(String, String)],
+) -> PyResult<PlacementPlan> {
+    let mut text = format!("experts={experts};dense={dense}");
+    if let Some(plan) = plan {
+        text.push(';');
+        text.push_str(plan);
+    }
+    for (class, layout) in classes {
+        if numapin::model::TensorClass::from_name(class).is_none() {
+            return Err(InvalidArgument::new_err(format!(
+                "place: {class:?} is not a tensor class (classes: shared, attention, dense_mlp, norms, embeddings, head, global; \
+                 name patterns go in `plan`)"
+            )));
+        }
+        text.push_str(&format!(";{class}={layout}"));
+    }
+    // The starting layouts are replaced by the text's `experts=` and `dense=` items.
+    let start = PlacementPlan::new(Layout::Unplaced, numapin::model::DenseLayout::Unplaced);
+    start.apply(&text).py_err()
+}
+
+/// The element type and shape of a tensor of `len` bytes: its own where DLPack has the
+/// dtype and the sizes agree, else raw bytes (GGML quant blocks, sub-byte types).
+fn tensor_layout(dtype: Dtype, shape: &[u64], len: usize) -> (Elem, Vec<u64>) {
+    let raw = (RAW, vec![len as u64]);
+    let Some(elem) = elem_of(&dtype.to_string()) else {
+        return raw;
+    };
+    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    if elements.and_then(|n| n.checked_mul(elem.size as u64)) == Some(len as u64) {
+        (elem, shape.to_vec())
+    } else {
+        raw
+    }
+}
+
+/// A view of `bytes`, which the placed model `keep` owns.
+fn view_of(
+    keep: &Arc<numapin::model::PlacedModel>,
+    bytes: &[u8],
+    dtype: Dtype,
+    shape: &[u64],
+) -> View {
+    let (elem, shape) = tensor_layout(dtype, shape, bytes.len());
+    // SAFETY: `bytes` lies in one of the placed model's stores; the model never releases
+    // or re-packs them (no such call) and lives as long as `keep`, which the view holds.
+    unsafe { View::contiguous(bytes.as_ptr() as usize, elem, &shape, keep.clone()) }
+}
+
+/// Places `checkpoint` whole under `plan`; the progress callback as in `Checkpoint.pack`.
+pub fn place(
+    py: Python<'_>,
+    checkpoint: &Arc<numapin::model::Checkpoint>,
+    plan: PlacementPlan,
+    options: &Options,
+    progress: Option<Bound<'_, PyAny>>,
+) -> PyResult<WholeModel> {
+    let callbacks = Callbacks::default();
+    let store_options: StoreOptions = options.build(&callbacks)?;
+    let total: u64 = checkpoint.tensors().iter().map(|t| t.len()).sum();
+    let callback = match progress {
+        Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => None,
+        Some(p) => Some(p.unbind()),
+        None => {
+            let auto = py
+                .import("numapin._progress")?
+                .call_method1("auto_bar", (total,))?;
+            (!auto.is_none()).then(|| auto.unbind())
+        }
+    };
+    // Stores number their layers: the expert store by MoE layer, a dense store by group
+    // ordinal (fewer groups than tensors); the callback is registered for all of them.
+    let mut layers: Vec<usize> = (0..checkpoint.tensors().len()).collect();
+    if let Ok(experts) = py.detach(|| checkpoint.expert_plan()) {
+        layers.extend(
+            experts
+                .layers()
+                .iter()
+                .map(numapin::model::LayerPlan::layer),
+        );
+    }
+    layers.sort_unstable();
+    layers.dedup();
+    let registration = callbacks.register(py, &layers, callback.as_ref());
+    let result = py.detach(|| checkpoint.place(&plan, store_options));
+    let outcome = result.map_err(|e| registration.error(e));
+    drop(registration);
+    if let Some(cb) = &callback
+        && cb.bind(py).hasattr("close")?
+    {
+        cb.bind(py).call_method0("close")?;
+    }
+    Ok(WholeModel {
+        inner: Arc::new(outcome?),
+        checkpoint: checkpoint.clone(),
+    })
+}
+
+/// A checkpoint placed whole by `Checkpoint.place`: `tensor(name)` gives any tensor as a
+/// read-only zero-copy view (this thread's node's copy where the class is replicated),
+/// `expert(layer, e)` an expert's `{role: view}`; `report()`, `stats()`, `verify()`.
+/// Views keep the placed memory alive (also after `del model`); a placed model has no
+/// call that releases memory.
+#[pyclass(frozen, module = "numapin")]
+pub struct WholeModel {
+    inner: Arc<numapin::model::PlacedModel>,
+    checkpoint: Arc<numapin::model::Checkpoint>,
+}
+
+#[pymethods]
+impl WholeModel {
+    /// Tensor `name` with its dtype and shape (numpy's order; raw `uint8` for GGML quant
+    /// blocks). A tensor holding every expert of a layer has no single run of bytes:
+    /// `InvalidArgument`, read it with `expert(layer, e)`.
+    fn tensor(&self, name: &str) -> PyResult<View> {
+        let t = self.inner.tensor(name).py_err()?;
+        let bytes = t.bytes().ok_or_else(|| {
+            InvalidArgument::new_err(format!(
+                "tensor {name:?} holds every expert of layer {:?}: read its experts with \
+                 expert(layer, e)",
+                t.layer()
+            ))
+        })?;
+        Ok(view_of(&self.inner, bytes, t.dtype(), t.shape()))
+    }
+
+    /// Every tensor's name, in checkpoint order.
+    fn tensors(&self) -> PyResult<Vec<String>> {
+        self.inner
+            .tensors()
+            .map(|t| t.map(|t| t.name().to_owned()))
+            .collect::<numapin::Result<_>>()
+            .py_err()
+    }
+
+    /// Every tensor's `(name, class, layer)`: the class the plan placed it by.
+    fn classes(&self) -> PyResult<Vec<(String, &'static str, Option<usize>)>> {
+        self.inner
+            .tensors()
+            .map(|t| t.map(|t| (t.name().to_owned(), t.class().name(), t.layer())))
+            .collect::<numapin::Result<_>>()
+            .py_err()
+    }
+
+    /// Expert `expert` of MoE layer `layer`: `{role: view}` with each piece's dtype and
+    /// per-expert shape.
+    fn expert<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        expert: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let dict = PyDict::new(py);
+        for piece in self.inner.expert(layer, expert).py_err()? {
+            let view = view_of(&self.inner, piece.bytes, piece.dtype, &piece.shape);
+            dict.set_item(piece.role, view)?;
+        }
+        Ok(dict)
+    }
+
+    /// The plan in its text form.
+    #[getter]
+    fn plan(&self) -> Option<String> {
+        self.inner.report().map(|r| r.plan.clone())
+    }
+
+    /// What placing did: plan, cost per class (with why), measured per class.
+    fn report(&self) -> String {
+        self.inner
+            .report()
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    }
+
+    /// The report as a dict.
+    fn report_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_dict(py, &self.inner.report())
+    }
+
+    /// Statistics of every store: `{"experts": {...} or None, "dense": [{"class": ...,
+    /// ...}]}` (layers, bytes, VMAs, mbind calls, pages per node, placement).
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let model = &self.inner;
+        let value = py
+            .detach(|| -> numapin::Result<serde_json::Value> {
+                let experts = match model.expert_store() {
+                    Ok(store) => Some(store.stats()?),
+                    Err(_) => None,
+                };
+                let mut dense = Vec::new();
+                for class in numapin::model::TensorClass::DENSE {
+                    for store in model.class_stores(class) {
+                        let mut stats =
+                            serde_json::to_value(store.stats()?).unwrap_or(serde_json::Value::Null);
+                        if let Some(map) = stats.as_object_mut() {
+                            map.insert("class".into(), class.name().into());
+                        }
+                        dense.push(stats);
+                    }
+                }
+                Ok(serde_json::json!({ "experts": experts, "dense": dense }))
+            })
+            .py_err()?;
+        crate::store::json_to_py(py, &value)
+    }
+
+    /// Re-reads every tensor from the files and compares it with every copy: a dict with
+    /// `mismatched` (0) and the experts' `mismatched_slots`, plus `verified`.
+    fn verify(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let report = py.detach(|| self.inner.verify(&self.checkpoint)).py_err()?;
+        let mut value = serde_json::to_value(&report)
+            .map_err(|e| crate::errors::NumapinError::new_err(format!("verify: {e}")))?;
+        if let Some(map) = value.as_object_mut() {
+            map.insert("verified".into(), report.verified().into());
+        }
+        crate::store::json_to_py(py, &value)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "WholeModel({} tensors, plan {})",
+            self.inner.len(),
+            self.plan().unwrap_or_default()
+        )
+    }
+}
