@@ -18,7 +18,8 @@ pub enum Candidate {
     /// A copy of everything on every node
     /// ([`Layout::Replicate`](crate::store::Layout::Replicate)).
     ReplicatePerNode,
-    /// A copy of everything per domain (socket), interleaved over the domain's nodes.
+    /// A copy of everything per domain (socket), interleaved over the domain's nodes
+    /// ([`Layout::ReplicateDomains`](crate::store::Layout::ReplicateDomains)).
     ReplicatePerDomain,
     /// Each layer's experts in contiguous blocks, one per node
     /// ([`Layout::SplitExperts`](crate::store::Layout::SplitExperts)).
