@@ -173,6 +173,20 @@ fn two_ranks_shares_concatenate_to_numpys_tensors() {
             let verify = model.verify(&checkpoint).unwrap();
             assert!(verify.verified(), "{name} rank {k}: {verify}");
             let report = model.report().unwrap();
+            // The mappings the share's cost counts are the ones its stores occupy
+            // (smaps), at most that many where placement degrades to one copy.
+            for cost in &report.cost.classes {
+                let measured = report
+                    .measured
+                    .iter()
+                    .find(|m| m.class == cost.class)
+                    .unwrap();
+                if common::degrade_here().is_none() {
+                    assert_eq!(measured.mappings, cost.mappings, "{name} {}", cost.class);
+                } else {
+                    assert!(measured.mappings <= cost.mappings, "{name} {}", cost.class);
+                }
+            }
             let share = report.share.as_deref().unwrap();
             assert!(
                 share.contains(&format!("rows:{k}/2")) && share.contains("experts"),
