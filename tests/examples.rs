@@ -615,3 +615,40 @@ fn pin_model_share_flags_parse_to_the_share_placed() {
         ErrorKind::ValueValidation
     );
 }
+
+/// `pin_model --model F --plan default --experts k/2 --slice rows:k/2`: the flags work
+/// together (the plan places the rank's share and verifies every copy against the file);
+/// a slice that divides no tensor's rows is an error naming a tensor.
+#[test]
+fn pin_model_plan_takes_the_share_flags() {
+    let Some(dir) = std::env::var_os("NUMAPIN_FIXTURES").map(PathBuf::from) else {
+        eprintln!("NOT RUN: pin_model_plan_takes_the_share_flags: set NUMAPIN_FIXTURES");
+        return;
+    };
+    let model = dir.join("gguf-single/model.gguf");
+    let model = model.to_str().unwrap();
+    for k in ["0", "1"] {
+        let (experts, slice) = (format!("{k}/2"), format!("rows:{k}/2"));
+        let args = parse(&[
+            "--model",
+            model,
+            "--plan",
+            "default",
+            "--experts",
+            &experts,
+            "--slice",
+            &slice,
+            "--json",
+            "--no-progress",
+        ])
+        .unwrap();
+        let plan = args.plan.clone().unwrap();
+        support::whole::run_whole(&args, std::path::Path::new(model), &plan).unwrap();
+    }
+    let args = parse(&["--model", model, "--plan", "default", "--slice", "rows:0/7"]).unwrap();
+    let err = support::whole::run_whole(&args, std::path::Path::new(model), "default").unwrap_err();
+    assert!(
+        err.contains("does not divide") && err.contains("weight"),
+        "{err}"
+    );
+}

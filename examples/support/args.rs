@@ -204,7 +204,10 @@ pub struct PinModelArgs {
     /// With --model: the slice of every expert tensor this rank places (tensor
     /// parallelism): `rows:k/n` or `columns:k/n` (the k-th of n equal parts of the
     /// outermost or innermost axis), or `rows:START:LEN`. A cut through a quantization or
-    /// scale block is refused, naming the block.
+    /// scale block is refused, naming the block. With --plan: the rows of every 2-D
+    /// dense tensor of the sliceable classes (attention, dense MLP, shared experts,
+    /// embeddings, head; 1-D tensors and norms whole), the routed experts then held whole
+    /// under --experts' share.
     #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN", value_parser = slice_arg)]
     pub slice: Option<TensorSlice>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).

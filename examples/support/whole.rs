@@ -44,6 +44,8 @@ pub struct WholeJson {
     pub schema: u32,
     pub path: String,
     pub plan: String,
+    /// Which share was placed (`--experts`, `--slice`); null for the whole model.
+    pub share: Option<String>,
     pub naming: Option<String>,
     pub files: usize,
     pub tensors: usize,
@@ -87,6 +89,7 @@ impl WholeJson {
             schema: WHOLE_SCHEMA,
             path: path.display().to_string(),
             plan: report.plan.clone(),
+            share: report.share.clone(),
             naming: report.naming.clone(),
             files: report.files,
             tensors: report.tensors,
@@ -103,7 +106,8 @@ impl WholeJson {
 }
 
 /// Opens the checkpoint, builds the plan (the default over --nodes, then the text's
-/// items), places, verifies every copy, prints.
+/// items, then the rank's share: `--experts` the routed experts held, `--slice` the rows
+/// of the dense tensors held), places, verifies every copy, prints.
 pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), String> {
     let err = |e: numapin::Error| e.to_string();
     let checkpoint = Checkpoint::open(path).map_err(err)?;
@@ -111,6 +115,13 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
     if text != "default" {
         plan = plan.apply(text).map_err(err)?;
     }
+    // With --plan, --slice cuts the dense tensors (tensor parallelism) and the routed
+    // experts are held whole under --experts' share (expert parallelism).
+    let mut share = args.share();
+    if let Some(slice) = share.tensor_slice.take() {
+        plan = plan.dense_slice(slice);
+    }
+    plan = plan.share(share);
     let mut options = StoreOptions::default()
         .huge_pages(!args.no_huge_pages)
         .read_mode(args.read);

@@ -58,8 +58,8 @@ pub use safetensors::Dtype as SafetensorsDtype;
 pub use share::{ExpertShare, LayerShare, Share};
 pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 pub use whole::{
-    Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, ExpertPieceView, PlacedModel,
-    PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
+    Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, DenseSlice, ExpertPieceView,
+    PlacedModel, PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
     expert_layout_text,
 };
 

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan, expert_layout_text};
 use crate::error::{CheckpointFault, Error, Result};
-use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, TensorInfo};
+use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, SliceAxis, TensorInfo, TensorSlice};
 use crate::node::{Node, NodeSet};
 use crate::store::Layout;
 
@@ -39,6 +39,120 @@ pub(crate) struct Assigned {
     /// The dense stores: one per (class, layout) that has a group.
     pub(crate) stores: Vec<(TensorClass, DenseLayout)>,
     pub(crate) piece_align: usize,
+    /// Per checkpoint tensor: the part of it this rank holds under a dense slice.
+    pub(crate) cuts: Vec<Option<DenseCut>>,
+}
+
+/// The rows of a dense tensor a rank holds, as placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DenseCut {
+    /// Bytes from the tensor's start, and bytes held.
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    /// The slice along the axis, as a view reports it.
+    pub(crate) slice: super::views::DenseSlice,
+}
+
+impl Assigned {
+    /// The bytes of tensor `index` this rank holds.
+    pub(crate) fn held_len(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
+        match self.cuts.get(index).copied().flatten() {
+            Some(cut) => cut.len,
+            None => checkpoint.tensors()[index].len(),
+        }
+    }
+}
+
+/// The weight a block-scale grid belongs to: DeepSeek's FP8 `X.weight_scale_inv` (one
+/// entry per 128×128 block of `X.weight`), when that weight exists and is 2-D.
+fn scale_of<'a>(checkpoint: &'a Checkpoint, t: &TensorInfo) -> Option<&'a TensorInfo> {
+    let weight = t.name().strip_suffix("_scale_inv")?;
+    checkpoint
+        .tensor(weight)
+        .filter(|w| w.shape().len() >= 2 && t.shape().len() >= 2)
+}
+
+/// A scale grid cut where its weight's rows are cut: the weight's rows `a..b` under
+/// blocks of `B` rows are the grid's rows `a/B..⌈b/B⌉`; a cut inside a block is refused
+/// naming the block size (the block's scale would be shared by two ranks).
+fn scale_cut(t: &TensorInfo, weight: &TensorInfo, slice: &TensorSlice) -> Result<Option<DenseCut>> {
+    let Some(wcut) = dense_cut(weight, slice)? else {
+        return Ok(None);
+    };
+    let (n, rows) = (wcut.slice.extent, super::views::normalized_shape(t)[0]);
+    let block = if rows == 0 { 0 } else { n.div_ceil(rows) };
+    let (start, end) = (wcut.slice.start, wcut.slice.start + wcut.slice.len);
+    let on_edge = |x: u64| block > 0 && (x.is_multiple_of(block) || x == n);
+    if block == 0
+        || n.div_ceil(block) != rows
+        || !t.len().is_multiple_of(rows)
+        || !on_edge(start)
+        || !on_edge(end)
+    {
+        return Err(Error::bad_value(
+            "PlacementPlan::dense_slice",
+            "tensor slice",
+            slice,
+            format!(
+                "{} {:?}: rows {start}..{end} of its weight's {n} cut through its scale \
+                 blocks of {block} rows: a cut falls on a multiple of {block} (keep the \
+                 class whole with PlacementPlan::whole)",
+                crate::error::quote(t.name()),
+                t.shape()
+            ),
+        ));
+    }
+    let range = start / block..end.div_ceil(block);
+    let stride = t.len() / rows;
+    Ok(Some(DenseCut {
+        offset: range.start * stride,
+        len: (range.end - range.start) * stride,
+        slice: super::views::DenseSlice {
+            axis: SliceAxis::Rows,
+            start: range.start,
+            len: range.end - range.start,
+            extent: rows,
+        },
+    }))
+}
+
+/// The rows of `t` that `slice` holds: `Ok(None)` for a 1-D (or 0-D) tensor, kept whole.
+fn dense_cut(t: &TensorInfo, slice: &TensorSlice) -> Result<Option<DenseCut>> {
+    let dims = super::views::normalized_shape(t);
+    if dims.len() < 2 {
+        return Ok(None);
+    }
+    let bad = |why: String| {
+        Error::bad_value(
+            "PlacementPlan::dense_slice",
+            "tensor slice",
+            slice,
+            format!("{} {dims:?}: {why}", crate::error::quote(t.name())),
+        )
+    };
+    if slice.axis() != SliceAxis::Rows {
+        return Err(bad(
+            "dense tensors are sliced by rows only (a column slice of a dense tensor is \
+             not placed yet)"
+                .into(),
+        ));
+    }
+    let rows = dims[0];
+    if rows == 0 || !t.len().is_multiple_of(rows) {
+        return Err(bad(format!("{} bytes are not {rows} equal rows", t.len())));
+    }
+    let range = slice.resolve(rows).map_err(bad)?;
+    let stride = t.len() / rows;
+    Ok(Some(DenseCut {
+        offset: range.start * stride,
+        len: (range.end - range.start) * stride,
+        slice: super::views::DenseSlice {
+            axis: SliceAxis::Rows,
+            start: range.start,
+            len: range.end - range.start,
+            extent: rows,
+        },
+    }))
 }
 
 /// The routed experts' naming and plan, or none for a checkpoint without experts.
@@ -102,7 +216,8 @@ pub(crate) fn assign(
     plan: &PlacementPlan,
     piece_align: usize,
 ) -> Result<Assigned> {
-    let experts = experts_of(checkpoint)?;
+    let mut experts = experts_of(checkpoint)?;
+    let mut cuts = vec![None; checkpoint.tensors().len()];
     let expert_tensors: BTreeSet<usize> = experts
         .iter()
         .flat_map(|(_, p)| p.layers())
@@ -123,6 +238,12 @@ pub(crate) fn assign(
         }
         let (class, layer) = TensorClass::of(t.name());
         class_of.push((class, layer));
+        if let Some(slice) = plan.dense_slice.filter(|_| plan.is_sliced(class)) {
+            cuts[index] = match scale_of(checkpoint, t) {
+                Some(weight) => scale_cut(t, weight, &slice)?,
+                None => dense_cut(t, &slice)?,
+            };
+        }
         let (layout, pattern) = plan.dense_layout(class, t.name());
         if let Some(i) = pattern {
             used[i] = true;
@@ -148,6 +269,10 @@ pub(crate) fn assign(
                 checkpoint.tensors().len()
             ),
         ));
+    }
+    // Routed experts are recognised on the whole plan (above), then cut to the share.
+    if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
+        *expert_plan = expert_plan.share(checkpoint, share)?;
     }
     let mut stores: Vec<(TensorClass, DenseLayout)> = Vec::new();
     let mut per_store: Vec<usize> = Vec::new();
@@ -184,6 +309,7 @@ pub(crate) fn assign(
         groups,
         stores,
         piece_align,
+        cuts,
     })
 }
 
@@ -224,7 +350,8 @@ pub struct ClassCost {
     pub why: String,
     /// Tensors.
     pub tensors: usize,
-    /// Their bytes, as in the files.
+    /// Their bytes this rank holds (as in the files; a share's under a slice or an
+    /// expert share).
     pub bytes: u64,
     /// Store layers: dense groups, or MoE layers for the routed experts.
     pub groups: usize,
@@ -284,11 +411,10 @@ impl Assigned {
                 node_bytes: BTreeMap::new(),
             }
         };
-        let tensors = checkpoint.tensors();
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
             let copy = slot_bytes(
-                g.tensors.iter().map(|&i| tensors[i].len()),
+                g.tensors.iter().map(|&i| self.held_len(checkpoint, i)),
                 self.piece_align as u64,
                 slot,
             );
@@ -301,7 +427,11 @@ impl Assigned {
                 c.layout.push_str(&text);
             }
             c.tensors += g.tensors.len();
-            c.bytes += g.tensors.iter().map(|&i| tensors[i].len()).sum::<u64>();
+            c.bytes += g
+                .tensors
+                .iter()
+                .map(|&i| self.held_len(checkpoint, i))
+                .sum::<u64>();
             c.groups += 1;
             c.mappings += g.layout.copies();
             c.mbind_calls += g.layout.mbind_calls();

@@ -62,6 +62,17 @@ impl TensorClass {
         TensorClass::Global,
     ];
 
+    /// The dense classes a [`PlacementPlan::dense_slice`](super::PlacementPlan::dense_slice)
+    /// cuts (their 2-D weights; 1-D tensors stay whole): norms and routers and unclaimed
+    /// globals are replicated whole.
+    pub const SLICEABLE: [TensorClass; 5] = [
+        TensorClass::SharedExperts,
+        TensorClass::Attention,
+        TensorClass::DenseMlp,
+        TensorClass::Embeddings,
+        TensorClass::OutputHead,
+    ];
+
     /// Its name in plans and reports: `experts`, `shared`, `attention`, `dense_mlp`,
     /// `norms`, `embeddings`, `head`, `global`.
     pub fn name(self) -> &'static str {

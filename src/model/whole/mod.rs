@@ -43,4 +43,4 @@ pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};
 pub use classes::TensorClass;
 pub use plan::{DenseLayout, PlacementPlan, expert_layout_text};
 pub use report::{ClassMeasured, WholeReport, WholeVerify};
-pub use views::{Block, ExpertPieceView, PlacedModel, TensorView};
+pub use views::{Block, DenseSlice, ExpertPieceView, PlacedModel, TensorView};

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::assign::{Assigned, DENSE_ALIGN, PlacementCost, assign};
+use super::assign::{Assigned, DENSE_ALIGN, DenseCut, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use super::report::WholeReport;
@@ -161,7 +161,7 @@ impl Checkpoint {
             }
             let pieces = packed
                 .iter()
-                .map(|&i| self.piece(i))
+                .map(|&i| self.piece(i, assigned.cuts[i]))
                 .collect::<Result<Vec<_>>>()?;
             let sources = [ExpertSource::File {
                 weights: pieces,
@@ -189,7 +189,10 @@ impl Checkpoint {
         let (experts, expert_report) = match &assigned.naming {
             Some(naming) => {
                 let store = PinStore::new(plan.experts, options.clone())?;
-                let report = self.pack_with(&store, naming)?;
+                let report = match &plan.share {
+                    Some(share) => self.pack_share_with(&store, naming, share)?,
+                    None => self.pack_with(&store, naming)?,
+                };
                 (Some(store), Some(report))
             }
             None => (None, None),
@@ -214,6 +217,7 @@ impl Checkpoint {
         let measured = model.measure()?;
         model.report = Some(WholeReport {
             plan: plan.to_string(),
+            share: plan.share_text(),
             naming: expert_report.as_ref().map(|r| r.naming.clone()),
             files: self.files.len(),
             tensors: self.tensors.len(),
@@ -242,34 +246,43 @@ impl Checkpoint {
                     } else {
                         Place::Empty
                     });
+                let cut = assigned.cuts[i];
+                let mut shape = normalized_shape(t);
+                if let (Some(c), Some(first)) = (cut, shape.first_mut()) {
+                    *first = c.slice.len;
+                }
                 PlacedTensor {
                     name: t.name().to_owned(),
                     class,
                     layer,
                     dtype: t.dtype(),
-                    shape: normalized_shape(t),
+                    shape,
                     file: t.file(),
-                    offset: t.offset(),
-                    len: t.len(),
+                    offset: t.offset().saturating_add(cut.map_or(0, |c| c.offset)),
+                    len: cut.map_or(t.len(), |c| c.len),
                     place,
+                    slice: cut.map(|c| c.slice),
                 }
             })
             .collect()
     }
 
-    /// The store's [`Piece`] for tensor `index`.
-    fn piece(&self, index: usize) -> Result<Piece<'_>> {
+    /// The store's [`Piece`] for tensor `index` (its rows held under `cut`).
+    fn piece(&self, index: usize, cut: Option<DenseCut>) -> Result<Piece<'_>> {
         let t = &self.tensors[index];
+        let (offset, bytes) = match cut {
+            Some(c) => (t.offset().saturating_add(c.offset), c.len),
+            None => (t.offset(), t.len()),
+        };
         let file = self.files.get(t.file()).ok_or_else(|| {
             Error::invalid(
                 OP,
                 format!("a tensor names file {} of {}", t.file(), self.files.len()),
             )
         })?;
-        let len = usize::try_from(t.len()).map_err(|_| {
-            Error::overflow(OP, format!("{}: {} bytes as a usize", t.name(), t.len()))
-        })?;
-        Ok(Piece::new(file.file(), t.offset(), len))
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::overflow(OP, format!("{}: {bytes} bytes as a usize", t.name())))?;
+        Ok(Piece::new(file.file(), offset, len))
     }
 }
 

@@ -5,6 +5,7 @@ use std::fmt;
 
 use super::classes::TensorClass;
 use crate::error::{Error, Result};
+use crate::model::{Share, TensorSlice};
 use crate::node::{Node, NodeSet};
 use crate::store::Layout;
 
@@ -119,14 +120,36 @@ fn parse_expert_layout(text: &str) -> Result<Layout> {
 /// assert_eq!(same, plan);
 /// # Ok::<(), numapin::Error>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PlacementPlan {
     pub(super) experts: Layout,
     /// One per class of [`TensorClass::DENSE`], in that order: the layout and why.
     pub(super) dense: Vec<(TensorClass, DenseLayout, String)>,
     pub(super) patterns: Vec<(String, DenseLayout)>,
     pub(super) experts_why: String,
+    /// The routed experts this rank holds (and their slice), when it holds a share.
+    pub(super) share: Option<Share>,
+    /// The slice of every sliceable dense tensor this rank holds (tensor parallelism).
+    pub(super) dense_slice: Option<TensorSlice>,
+    /// Dense classes kept whole under a dense slice (replicated on every rank).
+    pub(super) whole: Vec<TensorClass>,
 }
+
+/// Equal plans place the same: layouts, patterns, share (compared by its text form, as
+/// a per-layer share holds a function) and slice; the reasons are not compared.
+impl PartialEq for PlacementPlan {
+    fn eq(&self, other: &Self) -> bool {
+        let layouts = |p: &PlacementPlan| -> Vec<(TensorClass, DenseLayout)> {
+            p.dense.iter().map(|(c, l, _)| (*c, *l)).collect()
+        };
+        self.experts == other.experts
+            && layouts(self) == layouts(other)
+            && self.patterns == other.patterns
+            && self.share_text() == other.share_text()
+    }
+}
+
+impl Eq for PlacementPlan {}
 
 const CALLER: &str = "chosen by the caller";
 
@@ -141,7 +164,83 @@ impl PlacementPlan {
                 .collect(),
             patterns: Vec::new(),
             experts_why: CALLER.to_owned(),
+            share: None,
+            dense_slice: None,
+            whole: Vec::new(),
         }
+    }
+
+    /// A rank's share of the routed experts (expert parallelism, and a slice of each
+    /// expert tensor if `share` has one): only those experts are placed, under their
+    /// global ids, as [`Checkpoint::pack_share`](super::super::Checkpoint::pack_share)
+    /// does; the cost, the map budget and the per-node memory count the share.
+    #[must_use]
+    pub fn share(mut self, share: Share) -> Self {
+        self.share = (!share.is_whole()).then_some(share);
+        self
+    }
+
+    /// A rank's slice of the dense tensors (tensor parallelism): every tensor of at
+    /// least two dimensions of a sliceable class ([`TensorClass::SLICEABLE`]: attention,
+    /// dense MLP, shared experts, embeddings, output head) holds `slice` of its rows
+    /// (the outermost axis, one contiguous piece); 1-D tensors of those classes (biases,
+    /// per-head norms) and every other class (norms and routers, unclaimed globals) are
+    /// placed whole, and so are classes marked with [`PlacementPlan::whole`]. The
+    /// [`TensorSlice`] rules apply: a part must divide the axis, a span must lie in it
+    /// (placing errs naming the tensor). Only row slices are placed for dense tensors
+    /// (a column slice is refused when placed).
+    #[must_use]
+    pub fn dense_slice(mut self, slice: TensorSlice) -> Self {
+        self.dense_slice = Some(slice);
+        self
+    }
+
+    /// Keeps `class` whole under a dense slice (each rank places all of it).
+    #[must_use]
+    pub fn whole(mut self, class: TensorClass) -> Self {
+        if !self.whole.contains(&class) {
+            self.whole.push(class);
+        }
+        self
+    }
+
+    /// Which share the plan places, in words (`None` for the whole model):
+    /// `experts 0-63, slice rows:0/2; dense rows:1/2 (norms whole)`.
+    pub fn share_text(&self) -> Option<String> {
+        if self.share.is_none() && self.dense_slice.is_none() {
+            return None;
+        }
+        let mut parts = Vec::new();
+        if let Some(share) = &self.share {
+            parts.push(share.to_string());
+        }
+        if let Some(slice) = &self.dense_slice {
+            let whole: Vec<&str> = self.whole.iter().map(|c| c.name()).collect();
+            parts.push(if whole.is_empty() {
+                format!("dense {slice}")
+            } else {
+                format!("dense {slice} ({} whole)", whole.join(", "))
+            });
+        }
+        Some(parts.join("; "))
+    }
+
+    /// The routed experts' share, if the plan places one.
+    pub fn expert_share(&self) -> Option<&Share> {
+        self.share.as_ref()
+    }
+
+    /// The dense tensors' slice, if any.
+    pub fn dense_slice_of(&self) -> Option<TensorSlice> {
+        self.dense_slice
+    }
+
+    /// Whether the tensors of `class` are sliced (a dense slice is set, the class is
+    /// sliceable and not marked whole).
+    pub fn is_sliced(&self, class: TensorClass) -> bool {
+        self.dense_slice.is_some()
+            && TensorClass::SLICEABLE.contains(&class)
+            && !self.whole.contains(&class)
     }
 
     /// The routed experts' layout.

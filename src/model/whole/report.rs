@@ -18,13 +18,17 @@ use crate::store::PinStore;
 pub struct WholeReport {
     /// The plan in its text form.
     pub plan: String,
+    /// Which share was placed ([`PlacementPlan::share_text`]); `None`: the whole model.
+    ///
+    /// [`PlacementPlan::share_text`]: super::PlacementPlan::share_text
+    pub share: Option<String>,
     /// The expert naming (none: the checkpoint has no routed experts).
     pub naming: Option<String>,
     /// Files of the checkpoint.
     pub files: usize,
     /// Tensors of the checkpoint, every one placed.
     pub tensors: usize,
-    /// Their bytes, as in the files.
+    /// Their bytes, as in the files (the whole checkpoint's; the cost counts the share).
     pub bytes: u64,
     /// The plan's cost, per class (with why each class has its layout).
     pub cost: PlacementCost,
@@ -102,7 +106,7 @@ impl PlacedModel {
                 .tensors()
                 .iter()
                 .zip(&self.tensors)
-                .all(|(a, b)| a.name() == b.name && a.len() == b.len);
+                .all(|(a, b)| a.name() == b.name && (a.len() == b.len || b.slice.is_some()));
         if !same {
             return Err(Error::invalid(
                 "PlacedModel::verify",
@@ -153,8 +157,9 @@ impl PlacedModel {
                 }
             }
         }
-        if let (Some(store), Some(naming)) = (&self.experts, &self.naming) {
-            report.experts = Some(checkpoint.verify_with(store, naming)?);
+        if let (Some(store), Some(plan)) = (&self.experts, &self.expert_plan) {
+            report.experts =
+                Some(checkpoint.verify_plan(store, plan, crate::source::ReadMode::Buffered)?);
         }
         Ok(report)
     }
@@ -230,6 +235,12 @@ impl fmt::Display for WholeReport {
             self.files,
             self.naming.as_deref().unwrap_or("none")
         )?;
+        if let Some(share) = &self.share {
+            writeln!(
+                f,
+                "  share placed: {share} (cost and budgets count the share)"
+            )?;
+        }
         writeln!(
             f,
             "  {:<11} {:<22} {:>7} {:>12} {:>6} {:>9} {:>9} {:>6} {:>10}  placement; why",

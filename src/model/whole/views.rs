@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::classes::TensorClass;
 use super::report::WholeReport;
 use crate::error::{Error, Result};
-use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, TensorInfo};
+use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, SliceAxis, TensorInfo};
 use crate::store::{Kind, PinStore};
 
 /// Where a placed tensor's bytes are.
@@ -47,6 +47,25 @@ pub(crate) struct PlacedTensor {
     pub(crate) offset: u64,
     pub(crate) len: u64,
     pub(crate) place: Place,
+    /// The slice held under a dense slice; `shape` is then the sliced shape, `offset`
+    /// and `len` the sliced bytes in the file.
+    pub(crate) slice: Option<DenseSlice>,
+}
+
+/// The part of a dense tensor a rank holds under
+/// [`PlacementPlan::dense_slice`](super::PlacementPlan::dense_slice): `len` entries from
+/// `start` of `axis`, which has `extent` entries in the whole tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DenseSlice {
+    /// The axis cut (rows: the outermost).
+    pub axis: SliceAxis,
+    /// First entry held.
+    pub start: u64,
+    /// Entries held.
+    pub len: u64,
+    /// Entries of the whole tensor's axis.
+    pub extent: u64,
 }
 
 /// One dense store: a class under one layout.
@@ -123,6 +142,7 @@ pub struct TensorView<'a> {
     dtype: Dtype,
     shape: &'a [u64],
     bytes: Option<&'a [u8]>,
+    slice: Option<DenseSlice>,
 }
 
 impl<'a> TensorView<'a> {
@@ -152,9 +172,16 @@ impl<'a> TensorView<'a> {
     }
 
     /// Its shape, row-major, outermost first, in elements (numpy's and torch's order;
-    /// GGUF's `ne` reversed).
+    /// GGUF's `ne` reversed): the shape of the part held, so under a dense slice the
+    /// sliced axis has [`DenseSlice::len`] entries.
     pub fn shape(&self) -> &'a [u64] {
         self.shape
+    }
+
+    /// The slice of the tensor held, under a dense slice; `None` for a tensor placed
+    /// whole (a 1-D tensor, a class kept whole, no slice).
+    pub fn slice(&self) -> Option<DenseSlice> {
+        self.slice
     }
 
     /// Its bytes: for a replicated class, the copy on the calling thread's node (or the
@@ -238,6 +265,7 @@ impl PlacedModel {
             dtype: t.dtype,
             shape: &t.shape,
             bytes,
+            slice: t.slice,
         })
     }
 
@@ -259,8 +287,9 @@ impl PlacedModel {
         self.tensors.is_empty()
     }
 
-    /// Expert `expert` of MoE layer `layer` (model layer number): its pieces by role in
-    /// slot order, weights then scales (and biases).
+    /// Expert `expert` (its global id) of MoE layer `layer` (model layer number): its
+    /// pieces by role in slot order, weights then scales (and biases). Under an expert
+    /// share, an expert the share does not hold is [`Error::NotHeld`].
     ///
     /// # Errors
     /// The model has no experts, or not that layer or expert.
@@ -274,13 +303,17 @@ impl PlacedModel {
                 op: "PlacedModel::expert",
                 layer,
             })?;
-        let experts = plan.experts().len();
-        let pieces = plan.experts().get(expert).ok_or(Error::OutOfRange {
-            op: "PlacedModel::expert",
-            what: format!("expert of layer {layer}"),
-            index: expert,
-            len: experts,
-        })?;
+        // `expert` is a global id: a share's slots are looked up by it (store and map).
+        let experts = plan.share().map_or(plan.experts().len(), |s| s.of());
+        let pieces = match plan.share() {
+            Some(_) => plan.expert(expert)?,
+            None => plan.experts().get(expert).ok_or(Error::OutOfRange {
+                op: "PlacedModel::expert",
+                what: format!("expert of layer {layer}"),
+                index: expert,
+                len: experts,
+            })?,
+        };
         let map = store.slot_map(layer)?;
         let roles: Vec<(PieceRole, &str)> = plan.roles().collect();
         let mut out = Vec::new();
@@ -412,7 +445,7 @@ pub(crate) fn expert_places(
                     Kind::Weights => pieces.weights(),
                     Kind::Scales => pieces.scales(),
                 };
-                let slots = map.pieces(e, kind).unwrap_or_default();
+                let slots = map.pieces(layer.expert_id(e), kind).unwrap_or_default();
                 for (p, sp) in list.iter().zip(slots) {
                     let whole = checkpoint.tensors().get(p.tensor()).map(|t| t.len());
                     if whole == Some(p.len()) {
@@ -420,7 +453,7 @@ pub(crate) fn expert_places(
                             p.tensor(),
                             Place::ExpertPiece {
                                 layer: layer.layer(),
-                                expert: e,
+                                expert: layer.expert_id(e),
                                 kind,
                                 offset: sp.offset,
                                 len: sp.len,
