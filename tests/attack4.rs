@@ -480,3 +480,19 @@ fn topology_of_odd_but_valid_trees() {
     );
     assert_eq!(topo.distance(numapin::Node(0), numapin::Node(3)), None);
 }
+
+#[test]
+#[ignore = "bug: ExpertShare::resolve(layer, usize::MAX) for `all`, `k/n` or a huge range \
+            collects every id into a Vec: capacity-overflow panic at usize::MAX, an \
+            allocation abort at 1 << 40; it should refuse a count past what a layer can \
+            hold with a named Error::too_large"]
+fn expert_share_resolve_refuses_absurd_expert_counts() {
+    for share in [
+        ExpertShare::all(),
+        ExpertShare::part(0, 1).unwrap(),
+        ExpertShare::range(0..usize::MAX).unwrap(),
+    ] {
+        let e = share.resolve(0, usize::MAX).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    }
+}
