@@ -135,7 +135,9 @@ impl Machine {
             .and_then(Value::as_array)
             .ok_or_else(|| Error::bad_value(OP, "nodes", "nothing", "an array of node objects"))?;
         let mut nodes = Vec::with_capacity(list.len());
-        let mut domain_ids: Vec<u64> = Vec::new();
+        // Explicit domain numbers, and a key of their own for nodes that name none (a
+        // number taken from the id could collide with an explicit one).
+        let mut domain_ids: Vec<Option<u64>> = Vec::new();
         for (i, v) in list.iter().enumerate() {
             let int = |key: &'static str| {
                 v.get(key).and_then(Value::as_u64).ok_or_else(|| {
@@ -162,10 +164,11 @@ impl Machine {
                     )
                 })?;
             let domain_id = match v.get("domain") {
-                None => u64::MAX - id,
-                Some(_) => int("domain")?,
+                None => None,
+                Some(_) => Some(int("domain")?),
             };
-            let domain = match domain_ids.iter().position(|&d| d == domain_id) {
+            let found = domain_id.and_then(|d| domain_ids.iter().position(|&x| x == Some(d)));
+            let domain = match found {
                 Some(d) => d,
                 None => {
                     domain_ids.push(domain_id);

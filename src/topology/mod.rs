@@ -81,11 +81,18 @@ impl Topology {
                 }
                 topology.cpu_node[cpu] = Some(n);
             }
-            let row = read_optional(format!("{dir}/distance"))?;
-            let row: Vec<u32> = row
+            let text = read_optional(format!("{dir}/distance"))?;
+            // Every entry or none: a dropped entry would shift the later ones onto the
+            // wrong nodes.
+            let row: Vec<u32> = text
                 .split_whitespace()
-                .filter_map(|d| d.parse().ok())
-                .collect();
+                .map(|d| d.parse().ok())
+                .collect::<Option<_>>()
+                .ok_or_else(|| Error::Unparsable {
+                    path: format!("{dir}/distance"),
+                    what: "a distance row",
+                    found: text.chars().take(64).collect(),
+                })?;
             if !row.is_empty() {
                 topology.distances.insert(n, row);
             }
