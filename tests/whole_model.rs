@@ -639,3 +639,24 @@ fn dense_replicas_and_experts_on_their_nodes() {
         assert!(model.verify(&checkpoint).unwrap().verified());
     }
 }
+
+/// A pattern holding one of the text form's separators would print a plan that reads
+/// back as another: placing or pricing it is refused, naming the pattern.
+#[test]
+fn a_pattern_holding_a_separator_is_refused_naming_it() {
+    let Some(dir) = fixtures("a_pattern_holding_a_separator_is_refused_naming_it") else {
+        return;
+    };
+    let checkpoint = Checkpoint::open(dir.join("gguf-single/model.gguf")).unwrap();
+    for glob in ["blk.{1,2}.*", "a;b", "x=y"] {
+        let plan = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced)
+            .pattern(glob, DenseLayout::Unplaced);
+        let err = checkpoint
+            .placement_cost(&plan, &StoreOptions::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains(glob),
+            "{glob}: {err}"
+        );
+    }
+}

@@ -238,11 +238,24 @@ impl ExpertShare {
     /// increasing, none repeated.
     ///
     /// # Errors
-    /// An id past the layer's count ([`Error::OutOfRange`] naming the id and the layer),
+    /// More experts than [`MAX_EXPERTS_PER_LAYER`](super::MAX_EXPERTS_PER_LAYER)
+    /// ([`crate::Invalid::TooLarge`]), an id past the layer's count ([`Error::OutOfRange`]
+    /// naming the id and the layer),
     /// nothing held in this layer ([`crate::Invalid::Empty`]: `k/n` with `n` greater
     /// than the experts, a per-layer function's empty answer), a per-layer function's
     /// own error, or a per-layer function that answers another per-layer share.
     pub fn resolve(&self, layer: usize, experts: usize) -> Result<Vec<usize>> {
+        // Every id is listed: a count no checkpoint can hold is refused before a list of
+        // it is made (the planner's ceiling, as for a checkpoint's own layers).
+        if experts > super::MAX_EXPERTS_PER_LAYER {
+            return Err(Error::too_large(
+                OP,
+                format!("layer {layer}'s {experts} experts"),
+                experts,
+                super::MAX_EXPERTS_PER_LAYER,
+                "MAX_EXPERTS_PER_LAYER",
+            ));
+        }
         let ids: Vec<usize> = match &self.0 {
             Spec::All => (0..experts).collect(),
             Spec::Ranges(ranges) => {

@@ -257,6 +257,22 @@ pub(crate) fn assign(
         };
         keyed.entry((class, l, layer)).or_default().push(index);
     }
+    // The text form separates items by ',' and ';' and keys from values by '=': a
+    // pattern holding one would print a plan that reads back as another (no tensor name
+    // holds them).
+    if let Some((pattern, _)) = plan
+        .patterns()
+        .iter()
+        .find(|(p, _)| p.contains([',', ';', '=']))
+    {
+        return Err(Error::bad_value(
+            "PlacementPlan",
+            "name pattern",
+            pattern,
+            "holds ',', ';' or '=', which separate the plan's text form (patterns have `*` \
+             and `?` only)",
+        ));
+    }
     if let Some(i) = used.iter().position(|u| !u) {
         let (pattern, _) = &plan.patterns()[i];
         return Err(Error::bad_value(

@@ -269,8 +269,9 @@ impl PlacementPlan {
     /// Every dense tensor whose checkpoint name matches `glob` (`*`: any run of
     /// characters, dots included; `?`: one character) gets `layout`, whatever its class;
     /// a later pattern wins over an earlier one. Routed experts are not matched (their
-    /// layout is the experts'). Placing a plan with a pattern that matches no tensor is
-    /// an error naming the pattern.
+    /// layout is the experts'). Placing a plan with a pattern that matches no tensor, or
+    /// that holds `,`, `;` or `=` (the text form's separators), is an error naming the
+    /// pattern.
     #[must_use]
     pub fn pattern(mut self, glob: impl Into<String>, layout: DenseLayout) -> Self {
         self.patterns.push((glob.into(), layout));
