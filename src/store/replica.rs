@@ -429,14 +429,28 @@ impl PinStore {
             // A hybrid layer's hot copies: one per node of the split set, each its own.
             return topology.nearest(node, leads);
         }
-        let groups: Vec<&NodeSet> = self
+        // Per lookup, so no allocation: the copies this layer has are the groups whose
+        // lead it lists; the reader's own group first, else the group of the nearest node.
+        let has = |g: &&NodeSet| g.nth(0).is_some_and(|lead| leads.contains(lead));
+        if let Some(own) = self
             .copy_groups
             .iter()
-            .filter(|g| g.nth(0).is_some_and(|lead| leads.contains(lead)))
-            .collect();
-        let all = groups.iter().fold(NodeSet::new(), |all, g| all.union(g));
+            .filter(has)
+            .find(|g| g.contains(node))
+        {
+            return own.nth(0);
+        }
+        let all = self
+            .copy_groups
+            .iter()
+            .filter(has)
+            .fold(NodeSet::new(), |all, g| all.union(g));
         let at = topology.nearest(node, &all)?;
-        groups.iter().find(|g| g.contains(at))?.nth(0)
+        self.copy_groups
+            .iter()
+            .filter(has)
+            .find(|g| g.contains(at))?
+            .nth(0)
     }
 
     /// Copies `expert`'s loaded tensors from the first copy into every replica where they
