@@ -236,7 +236,8 @@ pub struct SmapsEntry {
     pub shared: u64,
     /// `Private_Clean + Private_Dirty`.
     pub private: u64,
-    /// `Locked`.
+    /// `Locked`: the kernel counts it proportionally (PSS), so a page shared with a
+    /// forked child counts half until the child execs or exits.
     pub locked: u64,
     /// `ShmemPmdMapped`: shmem/memfd mapped with huge pages.
     pub shmem_huge: u64,

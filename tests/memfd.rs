@@ -95,8 +95,14 @@ fn hugetlb_memfd_without_reserved_pages_says_how_to_reserve_them() {
     }
 }
 
+/// Held by a test that forks and by one that reads smaps: `Locked` and `Private_*` are
+/// proportional (PSS) figures, and a fork shares every private page with the child until
+/// it execs, halving them (the CI's 4-node VM saw `Locked` at 32 of 64 pages).
+static FORKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn memory_breakdown_tells_anonymous_from_shared() {
+    let _no_fork = FORKING.lock().unwrap_or_else(|e| e.into_inner());
     // Fenced: smaps must count this mapping alone.
     let mut anon = Region::anonymous_fenced(64 * page()).unwrap();
     anon.advise(numapin::Advice::DontDump).unwrap();
@@ -270,11 +276,15 @@ fn capability_checks_name_cap_sys_nice() {
 #[test]
 fn moving_another_users_pages_without_cap_sys_nice_is_named_up_front() {
     use std::os::unix::process::CommandExt;
-    let child = std::process::Command::new("sleep")
-        .arg("30")
-        .uid(65534)
-        .gid(65534)
-        .spawn();
+    // Setting the uid makes std fork (not posix_spawn): keep smaps readers out meanwhile.
+    let child = {
+        let _forking = FORKING.lock().unwrap_or_else(|e| e.into_inner());
+        std::process::Command::new("sleep")
+            .arg("30")
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+    };
     let Ok(mut child) = child else {
         use std::io::Write;
         let _ = writeln!(
