@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use numapin::store::{
     DROP_BEHIND_EVERY, ExpertSource, Kind, LayerSpec, Layout, Piece, PinStore, ProgressHook,
-    ReadFallback, ReadMode, StoreOptions,
+    READ_AHEAD, ReadFallback, ReadMode, StoreOptions,
 };
 use numapin_testkit::cache::{cached_pages, evict};
 use numapin_testkit::synthetic::SyntheticModel;
@@ -266,18 +266,19 @@ fn a_cold_load_leaves_the_page_cache_as_promised() {
             cached * 50 <= total,
             "{mode}: {cached} of {total} pages cached after the load (> 2%)"
         );
-        // During the load: drop-behind holds at most what was read since the last
-        // advice, the 2 MiB edges it rounds out to, the slots in flight (2 threads × one
-        // 2 MiB + 333 expert) and the kernel's readahead ahead of each loader thread's
-        // reads (its current and next window: 2 × read_ahead_kb per thread — the two
-        // threads read different parts of the file, and with an 8 MiB read_ahead_kb one
-        // window more than a single stream's was seen under load); direct, none. Still
-        // well under the file (the control above: nearly all of it cached).
+        // During the load: drop-behind holds at most what every loader finished reading
+        // since the last advice, the 2 MiB folio below the mark it stops at, the slots
+        // in flight (2 threads × one 2 MiB + 333 expert), what it requested ahead of
+        // them (READ_AHEAD) and the kernel's own readahead where a read found nothing
+        // requested (the start of each layer: its current and next window, 2 ×
+        // read_ahead_kb per thread); direct, none. Still well under the file (the
+        // control above: nearly all of it cached).
         let readahead = read_ahead_bytes(&dir);
         let threads = 2;
         let bound = match mode {
             ReadMode::DropBehind => {
                 (DROP_BEHIND_EVERY as usize
+                    + READ_AHEAD as usize
                     + 2 * (2 << 20)
                     + threads * (3 << 20)
                     + threads * 2 * readahead)

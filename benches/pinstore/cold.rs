@@ -6,7 +6,8 @@
 //!
 //! Yardsticks: a plain `O_DIRECT` read in 8 MiB windows into one buffer (what
 //! `dd bs=8M iflag=direct` does) for the direct rows, a buffered read into one buffer
-//! (`cat file > /dev/null`) for drop-behind. "O_DIRECT into fresh memory" is the same
+//! (`cat file > /dev/null`) for drop-behind and buffered loads. `NUMAPIN_BENCH_COLD_ROWS`
+//! (child modes, comma-separated) runs some rows only, with their yardsticks. "O_DIRECT into fresh memory" is the same
 //! plain read into memory a load would fill (bound, huge pages, faulted and zeroed as it
 //! is read): what a loader that does not overlap its page faults with the device's
 //! transfers reaches.
@@ -27,6 +28,7 @@ const ROWS: &[(&str, &str, &str)] = &[
     ),
     ("buffered read (cat)", "buffered-read", "buffered-read"),
     ("PinStore drop-behind", "pin-drop-behind", "buffered-read"),
+    ("PinStore buffered", "pin-buffered", "buffered-read"),
 ];
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -42,6 +44,23 @@ fn spread(values: &[f64]) -> (f64, f64) {
         })
 }
 
+/// The rows to run: those `NUMAPIN_BENCH_COLD_ROWS` names (child modes, comma-separated:
+/// `pin-drop-behind,pin-buffered`) and their yardsticks; every row when it is unset.
+fn selected() -> Vec<bool> {
+    let Ok(names) = std::env::var("NUMAPIN_BENCH_COLD_ROWS") else {
+        return vec![true; ROWS.len()];
+    };
+    let named: Vec<&str> = names.split(',').map(str::trim).collect();
+    ROWS.iter()
+        .map(|&(_, mode, _)| {
+            named.contains(&mode)
+                || ROWS
+                    .iter()
+                    .any(|&(_, m, yard)| yard == mode && named.contains(&m))
+        })
+        .collect()
+}
+
 /// Prints the cold table for the model file at `path`.
 pub fn rows(path: &Path, rounds: usize) {
     let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
@@ -54,13 +73,19 @@ pub fn rows(path: &Path, rounds: usize) {
     // gbps[row][round], cached[row][round]
     let mut gbps = vec![Vec::new(); ROWS.len()];
     let mut cached = vec![Vec::new(); ROWS.len()];
+    let mut peak = vec![Vec::new(); ROWS.len()];
+    let wanted = selected();
     for round in 0..rounds {
         for i in 0..ROWS.len() {
             let row = (i + round) % ROWS.len();
+            if !wanted[row] {
+                continue;
+            }
             match peers::cold_once(ROWS[row].1, path) {
-                Ok((g, c)) => {
+                Ok((g, c, p)) => {
                     gbps[row].push(g);
                     cached[row].push(c);
+                    peak[row].push(p);
                 }
                 Err(e) => {
                     println!("{}: failed: {}", ROWS[row].0, e.trim());
@@ -70,10 +95,13 @@ pub fn rows(path: &Path, rounds: usize) {
         }
     }
     println!(
-        "{:<32} {:>7} {:>13} {:>8} {:>13} {:>9}",
-        "case", "GB/s", "(min-max)", "x yard", "(min-max)", "cached %"
+        "{:<32} {:>7} {:>13} {:>8} {:>13} {:>9} {:>7}",
+        "case", "GB/s", "(min-max)", "x yard", "(min-max)", "cached %", "peak %"
     );
     for (row, &(name, _, yardstick)) in ROWS.iter().enumerate() {
+        if !wanted[row] {
+            continue;
+        }
         let yard = ROWS.iter().position(|r| r.1 == yardstick).unwrap_or(row);
         let ratios: Vec<f64> = gbps[row]
             .iter()
@@ -83,17 +111,19 @@ pub fn rows(path: &Path, rounds: usize) {
         let (lo, hi) = spread(&gbps[row]);
         let (rlo, rhi) = spread(&ratios);
         println!(
-            "{name:<32} {:>7.2} {:>13} {:>8.2} {:>13} {:>9.1}",
+            "{name:<32} {:>7.2} {:>13} {:>8.2} {:>13} {:>9.1} {:>7.1}",
             median(gbps[row].clone()),
             format!("({lo:.2}-{hi:.2})"),
             median(ratios.clone()),
             format!("({rlo:.2}-{rhi:.2})"),
-            cached[row].iter().copied().fold(0.0, f64::max) * 100.0
+            cached[row].iter().copied().fold(0.0, f64::max) * 100.0,
+            peak[row].iter().copied().fold(0.0, f64::max) * 100.0
         );
     }
     println!(
         "x yard: the median over rounds of the row's GB/s over its yardstick's in the same \
          round (direct rows: the plain O_DIRECT read; drop-behind: the buffered read); \
-         cached %: the most of the file left in the page cache after a run"
+         cached %: the most of the file left in the page cache after a run; peak %: the \
+         most of it seen cached during a run (mincore every 25 ms)"
     );
 }

@@ -7,7 +7,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use numapin::store::{Kind, Layout, PinStore, ReadMode, StoreOptions};
@@ -303,17 +303,27 @@ fn warm(file: &File) {
     }
 }
 
-/// One cold run of `mode` in a child process (the file evicted first): GB/s and the share
-/// of the file cached after it.
-pub fn cold_once(mode: &str, path: &Path) -> Result<(f64, f64), String> {
+/// One cold run of `mode` in a child process (the file evicted first): GB/s, the share of
+/// the file cached after it, and the most of it seen cached while the child ran (polled
+/// with `mincore` every [`POLL`]: a peak between two polls goes unseen).
+pub fn cold_once(mode: &str, path: &Path) -> Result<(f64, f64, f64), String> {
     let file = File::open(path).map_err(|e| e.to_string())?;
     evict(&file).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let out = Command::new(&exe)
+    let mut child = Command::new(&exe)
         .env("NUMAPIN_BENCH_PEER", mode)
         .env("NUMAPIN_BENCH_MODEL", path)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .map_err(|e| e.to_string())?;
+    let mut peak = 0usize;
+    while child.try_wait().map_err(|e| e.to_string())?.is_none() {
+        let (resident, _) = cached_pages(&file).map_err(|e| e.to_string())?;
+        peak = peak.max(resident);
+        std::thread::sleep(POLL);
+    }
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
@@ -323,11 +333,16 @@ pub fn cold_once(mode: &str, path: &Path) -> Result<(f64, f64), String> {
         .find_map(|l| l.strip_prefix("REPORT "))
         .ok_or_else(|| format!("no report: {text}"))?;
     let (resident, total) = cached_pages(&file).map_err(|e| e.to_string())?;
+    let share = |pages: usize| pages as f64 / total.max(1) as f64;
     Ok((
         field(report, "bytes=") / field(report, "seconds=") / 1e9,
-        resident as f64 / total.max(1) as f64,
+        share(resident),
+        share(peak.max(resident)),
     ))
 }
+
+/// How often [`cold_once`] looks at the page cache while a child loads.
+const POLL: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// One row's figures: medians over `runs` child processes.
 struct Row {

@@ -3,6 +3,7 @@
 //! without a copy), and the parallel loader that copies them into slots. Used by the store
 //! and the cache alike; it knows nothing of either.
 
+mod ahead;
 mod direct;
 pub(crate) mod load;
 mod mode;
@@ -14,10 +15,10 @@ use std::fs::File;
 
 use crate::error::{Error, Result};
 
+pub use ahead::{DROP_BEHIND_EVERY, READ_AHEAD};
 pub use load::{LOADER_THREAD_MAPS, MAX_READ};
 pub use mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
-pub use read::DROP_BEHIND_EVERY;
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -185,6 +186,14 @@ impl<'a> Tensor<'a> {
             Tensor::File(pieces) => pieces
                 .iter()
                 .fold(0usize, |sum, p| sum.saturating_add(p.len)),
+        }
+    }
+
+    /// The tensor's file pieces (none for bytes in memory).
+    pub(crate) fn pieces(&self) -> &'a [Piece<'a>] {
+        match *self {
+            Tensor::Memory(_) => &[],
+            Tensor::File(pieces) => pieces,
         }
     }
 

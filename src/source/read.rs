@@ -13,32 +13,19 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
-use rustix::fs::Advice;
-
+use super::ahead::{self, DROP_BEHIND_EVERY, Stream, dont_need};
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
 use super::mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
 use super::uring::{self, Ring};
 use crate::error::{Error, Result};
 
-/// Bytes read from one file between two drop-behind advices.
-///
-/// `POSIX_FADV_DONTNEED` walks the advised range of the page cache and, when it finds
-/// pages it could not drop, drains the per-CPU LRU caches of every CPU: a call costs
-/// from microseconds to milliseconds. Every 64 MiB keeps that under about 30 calls per
-/// second at 2 GB/s (a few percent of the load at worst) while the cache holds at most
-/// about 64 MiB per file plus the 2 MiB edges, the reads in flight and the kernel's
-/// readahead past them (`read_ahead_kb`, 8 MiB on this machine's disk).
-pub const DROP_BEHIND_EVERY: u64 = 64 << 20;
-
-/// Drop-behind advice is rounded out to this: `POSIX_FADV_DONTNEED` skips a large folio
-/// that reaches past the advised range, and folios are at most a PMD (2 MiB) here.
-const FOLIO_MAX: u64 = 2 << 20;
+/// Drop-behind advice of a file the fill did not announce is rounded out to this.
+const FOLIO_MAX: u64 = ahead::FOLIO_MAX;
 
 /// The most file bytes one loader takes at once, as consecutive slots, for direct reads:
 /// large requests are what a device reads fast, and `O_DIRECT` has no readahead to merge
@@ -56,7 +43,8 @@ enum How {
     DropBehind(Mutex<Behind>),
 }
 
-/// What a drop-behind file has been read over since its last advice.
+/// What a drop-behind file the fill did not announce ([`Reader::expect`]) has been read
+/// over since its last advice.
 #[derive(Default)]
 struct Behind {
     /// The lowest and highest offsets read so far (by this fill).
@@ -82,6 +70,9 @@ pub(crate) struct Reader<'a> {
     io: Option<DirectIo>,
     /// A loader whose ring could not be set up although the probe passed: its reason.
     late: Mutex<Option<IoUringFallback>>,
+    /// File address → what the fill announced it reads of it, for buffered and
+    /// drop-behind reads ([`Reader::expect`]).
+    streams: HashMap<usize, Stream>,
 }
 
 fn key(file: &File) -> usize {
@@ -98,7 +89,37 @@ impl<'a> Reader<'a> {
             fallback: None,
             io: None,
             late: Mutex::new(None),
+            streams: HashMap::new(),
         }
+    }
+
+    /// Announces what the fill reads: `pieces` (file, offset, length). Files read through
+    /// the page cache then have their next [`ahead::READ_AHEAD`] bytes requested ahead of the
+    /// loaders, and drop-behind evicts exactly what every loader is done with.
+    pub(crate) fn expect(
+        mut self,
+        pieces: impl IntoIterator<Item = (&'a File, u64, usize)>,
+    ) -> Self {
+        let mut ranges: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
+        let mut files: Vec<&'a File> = Vec::new();
+        for (file, offset, len) in pieces {
+            let list = ranges.entry(key(file)).or_insert_with(|| {
+                files.push(file);
+                Vec::new()
+            });
+            list.push((offset, len as u64));
+        }
+        for file in files {
+            let k = key(file);
+            let direct = self
+                .index
+                .get(&k)
+                .is_some_and(|&i| matches!(self.files[i].how, How::Direct(_)));
+            if let (false, Some(ranges)) = (direct, ranges.remove(&k)) {
+                self.streams.insert(k, Stream::new(file, ranges));
+            }
+        }
+        self
     }
 
     /// Prepares `files` for `mode`: for [`ReadMode::Direct`] opens each one again with
@@ -247,30 +268,30 @@ impl<'a> Reader<'a> {
         what: &dyn Fn() -> String,
     ) -> Result<()> {
         let source = self.index.get(&key(file)).map(|&i| &self.files[i]);
-        match source.map(|s| &s.how) {
-            None | Some(How::Buffered) => buffered(file, offset, dest, what),
-            Some(How::Direct(direct)) => direct.read(offset, dest, scratch, what),
-            Some(How::DropBehind(behind)) => {
-                buffered(file, offset, dest, what)?;
-                let advise = {
-                    let mut b = behind.lock().unwrap_or_else(|e| e.into_inner());
-                    b.low = b.low.min(offset);
-                    b.high = b.high.max(offset + dest.len() as u64);
-                    b.pending += dest.len() as u64;
-                    (b.pending >= DROP_BEHIND_EVERY).then(|| {
-                        b.pending = 0;
-                        (b.low, b.high)
-                    })
-                };
-                match advise {
-                    Some((low, high)) => {
-                        let low = low - low % FOLIO_MAX;
-                        let high = high.saturating_add(FOLIO_MAX - 1) / FOLIO_MAX * FOLIO_MAX;
-                        dont_need(file, low, high - low)
-                    }
-                    None => Ok(()),
-                }
+        let how = source.map(|s| &s.how);
+        if let Some(How::Direct(direct)) = how {
+            return direct.read(offset, dest, scratch, what);
+        }
+        let end = offset.saturating_add(dest.len() as u64);
+        let stream = self.streams.get(&key(file));
+        if let Some(stream) = stream {
+            for range in stream.before_read(offset, end) {
+                ahead::request(file, range, stream.chunk())?;
             }
+        }
+        buffered(file, offset, dest, what)?;
+        let Some(How::DropBehind(behind)) = how else {
+            return Ok(());
+        };
+        let advise = match stream {
+            Some(stream) => stream.after_read(offset, end),
+            None => unannounced(behind, offset, end),
+        };
+        match advise {
+            // Up to the end of the file: everything was read.
+            Some((low, u64::MAX)) => dont_need(file, low, 0),
+            Some((low, high)) => dont_need(file, low, high - low),
+            None => Ok(()),
         }
     }
 
@@ -362,18 +383,20 @@ pub(super) fn path_of(file: &File) -> String {
         .map_or_else(|_| format!("fd {fd}"), |p| p.display().to_string())
 }
 
-/// `posix_fadvise(POSIX_FADV_DONTNEED)` over `len` bytes at `offset` (0: to the end).
-fn dont_need(file: &File, offset: u64, len: u64) -> Result<()> {
-    rustix::fs::fadvise(file, offset, NonZeroU64::new(len), Advice::DontNeed).map_err(|errno| {
-        Error::os(
-            "posix_fadvise",
-            errno,
-            format_args!(
-                "fd={} offset={offset} len={len} advice=POSIX_FADV_DONTNEED",
-                file.as_raw_fd()
-            ),
-        )
-    })
+/// A drop-behind read of a file the fill did not announce: the span read so far, rounded
+/// out to whole folios, once [`DROP_BEHIND_EVERY`] bytes were read since the last advice.
+fn unannounced(behind: &Mutex<Behind>, offset: u64, end: u64) -> Option<(u64, u64)> {
+    let mut b = behind.lock().unwrap_or_else(|e| e.into_inner());
+    b.low = b.low.min(offset);
+    b.high = b.high.max(end);
+    b.pending += end - offset;
+    if b.pending < DROP_BEHIND_EVERY {
+        return None;
+    }
+    b.pending = 0;
+    let low = b.low - b.low % FOLIO_MAX;
+    let high = b.high.saturating_add(FOLIO_MAX - 1) / FOLIO_MAX * FOLIO_MAX;
+    Some((low, high))
 }
 
 /// One destination of a batch: `dest.len()` bytes of `file` at `offset`.

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::source::load;
 pub use crate::source::{
     DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
-    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
+    PROGRESS_STEP, Piece, Progress, ProgressHook, READ_AHEAD, ReadFallback, ReadMode,
 };
 use access::check_fits;
 use arena::Arena;
@@ -489,7 +489,14 @@ impl PinStore {
                 .iter()
                 .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).files()))
                 .flatten(),
-        )?;
+        )?
+        .expect(
+            sources
+                .iter()
+                .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).pieces()))
+                .flatten()
+                .map(|p| (p.file, p.offset, p.len)),
+        );
         Ok(if self.options.io_uring {
             reader
         } else {
