@@ -197,5 +197,62 @@ fn main_job_on_checkpoints() -> Result<(), String> {
             model.display()
         );
     }
+    whole_model_plans(&pin_model)
+}
+
+/// The whole model placed (`pin_model --model … --plan …`): the default plan and one that
+/// sets a layout per class, in the read modes that lay pieces out differently, must
+/// place every tensor, verify every copy against the files, and cost exactly the
+/// mappings the dry run planned.
+fn whole_model_plans(pin_model: &std::path::Path) -> Result<(), String> {
+    let dir = fixtures::dir();
+    let custom = "experts=replicate:all,dense=replicate:all,attention=interleave:all,norms=bind:0";
+    let cases = [
+        (dir.join("st-sharded/model"), "default", "direct"),
+        (
+            dir.join("gguf-split/model-00001-of-00003.gguf"),
+            custom,
+            "drop-behind",
+        ),
+        (dir.join("fam-deepseek-v3-fp8"), "default", "buffered"),
+    ];
+    for (model, plan, read) in cases {
+        let mut cmd = Command::new(pin_model);
+        cmd.arg("--model")
+            .arg(&model)
+            .args(["--plan", plan, "--read", read, "--json"]);
+        eprintln!("xtask: running {cmd:?}");
+        let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let number = |key: &str| -> Option<u64> {
+            let at = text.find(&format!("\"{key}\":"))? + key.len() + 3;
+            let digits: String = text[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse().ok()
+        };
+        let planned = number("mappings_planned");
+        let ok = out.status.success()
+            && text.contains("\"verified\":true")
+            && number("tensors").is_some_and(|n| n > 0)
+            && planned.is_some()
+            && number("mappings") == planned;
+        if !ok {
+            return Err(format!(
+                "pin_model --model {} --plan {plan} --read {read}: {}\n{text}{}",
+                model.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        eprintln!(
+            "xtask: pin_model --model {} --plan {plan} --read {read}: {} tensors placed and \
+             verified in {} mappings, as planned",
+            model.display(),
+            number("tensors").unwrap_or(0),
+            planned.unwrap_or(0)
+        );
+    }
     Ok(())
 }
