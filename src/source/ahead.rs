@@ -182,6 +182,9 @@ fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
 
 /// `POSIX_FADV_WILLNEED` over `[start, end)` in chunks of `chunk`: each call starts the
 /// reads and returns.
+///
+/// # Errors
+/// `posix_fadvise` fails (stops at the first chunk refused).
 pub(crate) fn request(file: &File, (start, end): (u64, u64), chunk: u64) -> Result<()> {
     let mut at = start;
     while at < end {

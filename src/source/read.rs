@@ -276,7 +276,10 @@ impl<'a> Reader<'a> {
         let stream = self.streams.get(&key(file));
         if let Some(stream) = stream {
             for range in stream.before_read(offset, end) {
-                ahead::request(file, range, stream.chunk())?;
+                // A hint: where the kernel refuses it (a descriptor that cannot be read
+                // through answers `EBADF`), the read below says what is wrong, as in
+                // every other mode, and a file it cannot be given for is still read.
+                let _ = ahead::request(file, range, stream.chunk());
             }
         }
         buffered(file, offset, dest, what)?;

@@ -27,9 +27,11 @@ pub struct StoreOptions {
     /// 2 MiB-aligned regions with `MADV_HUGEPAGE` (default on); off: `MADV_NOHUGEPAGE`,
     /// so that even with THP `always` interleaving stays page by page.
     pub huge_pages: bool,
-    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading (default on). A
-    /// [`ReadMode::Direct`] load skips it: its reads fault the slots in under the bind,
-    /// overlapped with the device's transfers, where a separate pass would zero them first.
+    /// Fault each region in (`MADV_POPULATE_WRITE`) before loading a layer that copies
+    /// bytes from memory (default on). A layer read from files skips it, in every
+    /// [`ReadMode`]: the reads fault the slots in under the bind, on every loader thread
+    /// and overlapped with the device's transfers, where a separate pass would zero the
+    /// whole layer first on one thread.
     pub populate: bool,
     /// Threads that fill slots (default: the available parallelism).
     pub loader_threads: usize,
