@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{need_nodes, nodes};
+use common::{need_nodes, nodes, pages_of};
 use numapin::routing::RoutingStats;
 use numapin::store::{ExpertAssignment, ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
-use numapin::{Error, Invalid, Node, NodeHistogram};
+use numapin::{Error, Invalid};
 
 const W: usize = 64 * 1024;
 
@@ -124,35 +124,6 @@ fn a_balanced_split_reads_back_every_expert() {
     store.ensure(1, 6, &s[6]).unwrap();
     assert_eq!(store.weights(1, 6).unwrap(), &d[6][..]);
     assert_eq!(store.weights(1, 7).unwrap(), &d[7][..]);
-}
-
-/// Pages per node of `[ptr, ptr + len)`, from move_pages' status.
-fn pages_of(ptr: *const u8, len: usize) -> NodeHistogram {
-    let page = numapin::page_size();
-    let pages: Vec<*mut std::ffi::c_void> = (0..len / page)
-        .map(|i| ptr.wrapping_add(i * page) as *mut _)
-        .collect();
-    let mut status = vec![0i32; pages.len()];
-    // SAFETY: a query (null nodes) of pages of a live store this test owns.
-    unsafe {
-        numapin_sys::move_pages(
-            0,
-            pages.len() as u64,
-            pages.as_ptr(),
-            std::ptr::null(),
-            status.as_mut_ptr(),
-            0,
-        )
-    }
-    .unwrap();
-    let mut h = NodeHistogram::default();
-    for s in status {
-        match s {
-            s if s >= 0 => *h.pages.entry(Node(s as u16)).or_default() += 1,
-            _ => h.not_present += 1,
-        }
-    }
-    h
 }
 
 /// In the VM (2+ nodes; on the 1-node host this says it did not run): the two hot

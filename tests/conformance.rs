@@ -138,35 +138,37 @@ fn sys_unaligned_start_is_einval_and_len_zero_is_ok() {
 
 #[test]
 fn sys_range_with_a_hole_is_efault() {
+    if !common::alone("sys_range_with_a_hole_is_efault") {
+        return;
+    }
     let mask = one_node_mask();
     let result = with_hole(|r| raw_mbind(r, 0, 3 * page(), sys::MPOL_BIND, Some(&mask), 0));
     assert_eq!(result, Err(errno_here(Errno::FAULT)));
 }
 
-/// Runs `f` on a 3-page region whose middle page is unmapped. Another test thread may map
-/// a page into the hole meanwhile (the kernel reuses the gap), so `f` runs again on a new
-/// region until the hole was still a hole after it. The region is never dropped whole:
-/// its middle page may be someone else's mapping by then.
-fn with_hole<T>(mut f: impl FnMut(&Region) -> T) -> T {
-    for _ in 0..20 {
-        let r = Region::anonymous(3 * page()).unwrap();
-        let start = r.as_ptr();
-        // SAFETY: punching the middle page of our own region; nothing references it.
-        unsafe { rustix::mm::munmap(start.add(page()).cast::<c_void>(), page()) }.unwrap();
-        let out = f(&r);
-        // mincore answers ENOMEM for an unmapped page.
-        let still_a_hole = numapin::resident_pages(start as usize + page(), page()).is_err();
-        std::mem::forget(r);
-        // SAFETY: the two outer pages are ours alone; the middle one is left as it is.
-        unsafe {
-            rustix::mm::munmap(start.cast::<c_void>(), page()).unwrap();
-            rustix::mm::munmap(start.add(2 * page()).cast::<c_void>(), page()).unwrap();
-        }
-        if still_a_hole {
-            return out;
-        }
+/// Runs `f` on a 3-page region whose middle page is unmapped. Only in a test run
+/// [`common::alone`]: with other test threads mapping, the kernel may reuse the gap for
+/// one of their pages between the `munmap` and `f` (and unmap it again before any check
+/// after `f` could see it), and `f` would meet a mapped page where the hole should be.
+/// The region is never dropped whole: its middle page is not ours.
+fn with_hole<T>(f: impl FnOnce(&Region) -> T) -> T {
+    let r = Region::anonymous(3 * page()).unwrap();
+    let start = r.as_ptr();
+    // SAFETY: punching the middle page of our own region; nothing references it.
+    unsafe { rustix::mm::munmap(start.add(page()).cast::<c_void>(), page()) }.unwrap();
+    let out = f(&r);
+    // mincore answers ENOMEM for an unmapped page: alone, nothing else maps.
+    assert!(
+        numapin::resident_pages(start as usize + page(), page()).is_err(),
+        "the hole was filled"
+    );
+    std::mem::forget(r);
+    // SAFETY: the two outer pages are ours alone; the middle one is unmapped.
+    unsafe {
+        rustix::mm::munmap(start.cast::<c_void>(), page()).unwrap();
+        rustix::mm::munmap(start.add(2 * page()).cast::<c_void>(), page()).unwrap();
     }
-    panic!("another thread mapped a page into the hole 20 times in a row");
+    out
 }
 
 #[test]
@@ -273,6 +275,9 @@ fn typed_unknown_flags_and_exclusive_mode_flags_are_refused_in_every_environment
 
 #[test]
 fn typed_hole_is_efault_and_the_error_names_the_range() {
+    if !common::alone("typed_hole_is_efault_and_the_error_names_the_range") {
+        return;
+    }
     let p = MemPolicy::Bind(NodeSet::allowed().unwrap());
     let result = with_hole(|r| r.bind(&p, MbindFlags::empty()));
     if let Err(e) = &result {

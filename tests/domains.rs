@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::need_nodes;
+use common::{need_nodes, pages_of};
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::topology::{Domain, Topology};
 use numapin::{Node, NodeHistogram, NodeSet};
@@ -27,34 +27,6 @@ fn vm_shape() -> Option<String> {
 
 fn set(ids: &[usize]) -> NodeSet {
     NodeSet::from_nodes(ids.iter().copied()).unwrap()
-}
-
-/// Pages per node of `[ptr, ptr + len)` of this process, from move_pages' status.
-fn pages_of(ptr: *const u8, len: usize) -> NodeHistogram {
-    let pages: Vec<*mut std::ffi::c_void> = (0..len / page())
-        .map(|i| ptr.wrapping_add(i * page()) as *mut _)
-        .collect();
-    let mut status = vec![0i32; pages.len()];
-    // SAFETY: query only (null nodes) of pages of a live store this test owns.
-    unsafe {
-        numapin_sys::move_pages(
-            0,
-            pages.len() as u64,
-            pages.as_ptr(),
-            std::ptr::null(),
-            status.as_mut_ptr(),
-            0,
-        )
-    }
-    .unwrap();
-    let mut h = NodeHistogram::default();
-    for s in status {
-        match s {
-            s if s >= 0 => *h.pages.entry(Node(s as u16)).or_default() += 1,
-            _ => h.not_present += 1,
-        }
-    }
-    h
 }
 
 /// Runs `f` on a new thread allowed only on `cpu`.

@@ -2,13 +2,15 @@
 //! by `cargo xtask fixtures`), hand-made bad headers for every fault, and mutated headers.
 #![cfg(feature = "model")]
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use common::fixtures;
 use numapin::model::{
     Checkpoint, Format, GateUpLayout, GgmlType, GgufArray, GgufValue, Naming, PieceRole, gguf,
     safetensors,
@@ -54,19 +56,6 @@ fn largest_allocation_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
 
 // ---------------------------------------------------------------------------------------
 // Fixtures
-
-fn fixtures(test: &str) -> Option<PathBuf> {
-    match std::env::var_os("NUMAPIN_FIXTURES") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "NOT RUN: {test}: set NUMAPIN_FIXTURES (cargo xtask test generates them)"
-            );
-            None
-        }
-    }
-}
 
 fn pread_all(checkpoint: &Checkpoint, pieces: &[numapin::model::TensorPiece]) -> Vec<u8> {
     let mut out = Vec::new();

@@ -6,8 +6,9 @@
 
 mod common;
 
+use common::fixtures;
+
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -25,20 +26,6 @@ const FIXTURES: [&str; 6] = [
     "gguf-single",
     "gguf-split",
 ];
-
-fn fixtures(test: &str) -> Option<PathBuf> {
-    match std::env::var_os("NUMAPIN_FIXTURES") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "NOT RUN: {test}: set NUMAPIN_FIXTURES (cargo xtask test generates them; \
-                 or `cargo xtask fixtures` then NUMAPIN_FIXTURES=target/fixtures)"
-            );
-            None
-        }
-    }
-}
 
 fn store(piece_align: usize) -> PinStore {
     let options = StoreOptions::default().piece_align(piece_align);

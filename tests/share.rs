@@ -9,27 +9,14 @@
 
 mod common;
 
+use common::fixtures;
+
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use numapin::model::{Checkpoint, ExpertShare, Share, SliceAxis, TensorSlice};
 use numapin::store::{Kind, Layout, PinStore, StoreOptions};
 use numapin::{Error, Invalid};
-
-fn fixtures(test: &str) -> Option<PathBuf> {
-    match std::env::var_os("NUMAPIN_FIXTURES") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "NOT RUN: {test}: set NUMAPIN_FIXTURES (cargo xtask fixtures, then \
-                 NUMAPIN_FIXTURES=<target>/fixtures)"
-            );
-            None
-        }
-    }
-}
 
 struct Fixture {
     root: PathBuf,

@@ -10,9 +10,9 @@
 
 mod common;
 
+use common::{fixtures, numpy_tensors, open_fixture};
+
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 
 use numapin::model::{
     Checkpoint, DenseLayout, ExpertShare, PlacedModel, PlacementPlan, Share, SliceAxis,
@@ -27,50 +27,6 @@ const FIXTURES: [&str; 4] = [
     "gguf-split",
     "fam-deepseek-v3-fp8",
 ];
-
-fn fixtures(test: &str) -> Option<PathBuf> {
-    match std::env::var_os("NUMAPIN_FIXTURES") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "NOT RUN: {test}: set NUMAPIN_FIXTURES (`cargo xtask fixtures`)"
-            );
-            None
-        }
-    }
-}
-
-/// numpy's side: (name, shape, bytes) of every tensor.
-fn numpy_tensors(root: &Path) -> Vec<(String, Vec<u64>, Vec<u8>)> {
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("tensors.json")).unwrap()).unwrap();
-    json.as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            let shape = t["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap())
-                .collect();
-            let bytes = std::fs::read(root.join("tensors").join(t["file"].as_str().unwrap()));
-            (
-                t["name"].as_str().unwrap().to_owned(),
-                shape,
-                bytes.unwrap(),
-            )
-        })
-        .collect()
-}
-
-fn open(dir: &Path, name: &str) -> Checkpoint {
-    let root = dir.join(name);
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
-    Checkpoint::open(root.join(json["path"].as_str().unwrap())).unwrap()
-}
 
 /// The classes a fixture keeps whole: the FP8 fixture's MLP weights have 96 and 160 rows
 /// under 128-row scale blocks, so half of them would cut a block (refused, see
@@ -118,7 +74,7 @@ fn two_ranks_shares_concatenate_to_numpys_tensors() {
     };
     let nodes = common::nodes();
     for name in FIXTURES {
-        let checkpoint = open(&dir, name);
+        let checkpoint = open_fixture(&dir, name);
         let numpy = numpy_tensors(&dir.join(name));
         let ranks: Vec<PlacedModel> = (0..2)
             .map(|k| {
@@ -315,7 +271,7 @@ fn bad_dense_slices_are_errors_naming_the_tensor() {
         return;
     };
     let nodes = common::nodes();
-    let checkpoint = open(&dir, "gguf-single");
+    let checkpoint = open_fixture(&dir, "gguf-single");
     let base = PlacementPlan::new(Layout::SplitExperts(nodes), DenseLayout::Replicate(nodes));
     let opts = StoreOptions::default();
     // 7 parts divide no fixture tensor's rows; a span past every axis; columns not placed.
@@ -331,7 +287,7 @@ fn bad_dense_slices_are_errors_naming_the_tensor() {
         assert!(checkpoint.place(&plan, options()).is_err(), "{slice}");
     }
     // A cut through an FP8 scale block (96 rows under one 128-row block) names it.
-    let fp8 = open(&dir, "fam-deepseek-v3-fp8");
+    let fp8 = open_fixture(&dir, "fam-deepseek-v3-fp8");
     let half = base
         .clone()
         .dense_slice(TensorSlice::parse("rows:0/2").unwrap());

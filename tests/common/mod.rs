@@ -191,3 +191,97 @@ pub fn alone(test: &str) -> bool {
     );
     false
 }
+
+/// The fixtures directory (`NUMAPIN_FIXTURES`, written by `cargo xtask fixtures`), or
+/// `None` after saying that `test` did not run without it.
+pub fn fixtures(test: &str) -> Option<std::path::PathBuf> {
+    match std::env::var_os("NUMAPIN_FIXTURES") {
+        Some(dir) => Some(std::path::PathBuf::from(dir)),
+        None => {
+            // Straight to the process's stderr, as in `need_nodes`.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "NOT RUN: {test}: set NUMAPIN_FIXTURES (`cargo xtask fixtures` writes them into \
+                 <target>/fixtures; `cargo xtask test` does it itself)"
+            );
+            None
+        }
+    }
+}
+
+/// Pages per node of the `len / page` whole pages at `ptr`, from the kernel's own
+/// answer (`move_pages` with no target nodes: a query that moves nothing), independent
+/// of numapin's placement readers. A page not present counts as `not_present`.
+pub fn pages_of(ptr: *const u8, len: usize) -> NodeHistogram {
+    let page = numapin::page_size();
+    let pages: Vec<*mut std::ffi::c_void> = (0..len / page)
+        .map(|i| ptr.wrapping_add(i * page) as *mut _)
+        .collect();
+    let mut status = vec![0i32; pages.len()];
+    // SAFETY: a query (null nodes) that only writes `status`, as many entries as pages;
+    // the kernel looks the addresses up itself (an unmapped one is a status, not a fault).
+    unsafe {
+        numapin_sys::move_pages(
+            0,
+            pages.len() as u64,
+            pages.as_ptr(),
+            std::ptr::null(),
+            status.as_mut_ptr(),
+            0,
+        )
+    }
+    .unwrap();
+    let mut h = NodeHistogram::default();
+    for s in status {
+        match s {
+            s if s >= 0 => *h.pages.entry(numapin::Node(s as u16)).or_default() += 1,
+            _ => h.not_present += 1,
+        }
+    }
+    h
+}
+
+/// [`pages_of`] the pages `bytes` touches, rounded out to whole pages (a slot's region
+/// is page-aligned and one policy covers it).
+pub fn pages_of_bytes(bytes: &[u8]) -> NodeHistogram {
+    let page = numapin::page_size();
+    let start = bytes.as_ptr() as usize / page * page;
+    let end = (bytes.as_ptr() as usize + bytes.len()).div_ceil(page) * page;
+    pages_of(start as *const u8, end - start)
+}
+
+/// numpy's side of a fixture: (name, shape, bytes) of every tensor, from the
+/// `tensors.json` the fixture script wrote beside it.
+pub fn numpy_tensors(root: &std::path::Path) -> Vec<(String, Vec<u64>, Vec<u8>)> {
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("tensors.json")).unwrap()).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let shape = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            let bytes = std::fs::read(root.join("tensors").join(t["file"].as_str().unwrap()));
+            (
+                t["name"].as_str().unwrap().to_owned(),
+                shape,
+                bytes.unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The checkpoint of fixture `name` under the fixtures directory `dir` (the path its
+/// `fixture.json` names).
+#[cfg(feature = "model")]
+pub fn open_fixture(dir: &std::path::Path, name: &str) -> numapin::model::Checkpoint {
+    let root = dir.join(name);
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
+    numapin::model::Checkpoint::open(root.join(json["path"].as_str().unwrap())).unwrap()
+}
