@@ -2,20 +2,21 @@
 //!
 //! The loader threads read one file at interleaved offsets through one open file
 //! description, so the kernel's readahead, which follows one sequential stream per
-//! description, sees jumps and reads only what each `pread` asks for, a readahead unit
-//! at a time, synchronously: two loader threads kept about two units in flight, and a
-//! cold buffered load ran at a fraction of `cat`'s pace. So the fill announces the byte
-//! ranges it is going to read ([`Stream::new`]) and keeps [`READ_AHEAD`] bytes of them
-//! requested ahead of the reads with `POSIX_FADV_WILLNEED`, which starts the reads and
-//! returns. The kernel caps one such call at the device's readahead size (the larger of
-//! `read_ahead_kb` and `max_sectors_kb`), so the window is requested in chunks of
-//! [`chunk_for`].
+//! description, sees jumps and reads only what each `pread` asks for, synchronously: two
+//! loader threads kept about two reads in flight, and a cold buffered load ran at a
+//! fraction of `cat`'s pace. So the fill announces the byte ranges it is going to read
+//! ([`Stream::new`]) and keeps up to [`READ_AHEAD`] bytes of them requested and not yet
+//! read, in file order, with `POSIX_FADV_WILLNEED`, which starts the reads and returns.
+//! The kernel caps one such call at the device's readahead size (the larger of
+//! `read_ahead_kb` and `max_sectors_kb`), so requests go in chunks of [`chunk_for`].
 //!
-//! Drop-behind evicts exactly what every loader has finished reading: the ranges still
-//! unread are kept, and everything below the lowest of them (the low-water mark) is
-//! advised away with `POSIX_FADV_DONTNEED` once [`DROP_BEHIND_EVERY`] bytes have
-//! accumulated. Evicting the span of everything read so far, as before, also evicted the
-//! pages one loader had read ahead for another.
+//! Drop-behind evicts, every [`DROP_BEHIND_EVERY`] bytes read, everything up to the
+//! highest offset read that no loader still has to read, and later what a slow loader
+//! finished below that mark. Ranges still to be read are never advised, so a loader that
+//! stalls (descheduled on a busy machine) keeps its own slot cached, not the file read
+//! past it; evicting the span of everything read so far, as before, also evicted pages
+//! requested for the other loader, and waiting for the lowest unread byte, as a first
+//! version here did, kept a whole layer cached behind one stalled slot.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
@@ -61,10 +62,21 @@ pub(crate) struct Stream {
 struct State {
     /// Ranges to be read and not yet requested, in file order.
     unrequested: VecDeque<(u64, u64)>,
+    /// Requested up to here (file order).
+    frontier: u64,
+    /// Bytes requested and not yet read: kept at most [`READ_AHEAD`].
+    in_flight: u64,
     /// Ranges to be read and not yet read (start → end), merged.
     unread: BTreeMap<u64, u64>,
-    /// Advised away below this offset.
-    dropped: u64,
+    /// Below this offset everything was advised away but what was unread at the time
+    /// (a slot a slow loader was still reading).
+    cursor: u64,
+    /// Ranges below the cursor read since it passed them: advised at the next advice.
+    late: Vec<(u64, u64)>,
+    /// The highest offset read to.
+    high: u64,
+    /// Bytes read since the last advice.
+    since: u64,
 }
 
 impl Stream {
@@ -91,36 +103,35 @@ impl Stream {
         Stream {
             chunk: chunk.max(crate::page::page_size() as u64),
             state: Mutex::new(State {
-                dropped: merged.first().map_or(0, |r| r.0),
+                frontier: merged.first().map_or(0, |r| r.0),
+                in_flight: 0,
+                cursor: merged.first().map_or(0, |r| r.0),
+                late: Vec::new(),
+                high: 0,
+                since: 0,
                 unread: merged.iter().copied().collect(),
                 unrequested: merged.into(),
             }),
         }
     }
 
-    /// Before reading `[offset, end)`: the ranges to request so that [`READ_AHEAD`] bytes past
-    /// `end` are on their way (each range is requested by one reader only).
-    pub(crate) fn before_read(&self, offset: u64, end: u64) -> Vec<(u64, u64)> {
-        let target = end.saturating_add(READ_AHEAD);
+    /// Before a read: the ranges to request next, in file order, so that up to
+    /// [`READ_AHEAD`] bytes the fill still has to read are on their way (each range is
+    /// requested by one reader only). Requests follow the file whatever order the slots
+    /// are read in; a read that finds its range not requested yet reads it itself.
+    pub(crate) fn before_read(&self) -> Vec<(u64, u64)> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::new();
-        // What lies below this read is read (or being read) without help by now.
-        while let Some(&(start, stop)) = state.unrequested.front() {
-            if stop <= offset {
-                state.unrequested.pop_front();
-            } else if start < offset {
-                state.unrequested[0].0 = offset;
+        while state.in_flight < READ_AHEAD {
+            let Some(&(start, stop)) = state.unrequested.front() else {
                 break;
-            } else {
-                break;
-            }
-        }
-        while let Some(&(start, stop)) = state.unrequested.front() {
-            if start >= target {
-                break;
-            }
-            let upto = stop.min(target);
-            out.push((start, upto));
+            };
+            let upto = stop.min(start.saturating_add(READ_AHEAD - state.in_flight));
+            // What a loader read before it was requested is not requested.
+            let unread = inside(&state.unread, (start, upto));
+            state.in_flight += unread.iter().map(|(s, e)| e - s).sum::<u64>();
+            state.frontier = upto;
+            out.extend(unread);
             if upto == stop {
                 state.unrequested.pop_front();
             } else {
@@ -130,26 +141,46 @@ impl Stream {
         out
     }
 
-    /// After `[offset, end)` is read: the range every reader is done with, to evict, when
-    /// [`DROP_BEHIND_EVERY`] bytes of it have gathered (`finish`: whatever has).
-    pub(crate) fn after_read(&self, offset: u64, end: u64) -> Option<(u64, u64)> {
+    /// After `[offset, end)` is read: once [`DROP_BEHIND_EVERY`] bytes were read since
+    /// the last advice, the ranges to evict — everything up to the highest offset read
+    /// (down to a folio boundary) that no loader still has to read, and the ranges a
+    /// slow loader finished below that mark since (widened by a folio on each side, so
+    /// that a folio straddling their edge, left by the kernel before, goes too).
+    /// Ranges still to be read are never advised: a loader that stalls on one slot
+    /// keeps that slot cached, not everything read past it.
+    pub(crate) fn after_read(&self, offset: u64, end: u64) -> Vec<(u64, u64)> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        remove(&mut state.unread, offset, end);
-        // Everything below the first range still unread is done with; a folio that
-        // straddles the mark is left for later.
-        let low = match state.unread.first_key_value() {
-            Some((&start, _)) => start - start % FOLIO_MAX,
-            None => u64::MAX,
+        let state = &mut *state;
+        let requested = remove(&mut state.unread, offset, end, state.frontier);
+        state.in_flight = state.in_flight.saturating_sub(requested);
+        if offset < state.cursor {
+            state.late.push((offset, end.min(state.cursor)));
+        }
+        state.high = state.high.max(end);
+        state.since = state.since.saturating_add(end.saturating_sub(offset));
+        let all_read = state.unread.is_empty();
+        if state.since < DROP_BEHIND_EVERY && !all_read {
+            return Vec::new();
+        }
+        state.since = 0;
+        let mark = if all_read {
+            u64::MAX
+        } else {
+            state.high - state.high % FOLIO_MAX
         };
-        if low != u64::MAX && low.saturating_sub(state.dropped) < DROP_BEHIND_EVERY {
-            return None;
+        let mut out = Vec::new();
+        for (start, stop) in std::mem::take(&mut state.late) {
+            let wide = (
+                start.saturating_sub(FOLIO_MAX),
+                stop.saturating_add(FOLIO_MAX),
+            );
+            out.extend(outside(&state.unread, wide));
         }
-        let from = state.dropped;
-        if low <= from {
-            return None;
+        if mark > state.cursor {
+            out.extend(outside(&state.unread, (state.cursor, mark)));
+            state.cursor = mark;
         }
-        state.dropped = low;
-        Some((from, low))
+        out
     }
 
     /// The chunk the requests are cut into.
@@ -158,11 +189,53 @@ impl Stream {
     }
 }
 
-/// Removes `[start, end)` from a set of disjoint ranges.
-fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
-    if start >= end {
-        return;
+/// The parts of `[start, end)` outside a set of disjoint ranges.
+fn outside(set: &BTreeMap<u64, u64>, (start, end): (u64, u64)) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    // The range that may begin before `start` and reach into it, then those inside.
+    let before = set.range(..start).next_back().map(|(&s, &e)| (s, e));
+    for (s, e) in before
+        .into_iter()
+        .chain(set.range(start..end).map(|(&s, &e)| (s, e)))
+    {
+        if e <= at {
+            continue;
+        }
+        if s > at {
+            out.push((at, s.min(end)));
+        }
+        at = at.max(e);
+        if at >= end {
+            break;
+        }
     }
+    if at < end {
+        out.push((at, end));
+    }
+    out
+}
+
+/// The parts of `[start, end)` inside a set of disjoint ranges.
+fn inside(set: &BTreeMap<u64, u64>, (start, end): (u64, u64)) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    for (gap_start, gap_end) in outside(set, (start, end)).into_iter().chain([(end, end)]) {
+        if gap_start > at {
+            out.push((at, gap_start));
+        }
+        at = gap_end;
+    }
+    out
+}
+
+/// Removes `[start, end)` from a set of disjoint ranges; returns how many of the bytes
+/// removed lie below `below`.
+fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64, below: u64) -> u64 {
+    if start >= end {
+        return 0;
+    }
+    let mut removed = 0;
     let overlapping: Vec<(u64, u64)> = set
         .range(..end)
         .rev()
@@ -170,6 +243,7 @@ fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
         .map(|(&s, &e)| (s, e))
         .collect();
     for (s, e) in overlapping {
+        removed += e.min(end).min(below).saturating_sub(s.max(start));
         set.remove(&s);
         if s < start {
             set.insert(s, start);
@@ -178,6 +252,7 @@ fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
             set.insert(end, e);
         }
     }
+    removed
 }
 
 /// `POSIX_FADV_WILLNEED` over `[start, end)` in chunks of `chunk`: each call starts the
@@ -253,78 +328,96 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     #[test]
-    fn requests_stay_a_window_ahead_and_each_range_goes_once() {
+    fn requests_keep_read_ahead_bytes_in_flight_and_each_range_goes_once() {
         let s = Stream::with_chunk(MIB, [(0, 64 * MIB)]);
-        assert_eq!(s.before_read(0, MIB), vec![(0, MIB + READ_AHEAD)]);
-        // A second reader at the same place asks nothing again.
-        assert_eq!(s.before_read(0, MIB), vec![]);
+        assert_eq!(s.before_read(), vec![(0, READ_AHEAD)]);
+        // A second reader asks nothing more while nothing was read.
+        assert_eq!(s.before_read(), vec![]);
+        // Each read frees its bytes for the next request.
+        let _ = s.after_read(0, MIB);
+        assert_eq!(s.before_read(), vec![(READ_AHEAD, READ_AHEAD + MIB)]);
+        let _ = s.after_read(MIB, 4 * MIB);
         assert_eq!(
-            s.before_read(MIB, 2 * MIB),
-            vec![(MIB + READ_AHEAD, 2 * MIB + READ_AHEAD)]
+            s.before_read(),
+            vec![(READ_AHEAD + MIB, READ_AHEAD + 4 * MIB)]
         );
-        // A read that jumps ahead: what lies below it is left to the reads (a reader is
-        // on it or past it), and the end of the ranges bounds the requests.
-        assert_eq!(
-            s.before_read(60 * MIB, 64 * MIB),
-            vec![(60 * MIB, 64 * MIB)]
-        );
-        assert_eq!(s.before_read(63 * MIB, 64 * MIB), vec![]);
+        // The end of the ranges bounds the requests.
+        let _ = s.after_read(4 * MIB, 60 * MIB);
+        // What a loader read before it was requested is not requested at all.
+        assert_eq!(s.before_read(), vec![(60 * MIB, 64 * MIB)]);
+        assert_eq!(s.before_read(), vec![]);
     }
 
     #[test]
-    fn gaps_between_ranges_are_never_requested() {
-        let s = Stream::with_chunk(MIB, [(10 * MIB, MIB), (0, MIB), (40 * MIB, MIB)]);
-        assert_eq!(s.before_read(0, MIB), vec![(0, MIB), (10 * MIB, 11 * MIB)]);
-        // A read that jumps past a range does not request what lies behind it.
+    fn gaps_are_never_requested_and_what_was_read_is_not_requested_again() {
+        let s = Stream::with_chunk(MIB, [(10 * MIB, MIB), (0, MIB), (40 * MIB, 30 * MIB)]);
+        // A loader read the range at 10 MiB before anything was requested.
+        let _ = s.after_read(10 * MIB, 11 * MIB);
         assert_eq!(
-            s.before_read(40 * MIB, 41 * MIB),
-            vec![(40 * MIB, 41 * MIB)]
+            s.before_read(),
+            vec![(0, MIB), (40 * MIB, 40 * MIB + READ_AHEAD - MIB)]
         );
     }
 
     #[test]
-    fn only_what_every_reader_finished_is_dropped() {
+    fn a_stalled_loader_keeps_only_its_own_range_cached() {
         let s = Stream::with_chunk(MIB, [(0, 64 * MIB)]);
-        // Read out of order: nothing below the first unread byte is done with.
-        assert_eq!(s.after_read(8 * MIB, 20 * MIB), None);
-        assert_eq!(s.after_read(MIB, 8 * MIB), None);
-        // [0, 20 MiB) is read now: dropped up to 20 MiB.
-        assert_eq!(s.after_read(0, MIB), Some((0, 20 * MIB)));
-        // Less than DROP_BEHIND_EVERY more: not yet.
-        assert_eq!(s.after_read(20 * MIB, 21 * MIB), None);
-        assert_eq!(s.after_read(21 * MIB, 64 * MIB), Some((20 * MIB, u64::MAX)));
+        // One loader is on [0, 1 MiB) for a long time; the other reads on.
+        assert_eq!(s.after_read(MIB, 4 * MIB), vec![]);
+        assert_eq!(
+            s.after_read(4 * MIB, 12 * MIB),
+            vec![(MIB, 12 * MIB - 12 * MIB % FOLIO_MAX)]
+        );
+        // The stalled range finishes: it goes at the next advice, widened by a folio
+        // on each side (clipped at nothing unread), with the next stretch.
+        assert_eq!(s.after_read(0, MIB), vec![]);
+        assert_eq!(
+            s.after_read(12 * MIB, 20 * MIB),
+            vec![(0, MIB + FOLIO_MAX), (12 * MIB, 20 * MIB)]
+        );
     }
 
     #[test]
-    fn the_mark_stops_below_a_folio_that_straddles_it() {
+    fn nothing_a_loader_still_has_to_read_is_advised() {
         let s = Stream::with_chunk(MIB, [(0, 64 * MIB)]);
-        // Unread from 9.5 MiB: the folio from 8 MiB may still be read into.
-        assert_eq!(s.after_read(0, 9 * MIB + MIB / 2), Some((0, 8 * MIB)));
+        // Read out of order: [8, 9) and [30, 40) MiB read, the rest not.
+        assert_eq!(s.after_read(8 * MIB, 9 * MIB), vec![]);
+        assert_eq!(
+            s.after_read(30 * MIB, 40 * MIB),
+            vec![(8 * MIB, 9 * MIB), (30 * MIB, 40 * MIB)]
+        );
+        // Everything read: the rest of the file goes.
+        let mut last = Vec::new();
+        for (a, b) in [(0, 8), (9, 30), (40, 64)] {
+            last = s.after_read(a * MIB, b * MIB);
+        }
+        assert_eq!(last.last(), Some(&(40 * MIB, u64::MAX)));
     }
 
     #[test]
     fn empty_and_overflowing_ranges_are_harmless() {
         let s = Stream::with_chunk(0, [(u64::MAX - 5, 100), (7, 0)]);
         assert!(s.chunk() >= 4096);
-        assert_eq!(
-            s.before_read(u64::MAX - 5, u64::MAX),
-            vec![(u64::MAX - 5, u64::MAX)]
-        );
+        assert_eq!(s.before_read(), vec![(u64::MAX - 5, u64::MAX)]);
         assert_eq!(
             s.after_read(u64::MAX - 5, u64::MAX),
-            Some((u64::MAX - 5, u64::MAX))
+            vec![(u64::MAX - 5, u64::MAX)]
         );
-        // Nothing announced: nothing requested, and the first read lets everything go once.
+        // Nothing announced: nothing requested; the first read lets everything go, and a
+        // read after that lets its own pages go again.
         let none = Stream::with_chunk(MIB, []);
-        assert_eq!(none.before_read(0, 10), vec![]);
-        assert_eq!(none.after_read(0, 10), Some((0, u64::MAX)));
-        assert_eq!(none.after_read(0, 10), None);
+        assert_eq!(none.before_read(), vec![]);
+        assert_eq!(none.after_read(0, 10), vec![(0, u64::MAX)]);
+        assert_eq!(none.after_read(0, 10), vec![(0, 10 + FOLIO_MAX)]);
     }
 
     #[test]
-    fn removing_ranges_splits_and_merges_exactly() {
+    fn range_sets_split_cover_and_complement_exactly() {
         let mut set: BTreeMap<u64, u64> = [(0, 10), (20, 30)].into_iter().collect();
-        remove(&mut set, 5, 25);
+        assert_eq!(inside(&set, (5, 25)), vec![(5, 10), (20, 25)]);
+        assert_eq!(inside(&set, (10, 20)), vec![]);
+        assert_eq!(outside(&set, (5, 35)), vec![(10, 20), (30, 35)]);
+        assert_eq!(remove(&mut set, 5, 25, 22), 7);
         assert_eq!(set.into_iter().collect::<Vec<_>>(), vec![(0, 5), (25, 30)]);
     }
 }

@@ -275,7 +275,7 @@ impl<'a> Reader<'a> {
         let end = offset.saturating_add(dest.len() as u64);
         let stream = self.streams.get(&key(file));
         if let Some(stream) = stream {
-            for range in stream.before_read(offset, end) {
+            for range in stream.before_read() {
                 // A hint: where the kernel refuses it (a descriptor that cannot be read
                 // through answers `EBADF`), the read below says what is wrong, as in
                 // every other mode, and a file it cannot be given for is still read.
@@ -286,16 +286,16 @@ impl<'a> Reader<'a> {
         let Some(How::DropBehind(behind)) = how else {
             return Ok(());
         };
-        let advise = match stream {
+        let advice = match stream {
             Some(stream) => stream.after_read(offset, end),
-            None => unannounced(behind, offset, end),
+            None => unannounced(behind, offset, end).into_iter().collect(),
         };
-        match advise {
+        for (low, high) in advice {
             // Up to the end of the file: everything was read.
-            Some((low, u64::MAX)) => dont_need(file, low, 0),
-            Some((low, high)) => dont_need(file, low, high - low),
-            None => Ok(()),
+            let len = if high == u64::MAX { 0 } else { high - low };
+            dont_need(file, low, len)?;
         }
+        Ok(())
     }
 
     /// The most bytes of consecutive slots a loader takes at once: [`URING_BATCH`] or
