@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use numapin::store::{
     DROP_BEHIND_EVERY, ExpertSource, Kind, LayerSpec, Layout, Piece, PinStore, ProgressHook,
-    READ_AHEAD, ReadFallback, ReadMode, StoreOptions,
+    ReadFallback, ReadMode, StoreOptions,
 };
 use numapin_testkit::cache::{cached_pages, evict};
 use numapin_testkit::synthetic::SyntheticModel;
@@ -269,19 +269,15 @@ fn a_cold_load_leaves_the_page_cache_as_promised() {
         // During the load, with no kernel readahead (see `cold_load`): drop-behind holds
         // at most what every loader finished reading since the last advice (under
         // DROP_BEHIND_EVERY but for the read that reaches it), the 2 MiB folio below the
-        // mark it stops at and the one it rounds to, per loader thread one slot (2 MiB +
-        // 333 weights, 4 KiB + 5 scales) in flight or read and not yet counted, and what
-        // it requested ahead of the loaders (READ_AHEAD); direct reads, none. Still well
+        // mark it stops at and the one it rounds to, and per loader thread one slot (2 MiB
+        // + 333 weights, 4 KiB + 5 scales) in flight or read and not yet counted; direct
+        // reads, none. Still well
         // under a layer (160 MiB), so drop-behind that advised only at a layer's end
         // fails by far.
         let threads = 2;
         let bound = match mode {
             ReadMode::DropBehind => {
-                (DROP_BEHIND_EVERY as usize
-                    + READ_AHEAD as usize
-                    + 2 * (2 << 20)
-                    + threads * (3 << 20))
-                    / page
+                (DROP_BEHIND_EVERY as usize + 2 * (2 << 20) + threads * (3 << 20)) / page
             }
             _ => 0,
         };

@@ -3,7 +3,7 @@
 //! without a copy), and the parallel loader that copies them into slots. Used by the store
 //! and the cache alike; it knows nothing of either.
 
-mod ahead;
+mod behind;
 mod direct;
 pub(crate) mod load;
 mod mode;
@@ -15,7 +15,7 @@ use std::fs::File;
 
 use crate::error::{Error, Result};
 
-pub use ahead::{DROP_BEHIND_EVERY, READ_AHEAD};
+pub use behind::DROP_BEHIND_EVERY;
 pub use load::{LOADER_THREAD_MAPS, MAX_READ};
 pub use mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};

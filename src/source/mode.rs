@@ -43,17 +43,15 @@ pub enum ReadMode {
     /// write-only, or `O_PATH`) is not reopened: its reads fail with the same `EBADF`
     /// error as in the other modes.
     Direct,
-    /// `pread` through the page cache, with [`READ_AHEAD`] bytes of what the layer reads
-    /// requested ahead of the loaders (`POSIX_FADV_WILLNEED`), then
-    /// `POSIX_FADV_DONTNEED` on what every loader has finished reading, once
-    /// [`DROP_BEHIND_EVERY`] bytes of it have gathered, and on the whole file at the end
-    /// of each layer: the cache holds about those two figures of the file at a time. The
+    /// `pread` through the page cache, then `POSIX_FADV_DONTNEED` on what no loader still
+    /// has to read, every [`DROP_BEHIND_EVERY`] bytes read from a file, and on the whole
+    /// file at the end of each layer: the cache holds about that much of the file at a
+    /// time, with the reads in flight and the kernel's readahead past them. The
     /// advice evicts the file's clean pages whoever cached them: a file that was cached
     /// before the load is not cached after it (use [`ReadMode::Direct`] to leave the
     /// cache as it was).
     ///
     /// [`DROP_BEHIND_EVERY`]: crate::store::DROP_BEHIND_EVERY
-    /// [`READ_AHEAD`]: crate::store::READ_AHEAD
     DropBehind,
 }
 

@@ -17,7 +17,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
-use super::ahead::{self, DROP_BEHIND_EVERY, Stream, dont_need};
+use super::behind::{self, DROP_BEHIND_EVERY, Stream, dont_need};
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
 use super::mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
@@ -25,7 +25,7 @@ use super::uring::{self, Ring};
 use crate::error::{Error, Result};
 
 /// Drop-behind advice of a file the fill did not announce is rounded out to this.
-const FOLIO_MAX: u64 = ahead::FOLIO_MAX;
+const FOLIO_MAX: u64 = behind::FOLIO_MAX;
 
 /// The most file bytes one loader takes at once, as consecutive slots, for direct reads:
 /// large requests are what a device reads fast, and `O_DIRECT` has no readahead to merge
@@ -70,8 +70,8 @@ pub(crate) struct Reader<'a> {
     io: Option<DirectIo>,
     /// A loader whose ring could not be set up although the probe passed: its reason.
     late: Mutex<Option<IoUringFallback>>,
-    /// File address → what the fill announced it reads of it, for buffered and
-    /// drop-behind reads ([`Reader::expect`]).
+    /// File address → what the fill announced it reads of it, for drop-behind reads
+    /// ([`Reader::expect`]).
     streams: HashMap<usize, Stream>,
 }
 
@@ -93,9 +93,8 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Announces what the fill reads: `pieces` (file, offset, length). Files read through
-    /// the page cache then have their next [`ahead::READ_AHEAD`] bytes requested ahead of the
-    /// loaders, and drop-behind evicts exactly what every loader is done with.
+    /// Announces what the fill reads: `pieces` (file, offset, length). Drop-behind then
+    /// evicts exactly what no loader still has to read ([`behind`]).
     pub(crate) fn expect(
         mut self,
         pieces: impl IntoIterator<Item = (&'a File, u64, usize)>,
@@ -111,12 +110,12 @@ impl<'a> Reader<'a> {
         }
         for file in files {
             let k = key(file);
-            let direct = self
+            let drop_behind = self
                 .index
                 .get(&k)
-                .is_some_and(|&i| matches!(self.files[i].how, How::Direct(_)));
-            if let (false, Some(ranges)) = (direct, ranges.remove(&k)) {
-                self.streams.insert(k, Stream::new(file, ranges));
+                .is_some_and(|&i| matches!(self.files[i].how, How::DropBehind(_)));
+            if let (true, Some(ranges)) = (drop_behind, ranges.remove(&k)) {
+                self.streams.insert(k, Stream::new(ranges));
             }
         }
         self
@@ -273,20 +272,11 @@ impl<'a> Reader<'a> {
             return direct.read(offset, dest, scratch, what);
         }
         let end = offset.saturating_add(dest.len() as u64);
-        let stream = self.streams.get(&key(file));
-        if let Some(stream) = stream {
-            for range in stream.before_read() {
-                // A hint: where the kernel refuses it (a descriptor that cannot be read
-                // through answers `EBADF`), the read below says what is wrong, as in
-                // every other mode, and a file it cannot be given for is still read.
-                let _ = ahead::request(file, range, stream.chunk());
-            }
-        }
         buffered(file, offset, dest, what)?;
         let Some(How::DropBehind(behind)) = how else {
             return Ok(());
         };
-        let advice = match stream {
+        let advice = match self.streams.get(&key(file)) {
             Some(stream) => stream.after_read(offset, end),
             None => unannounced(behind, offset, end).into_iter().collect(),
         };

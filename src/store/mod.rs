@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::source::load;
 pub use crate::source::{
     DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
-    PROGRESS_STEP, Piece, Progress, ProgressHook, READ_AHEAD, ReadFallback, ReadMode,
+    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
 use access::check_fits;
 use arena::Arena;
