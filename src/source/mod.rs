@@ -3,7 +3,7 @@
 //! without a copy), and the parallel loader that copies them into slots. Used by the store
 //! and the cache alike; it knows nothing of either.
 
-mod direct;
+pub(crate) mod direct;
 pub(crate) mod load;
 mod mode;
 pub(crate) mod progress;

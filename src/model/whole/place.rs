@@ -13,9 +13,10 @@ use crate::diag;
 use crate::error::{Error, Result};
 use crate::model::Checkpoint;
 use crate::node::{Node, NodeSet};
+use crate::source::direct::dio_alignment;
 use crate::store::{
-    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PinStore,
-    StoreOptions, available_bytes,
+    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PieceLayout,
+    PinStore, ReadMode, StoreOptions, available_bytes,
 };
 
 const OP: &str = "Checkpoint::place";
@@ -40,8 +41,48 @@ impl Checkpoint {
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
         let align = options.piece_align.max(DENSE_ALIGN);
-        let slot = options.slot_align.bytes()? as u64;
-        Ok((assign(self, plan, align)?, slot))
+        let slot = options.slot_align.bytes()?;
+        // The experts' store would refuse a bad modulus only after the dense ones are
+        // packed: refused here, before anything is reserved (and by the dry run too).
+        let experts = PieceLayout {
+            align: options.piece_align,
+            modulus: options.piece_congruence,
+        };
+        experts.check(slot)?;
+        let layout = PieceLayout {
+            align,
+            modulus: self.dense_congruence(options, align, slot),
+        };
+        layout.check(slot)?;
+        let assigned = assign(self, plan, (layout, options.piece_congruence))?;
+        Ok((assigned, slot as u64))
+    }
+
+    /// The congruence modulus of the dense stores: the caller's
+    /// [`StoreOptions::piece_congruence`] when set; for [`ReadMode::Direct`] otherwise the
+    /// largest direct-I/O alignment the files report (`STATX_DIOALIGN`, memory and
+    /// offset), so that a tensor whose file offset is a multiple of the dense alignment
+    /// is read in place; 0 (off) for other read modes, for files read buffered anyway
+    /// (no alignment reported), and for an alignment outside `align..=slot` (a modulus
+    /// the store would refuse).
+    fn dense_congruence(&self, options: &StoreOptions, align: usize, slot: usize) -> usize {
+        if options.piece_congruence > 1 {
+            return options.piece_congruence.max(align);
+        }
+        if options.read_mode != ReadMode::Direct {
+            return 0;
+        }
+        let unit = self
+            .files
+            .iter()
+            .filter_map(|f| dio_alignment(f.file()))
+            .max()
+            .unwrap_or(0);
+        if (align..=slot).contains(&unit) {
+            unit
+        } else {
+            0
+        }
     }
 
     /// The default plan over `nodes`, which looks at free memory per node: routed experts
@@ -139,13 +180,17 @@ impl Checkpoint {
         let cost = assigned.cost(self, plan, slot);
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
-        let dense_options = options.clone().piece_align(assigned.piece_align);
+        let dense_options = options
+            .clone()
+            .piece_align(assigned.layout.align)
+            .piece_congruence(assigned.layout.modulus);
         let mut stores = Vec::with_capacity(assigned.stores.len());
         for &(class, layout) in &assigned.stores {
             stores.push(DenseStore {
                 class,
                 store: PinStore::new(layout.store_layout(), dense_options.clone())?,
                 reads: 0,
+                bounced: 0,
             });
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
@@ -171,6 +216,7 @@ impl Checkpoint {
             let dense = &mut stores[g.store];
             let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
             dense.reads += report.reads;
+            dense.bounced += report.bounced_bytes;
             let map = dense.store.slot_map(g.slot_layer)?;
             let slots = map.pieces(0, Kind::Weights).unwrap_or_default();
             for (&i, sp) in packed.iter().zip(slots) {
