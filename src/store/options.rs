@@ -72,6 +72,10 @@ pub struct StoreOptions {
     /// alignment and is read through the bounce buffer. 0 or 1: off; otherwise a power
     /// of two from `piece_align` to the slot alignment (slots start at multiples of it,
     /// so a larger modulus could not reach the addresses).
+    ///
+    /// `Checkpoint::place` (feature `model`) lays its dense stores out
+    /// with the files' direct-I/O alignment when this is 0 and the read mode is
+    /// [`ReadMode::Direct`]; 1 keeps them at the alignment alone.
     pub piece_congruence: usize,
     /// Which node of a [`Layout::SplitExperts`](super::Layout::SplitExperts) set each
     /// expert lives on, for the layers it names (default none: every layer split by

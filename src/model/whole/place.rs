@@ -59,15 +59,18 @@ impl Checkpoint {
     }
 
     /// The congruence modulus of the dense stores: the caller's
-    /// [`StoreOptions::piece_congruence`] when set; for [`ReadMode::Direct`] otherwise the
-    /// largest direct-I/O alignment the files report (`STATX_DIOALIGN`, memory and
-    /// offset), so that a tensor whose file offset is a multiple of the dense alignment
-    /// is read in place; 0 (off) for other read modes, for files read buffered anyway
-    /// (no alignment reported), and for an alignment outside `align..=slot` (a modulus
-    /// the store would refuse).
+    /// [`StoreOptions::piece_congruence`] when set (1: off, the layout of other read
+    /// modes); at its default 0, for [`ReadMode::Direct`] the largest direct-I/O
+    /// alignment the files report (`STATX_DIOALIGN`, memory and offset), so that a
+    /// tensor whose file offset is a multiple of the dense alignment is read in place;
+    /// 0 (off) for other read modes, for files read buffered anyway (no alignment
+    /// reported), and for an alignment outside `align..=slot` (a modulus the store would
+    /// refuse).
     fn dense_congruence(&self, options: &StoreOptions, align: usize, slot: usize) -> usize {
-        if options.piece_congruence > 1 {
-            return options.piece_congruence.max(align);
+        match options.piece_congruence {
+            0 => {}
+            1 => return 0,
+            modulus => return modulus.max(align),
         }
         if options.read_mode != ReadMode::Direct {
             return 0;
