@@ -69,9 +69,9 @@ fn direct() -> StoreOptions {
         .read_mode(ReadMode::Direct)
 }
 
-/// The direct-I/O alignment a slot address must share with a file offset (memory and
-/// offset, the larger), as statx reports it for `file`; `None`: no direct I/O there.
-fn dio_unit(file: &File) -> Option<u64> {
+/// The direct-I/O alignments of `file` as statx reports them: (memory, offset); `None`:
+/// no direct I/O there.
+fn dio_aligns(file: &File) -> Option<(u64, u64)> {
     let s = rustix::fs::statx(
         file,
         c"",
@@ -82,7 +82,12 @@ fn dio_unit(file: &File) -> Option<u64> {
     let reported = s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0
         && s.stx_dio_mem_align > 0
         && s.stx_dio_offset_align > 0;
-    reported.then(|| u64::from(s.stx_dio_mem_align.max(s.stx_dio_offset_align)))
+    reported.then(|| {
+        (
+            u64::from(s.stx_dio_mem_align),
+            u64::from(s.stx_dio_offset_align),
+        )
+    })
 }
 
 /// What a placement bounced, over the dense classes.
@@ -156,8 +161,8 @@ fn dense_slots(checkpoint: &Checkpoint, model: &PlacedModel) -> Slots {
 }
 
 /// Layout (c): every dense tensor (every copy) 64-aligned; congruent to its file offset
-/// modulo `unit` where its file offset is 64-aligned; less than `unit` bytes of padding
-/// before each. And the cost counted before anything was reserved is what the slots
+/// modulo `unit` where its file offset is 64-aligned; less than `max(unit, 64)` bytes of
+/// padding before each. And the cost counted before anything was reserved is what the slots
 /// take: each group's extent, from the page its first tensor is in to its last byte,
 /// rounded to the page, summed per class, is the class's bytes on the first node.
 fn check_layout(name: &str, checkpoint: &Checkpoint, model: &PlacedModel, unit: u64) {
@@ -210,7 +215,7 @@ fn direct_reads_of_dense_tensors_land_in_place() {
     ] {
         let checkpoint = open(&dir, name);
         let numpy = numpy_tensors(&dir.join(name));
-        let unit = dio_unit(checkpoint.files()[0].file());
+        let aligns = dio_aligns(checkpoint.files()[0].file());
         let before = checkpoint
             .place(&plan(nodes), direct().piece_congruence(1))
             .unwrap();
@@ -225,7 +230,8 @@ fn direct_reads_of_dense_tensors_land_in_place() {
             .flat_map(|r| &r.layer_reports)
             .map(|l| l.read_mode)
             .collect();
-        let Some(unit) = unit.filter(|_| expert_modes.iter().all(|&m| m == ReadMode::Direct))
+        let Some((mem, unit)) =
+            aligns.filter(|_| expert_modes.iter().all(|&m| m == ReadMode::Direct))
         else {
             println!(
                 "NOT RUN (direct path): {test}: {name}: the fixture's file system reports no \
@@ -240,7 +246,9 @@ fn direct_reads_of_dense_tensors_land_in_place() {
             assert_eq!(before.report().unwrap().cost, after.report().unwrap().cost);
             continue;
         };
-        check_layout(name, &checkpoint, &after, unit);
+        // The address must follow the file offset modulo the memory alignment: from the
+        // first aligned file offset on, the read goes straight in.
+        check_layout(name, &checkpoint, &after, mem);
         // The dense pieces, and those at a multiple of 64 in the file (in place).
         let (mut pieces, mut aligned_bytes, mut off_bytes) = (0u64, 0u64, 0u64);
         for tensors in dense_slots(&checkpoint, &after).into_values() {
@@ -255,7 +263,7 @@ fn direct_reads_of_dense_tensors_land_in_place() {
         }
         let (was, now) = (dense_bounced(&before), dense_bounced(&after));
         println!(
-            "{name}: direct-I/O unit {unit}: dense bytes bounced {was} with the layout off, \
+            "{name}: direct-I/O alignment: memory {mem}, offset {unit}: dense bytes bounced {was} with the layout off, \
              {now} on ({pieces} dense pieces; {aligned_bytes} bytes at a multiple of 64 in the \
              file, {off_bytes} not)"
         );

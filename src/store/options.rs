@@ -65,7 +65,9 @@ pub struct StoreOptions {
     /// previous piece that is congruent to its file offset modulo this (so also a
     /// multiple of `piece_align`): a [`ReadMode::Direct`] read then lands in the slot in
     /// place, only the partial alignment units at a run's two ends going through the
-    /// bounce buffer. Set it to the file's direct-I/O alignment (`STATX_DIOALIGN`).
+    /// bounce buffer. Set it to the file's direct-I/O memory alignment (`STATX_DIOALIGN`'s
+    /// `stx_dio_mem_align`: from the first aligned file offset on, only the address must be
+    /// aligned, to that).
     /// Pieces that follow each other in the file stay together in the slot (a gap of
     /// less than the modulus is mirrored). Costs at most `modulus - 1` bytes of padding
     /// per piece. A piece whose file offset is not a multiple of `piece_align` keeps the

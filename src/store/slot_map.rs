@@ -3,7 +3,9 @@
 //! A file source names its pieces in slot order (an engine's gate, up, down); the store
 //! knows them only as lengths. At pack time it lays them out back to back, or each at a
 //! multiple of [`StoreOptions::piece_align`](super::StoreOptions::piece_align) (the slot
-//! grows by the padding), records the layout per layer, and loads each run of pieces
+//! grows by the padding) and, with [`StoreOptions::piece_congruence`](super::StoreOptions::piece_congruence),
+//! congruent to its file offset (so that a direct read lands in place), records the
+//! layout per layer, and loads each run of pieces
 //! that touch inside the slot as one job, so that back-to-back pieces of one file are
 //! still read with one `pread`. Nothing here knows what a piece is for.
 

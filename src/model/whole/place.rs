@@ -13,7 +13,7 @@ use crate::diag;
 use crate::error::{Error, Result};
 use crate::model::Checkpoint;
 use crate::node::{Node, NodeSet};
-use crate::source::direct::dio_alignment;
+use crate::source::direct::dio_mem_alignment;
 use crate::store::{
     ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PieceLayout,
     PinStore, ReadMode, StoreOptions, available_bytes,
@@ -24,8 +24,9 @@ const OP: &str = "Checkpoint::place";
 impl Checkpoint {
     /// What `plan` would cost here, nothing reserved: per class its tensors, bytes,
     /// groups, mappings, `mbind` calls, bytes per node, against one mapping per tensor.
-    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)`, as
-    /// [`Checkpoint::place`] does.
+    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)` (and for
+    /// [`ReadMode::Direct`] congruent to their file offsets, see [`Checkpoint::place`]),
+    /// as [`Checkpoint::place`] does: the two count the same padding.
     ///
     /// # Errors
     /// As [`Checkpoint::place`]'s plan errors: a pattern that matches no dense tensor, a
@@ -60,12 +61,14 @@ impl Checkpoint {
 
     /// The congruence modulus of the dense stores: the caller's
     /// [`StoreOptions::piece_congruence`] when set (1: off, the layout of other read
-    /// modes); at its default 0, for [`ReadMode::Direct`] the largest direct-I/O
-    /// alignment the files report (`STATX_DIOALIGN`, memory and offset), so that a
-    /// tensor whose file offset is a multiple of the dense alignment is read in place;
-    /// 0 (off) for other read modes, for files read buffered anyway (no alignment
-    /// reported), and for an alignment outside `align..=slot` (a modulus the store would
-    /// refuse).
+    /// modes); at its default 0, for [`ReadMode::Direct`] the largest direct-I/O memory
+    /// alignment the files report (`STATX_DIOALIGN`'s `stx_dio_mem_align`: a read lands
+    /// in place from the first aligned file offset on where the address follows the
+    /// offset modulo it), so that a tensor whose file offset is a multiple of the dense
+    /// alignment is read in place; 0 (off) for other read modes, for files read
+    /// buffered anyway (no alignment reported), for an alignment below `align` (then
+    /// every aligned slot offset already follows an aligned file offset modulo it) and
+    /// above `slot` (a modulus the store would refuse).
     fn dense_congruence(&self, options: &StoreOptions, align: usize, slot: usize) -> usize {
         match options.piece_congruence {
             0 => {}
@@ -78,7 +81,7 @@ impl Checkpoint {
         let unit = self
             .files
             .iter()
-            .filter_map(|f| dio_alignment(f.file()))
+            .filter_map(|f| dio_mem_alignment(f.file()))
             .max()
             .unwrap_or(0);
         if (align..=slot).contains(&unit) {
@@ -162,6 +165,16 @@ impl Checkpoint {
     /// slot holding its tensors at multiples of `max(options.piece_align, 64)` in file
     /// order. Every region is bound once before it is touched; replicas are copied from
     /// the first copy.
+    ///
+    /// With [`ReadMode::Direct`] (and [`StoreOptions::piece_congruence`] at its default
+    /// 0), a dense tensor whose file offset is a multiple of that alignment also starts
+    /// at an offset congruent to its file offset modulo the file's direct-I/O memory
+    /// alignment (`stx_dio_mem_align`, where it exceeds the alignment): its read lands in
+    /// the slot in place, only the partial units at its two ends going through the
+    /// loader's bounce buffer, at the price of less than that alignment in padding per
+    /// tensor. A tensor off the alignment in the file keeps the alignment and is read
+    /// through the bounce buffer ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes)
+    /// counts those bytes). `piece_congruence(1)` keeps the alignment alone.
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
