@@ -197,6 +197,9 @@ pub(crate) struct Loading<'r, 'a> {
 pub(crate) struct Filled {
     /// `pread` calls (planned reads, after coalescing).
     pub(crate) reads: usize,
+    /// Slot bytes the direct reads copied out of the loaders' bounce buffers (not landed
+    /// in place).
+    pub(crate) bounced_bytes: u64,
     /// Bytes written by a loader that was on the CPUs filling the slot's target node (its
     /// own, or the nearest node's for a node without CPUs) when it finished it.
     pub(crate) local_bytes: u64,
@@ -253,6 +256,7 @@ struct Fill<'j, 'r, 'a> {
     /// Helpers that have started (made their first allocation), and the signal for it.
     started: (Mutex<usize>, Condvar),
     reads: AtomicUsize,
+    bounced: AtomicU64,
     local_bytes: AtomicU64,
     off_node: AtomicUsize,
     loader_nodes: Mutex<BTreeSet<Node>>,
@@ -281,6 +285,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
             first_error: Mutex::new(None),
             started: (Mutex::new(0), Condvar::new()),
             reads: AtomicUsize::new(0),
+            bounced: AtomicU64::new(0),
             local_bytes: AtomicU64::new(0),
             off_node: AtomicUsize::new(0),
             loader_nodes: Mutex::new(BTreeSet::new()),
@@ -336,8 +341,14 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         self.work(worker, scratch);
     }
 
-    /// Loader `worker`: takes batches until the queue is empty or a loader has failed.
+    /// Loader `worker`: takes batches until the queue is empty or a loader has failed,
+    /// then counts what its bounce buffer copied.
     fn work(&self, worker: usize, mut scratch: Scratch) {
+        self.take_batches(worker, &mut scratch);
+        self.bounced.fetch_add(scratch.bounced(), Ordering::Relaxed);
+    }
+
+    fn take_batches(&self, worker: usize, scratch: &mut Scratch) {
         // Spread over the nodes of interleaved memory: each loader stays on one node's
         // CPUs for the whole fill (its affinity comes back when `_spread` drops).
         let _spread = self.enter_spread(worker);
@@ -383,7 +394,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
                     .and_then(|(_, guard)| guard.node())
                     .unwrap_or(n)
             });
-            self.load(batch, host, &mut scratch);
+            self.load(batch, host, scratch);
         }
     }
 
@@ -458,6 +469,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         }
         Ok(Filled {
             reads: self.reads.into_inner(),
+            bounced_bytes: self.bounced.into_inner(),
             local_bytes: self.local_bytes.into_inner(),
             off_node_loaders: self.off_node.into_inner(),
             loader_nodes: self

@@ -4,7 +4,7 @@
 //! and the cache alike; it knows nothing of either.
 
 mod behind;
-mod direct;
+pub(crate) mod direct;
 pub(crate) mod load;
 mod mode;
 pub(crate) mod progress;

@@ -152,7 +152,7 @@ impl PinStore {
         check_fits(layer, expert, &spec, source)?;
         for kind in Kind::ALL {
             let what = || describe(layer, expert, kind);
-            let places = slot_map::places(&what, source, kind, self.options.piece_align)?;
+            let places = slot_map::places(&what, source, kind, self.piece_layout())?;
             let len = slot_map::extent(&places);
             if len > spec.bytes(kind) {
                 return Err(Error::too_large(

@@ -36,6 +36,7 @@ pub(crate) use layout::{block, block_of};
 pub use manifest::{Manifest, ManifestRegion};
 pub use options::{MAX_ALIGN, SlotAlign, StoreOptions};
 pub use shared::Export;
+pub(crate) use slot_map::PieceLayout;
 pub use slot_map::{SlotMap, SlotPiece};
 pub use spec::{LayerReport, LayerSpec};
 pub use stats::{PAGE_SAMPLE, StoreStats};
@@ -140,8 +141,9 @@ impl PinStore {
                 "loader threads (loader_threads is 0)",
             ));
         }
-        options.slot_align.bytes()?;
+        let slot = options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
+        slot_map::check_piece_congruence(options.piece_congruence, options.piece_align, slot)?;
         if options.assignment.is_some() && (layout.blocks().is_none() || options.shared) {
             return Err(Error::invalid(
                 "PinStore::new",
@@ -281,7 +283,7 @@ impl PinStore {
     ) -> Result<LayerReport> {
         self.check_open(PACK)?;
         let lengths = self.validate(layer, spec, sources)?;
-        let map = SlotMap::build(layer, sources, self.options.piece_align)?.with_ids(ids.clone());
+        let map = SlotMap::build(layer, sources, self.piece_layout())?.with_ids(ids.clone());
         let spec = &map.grown(spec);
         let order = self.slot_order(layer, spec.experts)?;
         let _mark = self.mark_packing(layer)?;
@@ -344,6 +346,7 @@ impl PinStore {
             regions,
             mbind_calls,
             reads: filled.reads,
+            bounced_bytes: filled.bounced_bytes,
             read_mode,
             read_fallback,
             direct_io,

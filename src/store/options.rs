@@ -61,6 +61,26 @@ pub struct StoreOptions {
     /// two (default 1: back to back). A slot grows by the padding; the padding bytes are
     /// zero. [`PinStore::slot_map`] tells where each piece went.
     pub piece_align: usize,
+    /// Where pieces of a file source start modulo this power of two (default 0: off,
+    /// pieces at multiples of [`StoreOptions::piece_align`] only). On, each piece whose
+    /// file offset is a multiple of `piece_align` starts at the first offset after the
+    /// previous piece that is congruent to its file offset modulo this (so also a
+    /// multiple of `piece_align`): a [`ReadMode::Direct`] read then lands in the slot in
+    /// place, only the partial alignment units at a run's two ends going through the
+    /// bounce buffer. Set it to the file's direct-I/O memory alignment (`STATX_DIOALIGN`'s
+    /// `stx_dio_mem_align`: from the first aligned file offset on, only the address must be
+    /// aligned, to that).
+    /// Pieces that follow each other in the file stay together in the slot (a gap of
+    /// less than the modulus is mirrored). Costs at most `modulus - 1` bytes of padding
+    /// per piece. A piece whose file offset is not a multiple of `piece_align` keeps the
+    /// alignment and is read through the bounce buffer. 0 or 1: off; otherwise a power
+    /// of two from `piece_align` to the slot alignment (slots start at multiples of it,
+    /// so a larger modulus could not reach the addresses).
+    ///
+    /// `Checkpoint::place` (feature `model`) lays its dense stores out
+    /// with the files' direct-I/O alignment when this is 0 and the read mode is
+    /// [`ReadMode::Direct`]; 1 keeps them at the alignment alone.
+    pub piece_congruence: usize,
     /// Which node of a [`Layout::SplitExperts`](super::Layout::SplitExperts) set each
     /// expert lives on, for the layers it names (default none: every layer split by
     /// index). Only with `SplitExperts`, and not with [`StoreOptions::shared`].
@@ -190,6 +210,13 @@ impl StoreOptions {
         self
     }
 
+    /// [`StoreOptions::piece_congruence`].
+    #[must_use]
+    pub fn piece_congruence(mut self, modulus: usize) -> Self {
+        self.piece_congruence = modulus;
+        self
+    }
+
     /// [`StoreOptions::assignment`].
     #[must_use]
     pub fn assignment(mut self, assignment: Option<ExpertAssignment>) -> Self {
@@ -211,6 +238,7 @@ impl Default for StoreOptions {
             io_uring: true,
             progress: None,
             piece_align: 1,
+            piece_congruence: 0,
             assignment: None,
         }
     }

@@ -3,7 +3,9 @@
 //! A file source names its pieces in slot order (an engine's gate, up, down); the store
 //! knows them only as lengths. At pack time it lays them out back to back, or each at a
 //! multiple of [`StoreOptions::piece_align`](super::StoreOptions::piece_align) (the slot
-//! grows by the padding), records the layout per layer, and loads each run of pieces
+//! grows by the padding) and, with [`StoreOptions::piece_congruence`](super::StoreOptions::piece_congruence),
+//! congruent to its file offset (so that a direct read lands in place), records the
+//! layout per layer, and loads each run of pieces
 //! that touch inside the slot as one job, so that back-to-back pieces of one file are
 //! still read with one `pread`. Nothing here knows what a piece is for.
 
@@ -60,6 +62,7 @@ type Places = [Box<[SlotPiece]>; Kind::ALL.len()];
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotMap {
     piece_align: usize,
+    piece_congruence: usize,
     /// Distinct layouts.
     places: Vec<Places>,
     /// Slot → index in `places`.
@@ -88,13 +91,84 @@ pub(super) fn check_piece_align(align: usize) -> Result<()> {
     }
 }
 
-/// The layout of one tensor of `source`: its pieces in order, each at the next multiple
-/// of `align`.
-pub(super) fn places(
+/// How pieces are laid out in a slot: [`StoreOptions::piece_align`] and
+/// [`StoreOptions::piece_congruence`] (0: off).
+///
+/// [`StoreOptions::piece_align`]: super::StoreOptions::piece_align
+/// [`StoreOptions::piece_congruence`]: super::StoreOptions::piece_congruence
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PieceLayout {
+    pub(crate) align: usize,
+    pub(crate) modulus: usize,
+}
+
+impl PieceLayout {
+    /// Pieces at multiples of `align`, no congruence.
+    #[cfg(test)]
+    pub(crate) fn aligned(align: usize) -> Self {
+        PieceLayout { align, modulus: 0 }
+    }
+
+    /// Checks the modulus as [`PinStore::new`] does, against the slot alignment `slot`.
+    pub(crate) fn check(self, slot: usize) -> Result<()> {
+        check_piece_congruence(self.modulus, self.align, slot)
+    }
+
+    /// Where a piece at `file_offset` starts in a slot whose pieces so far end at `end`:
+    /// the first offset at or after `end` that is a multiple of the alignment and, with a
+    /// congruence on and a file offset that is a multiple of the alignment, congruent to
+    /// the file offset modulo the modulus; `None` when that overflows.
+    pub(crate) fn offset(self, end: usize, file_offset: u64) -> Option<usize> {
+        let align = self.align.max(1);
+        if self.modulus <= 1 || !file_offset.is_multiple_of(align as u64) {
+            return end.checked_next_multiple_of(align);
+        }
+        // `modulus` is a power of two at least `align` (checked by `PinStore::new`), so
+        // an offset congruent to an `align`-aligned file offset is `align`-aligned too.
+        let want = (file_offset % self.modulus as u64) as usize;
+        let at = (end - end % self.modulus).checked_add(want)?;
+        if at >= end {
+            Some(at)
+        } else {
+            at.checked_add(self.modulus)
+        }
+    }
+}
+
+/// Checks [`StoreOptions::piece_congruence`](super::StoreOptions::piece_congruence)
+/// against the piece and slot alignments.
+pub(super) fn check_piece_congruence(modulus: usize, align: usize, slot: usize) -> Result<()> {
+    if modulus <= 1 {
+        return Ok(());
+    }
+    let why = if !modulus.is_power_of_two() {
+        "not a power of two (0 or 1: off)".to_owned()
+    } else if modulus > super::MAX_ALIGN {
+        format!("larger than {} (the largest alignment)", super::MAX_ALIGN)
+    } else if modulus < align {
+        format!("smaller than piece_align {align}: a piece could not be both")
+    } else if modulus > slot {
+        format!(
+            "larger than the slot alignment {slot}: slots start at multiples of it, so a              piece's address would not follow its offset"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::bad_value(
+        "PinStore::new",
+        "piece_congruence",
+        modulus,
+        why,
+    ))
+}
+
+/// The layout of one tensor of `source`: its pieces in order, each placed by
+/// [`PieceLayout::offset`].
+pub(crate) fn places(
     what: &dyn Fn() -> String,
     source: &ExpertSource<'_>,
     kind: Kind,
-    align: usize,
+    layout: PieceLayout,
 ) -> Result<Vec<SlotPiece>> {
     let overflow = || Error::overflow(OP, format!("{}: a piece offset", what()));
     match source.tensor(kind) {
@@ -107,7 +181,7 @@ pub(super) fn places(
             let mut end = 0usize;
             let mut out = Vec::with_capacity(pieces.len());
             for piece in pieces {
-                let offset = end.checked_next_multiple_of(align).ok_or_else(overflow)?;
+                let offset = layout.offset(end, piece.offset).ok_or_else(overflow)?;
                 end = offset.checked_add(piece.len).ok_or_else(overflow)?;
                 out.push(SlotPiece {
                     offset,
@@ -187,11 +261,12 @@ impl SlotMap {
     pub(super) fn build(
         layer: usize,
         sources: &[ExpertSource<'_>],
-        align: usize,
+        layout: PieceLayout,
     ) -> Result<SlotMap> {
         let mut index: HashMap<Places, usize> = HashMap::new();
         let mut map = SlotMap {
-            piece_align: align,
+            piece_align: layout.align,
+            piece_congruence: layout.modulus,
             places: Vec::new(),
             of_expert: Vec::with_capacity(sources.len()),
             ids: None,
@@ -200,7 +275,7 @@ impl SlotMap {
             let mut places: Places = Default::default();
             for kind in Kind::ALL {
                 let what = || format!("layer {layer} expert {expert} {}", kind.name());
-                places[kind.index()] = self::places(&what, source, kind, align)?.into();
+                places[kind.index()] = self::places(&what, source, kind, layout)?.into();
             }
             let next = map.places.len();
             let at = *index.entry(places.clone()).or_insert(next);
@@ -254,6 +329,12 @@ impl SlotMap {
         self.piece_align
     }
 
+    /// The congruence modulus the layer was packed with (0: off; see
+    /// [`StoreOptions::piece_congruence`](super::StoreOptions::piece_congruence)).
+    pub fn piece_congruence(&self) -> usize {
+        self.piece_congruence
+    }
+
     /// Experts in the layer (in its share, for a layer packed as one).
     pub fn experts(&self) -> usize {
         self.of_expert.len()
@@ -300,6 +381,14 @@ impl SlotMap {
 }
 
 impl PinStore {
+    /// How this store lays pieces out in its slots.
+    pub(super) fn piece_layout(&self) -> PieceLayout {
+        PieceLayout {
+            align: self.options.piece_align,
+            modulus: self.options.piece_congruence,
+        }
+    }
+
     /// Where each piece starts inside the slots of `layer`, as it was packed (see
     /// [`SlotMap`]).
     ///
@@ -335,23 +424,23 @@ mod tests {
         let f = file();
         let source = ExpertSource::from_file(&f, &[(0, 100), (100, 28), (500, 1)], &[(9, 3)]);
         let what = || "test".to_string();
-        let back = places(&what, &source, Kind::Weights, 1).unwrap();
+        let back = places(&what, &source, Kind::Weights, PieceLayout::aligned(1)).unwrap();
         assert_eq!(offsets(&back), [(0, 100), (100, 28), (128, 1)]);
-        let aligned = places(&what, &source, Kind::Weights, 64).unwrap();
+        let aligned = places(&what, &source, Kind::Weights, PieceLayout::aligned(64)).unwrap();
         assert_eq!(offsets(&aligned), [(0, 100), (128, 28), (192, 1)]);
         assert_eq!(extent(&aligned), 193);
-        let scales = places(&what, &source, Kind::Scales, 64).unwrap();
+        let scales = places(&what, &source, Kind::Scales, PieceLayout::aligned(64)).unwrap();
         assert_eq!(offsets(&scales), [(0, 3)]);
         let empty = ExpertSource::Memory {
             weights: &[1, 2],
             scales: &[],
         };
         assert_eq!(
-            offsets(&places(&what, &empty, Kind::Weights, 4096).unwrap()),
+            offsets(&places(&what, &empty, Kind::Weights, PieceLayout::aligned(4096)).unwrap()),
             [(0, 2)]
         );
         assert!(
-            places(&what, &empty, Kind::Scales, 4096)
+            places(&what, &empty, Kind::Scales, PieceLayout::aligned(4096))
                 .unwrap()
                 .is_empty()
         );
@@ -365,7 +454,7 @@ mod tests {
             scales: vec![],
         };
         let what = || "layer 7".to_string();
-        let err = places(&what, &source, Kind::Weights, 64).unwrap_err();
+        let err = places(&what, &source, Kind::Weights, PieceLayout::aligned(64)).unwrap_err();
         assert!(err.to_string().contains("layer 7"), "{err}");
     }
 
@@ -421,7 +510,7 @@ mod tests {
         let sources: Vec<ExpertSource> = (0..3)
             .map(|e| ExpertSource::from_file(&f, &[(e * 100, 50), (e * 100 + 50, 50)], &[]))
             .collect();
-        let mut map = SlotMap::build(0, &sources, 1).unwrap();
+        let mut map = SlotMap::build(0, &sources, PieceLayout::aligned(1)).unwrap();
         assert_eq!(map.places.len(), 1);
         assert_eq!(map.experts(), 3);
         assert_eq!(
@@ -449,7 +538,146 @@ mod tests {
             [(0, 50), (50, 50)]
         );
         assert_eq!(map.pieces(3, Kind::Weights), None);
-        let aligned = SlotMap::build(0, &sources, 4096).unwrap();
+        let aligned = SlotMap::build(0, &sources, PieceLayout::aligned(4096)).unwrap();
         assert_eq!(aligned.grown(&spec).weight_bytes, 4096 + 50);
+    }
+
+    /// The pieces of a dense group: file offsets and lengths as a GGUF file at 32-byte
+    /// alignment has them (some at 32 mod 64), one 100 bytes past its predecessor.
+    const FILE: [(u64, usize); 5] = [
+        (4096 + 64, 8192),
+        (4096 + 64 + 8192, 256),            // continues the previous one
+        (4096 + 64 + 8192 + 256 + 32, 100), // 32 mod 64: the alignment wins
+        (20_000 * 64, 4032),
+        (20_000 * 64 + 4032 + 128, 64), // a gap of 128 bytes: mirrored
+    ];
+
+    #[test]
+    fn congruent_pieces_follow_their_file_offsets_modulo_the_modulus() {
+        let f = file();
+        let source = ExpertSource::from_file(&f, &FILE, &[]);
+        let what = || "test".to_string();
+        for modulus in [512usize, 4096] {
+            let layout = PieceLayout { align: 64, modulus };
+            let places = places(&what, &source, Kind::Weights, layout).unwrap();
+            let mut end = 0;
+            for (p, &(offset, len)) in places.iter().zip(&FILE) {
+                assert_eq!(p.len, len);
+                assert!(p.offset >= end, "{places:?}");
+                assert!(p.offset.is_multiple_of(64), "{places:?}");
+                if offset.is_multiple_of(64) {
+                    // Congruent, and no more padding than one modulus.
+                    assert_eq!(p.offset as u64 % modulus as u64, offset % modulus as u64);
+                    assert!(p.offset - end < modulus, "{places:?}");
+                } else {
+                    // The alignment wins: the next multiple of 64.
+                    assert_eq!(p.offset, end.next_multiple_of(64));
+                }
+                end = p.end();
+            }
+            // Contiguous in the file, contiguous in the slot; a gap mirrored.
+            assert_eq!(places[1].offset, places[0].end());
+            assert_eq!(places[4].offset, places[3].end() + 128);
+            assert_eq!(places[0].offset, (4096 + 64) % modulus);
+        }
+        // Off (0 and 1): today's layout.
+        for off in [0, 1] {
+            let layout = PieceLayout {
+                align: 64,
+                modulus: off,
+            };
+            assert_eq!(
+                places(&what, &source, Kind::Weights, layout).unwrap(),
+                places(&what, &source, Kind::Weights, PieceLayout::aligned(64)).unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn a_congruent_layout_runs_as_one_job_per_file_run() {
+        let f = file();
+        let source = ExpertSource::from_file(&f, &FILE, &[]);
+        let layout = PieceLayout {
+            align: 64,
+            modulus: 4096,
+        };
+        let places = places(&|| "t".into(), &source, Kind::Weights, layout).unwrap();
+        let mut slot = vec![0u8; extent(&places)];
+        let jobs = jobs(
+            &places,
+            &mut slot,
+            source.tensor(Kind::Weights),
+            (0, 0, Kind::Weights),
+        )
+        .unwrap();
+        // Pieces 0-1 touch; 2 (32 bytes further in the file, 32 mod 64) goes to the next
+        // multiple of 64, where 1 ends, so it touches too (its read is its own: the file
+        // has a gap); 3 starts at its congruent offset, 4 after the mirrored gap.
+        let runs: Vec<usize> = jobs
+            .iter()
+            .map(|j| match j.tensor {
+                Tensor::File(p) => p.len(),
+                Tensor::Memory(_) => 0,
+            })
+            .collect();
+        assert_eq!(runs, [3, 1, 1]);
+    }
+
+    #[test]
+    fn bad_moduli_are_refused_by_name() {
+        let page = crate::page::page_size();
+        for modulus in [0, 1, 64, 512, page] {
+            check_piece_congruence(modulus, 64, page).unwrap();
+        }
+        for (modulus, words) in [
+            (3, "power of two"),
+            (usize::MAX, "power of two"),
+            (super::super::MAX_ALIGN * 2, "larger than"),
+            (32, "smaller than piece_align 64"),
+            (page * 2, "slot alignment"),
+        ] {
+            let e = check_piece_congruence(modulus, 64, page).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains("piece_congruence") && text.contains(words),
+                "{modulus}: {text}"
+            );
+        }
+        let store = |m| {
+            PinStore::new(
+                super::super::Layout::Unplaced,
+                super::super::StoreOptions::default()
+                    .piece_align(64)
+                    .piece_congruence(m),
+            )
+        };
+        assert!(store(3).is_err() && store(usize::MAX).is_err());
+        assert!(store(0).is_ok() && store(4096.min(page)).is_ok());
+    }
+
+    #[test]
+    fn congruent_offsets_that_overflow_are_an_error() {
+        let f = file();
+        let layout = PieceLayout {
+            align: 64,
+            modulus: 4096,
+        };
+        let what = || "layer 9".to_string();
+        // A piece at the top of the file offsets, after one that fills the slot offsets.
+        let top = u64::MAX - 4095; // a multiple of 4096: congruent to 0
+        let source = ExpertSource::File {
+            weights: vec![Piece::new(&f, 1, usize::MAX - 100), Piece::new(&f, top, 1)],
+            scales: vec![],
+        };
+        let e = places(&what, &source, Kind::Weights, layout).unwrap_err();
+        assert!(e.to_string().contains("layer 9"), "{e}");
+        let near = ExpertSource::File {
+            weights: vec![Piece::new(&f, u64::MAX - 63, 10)],
+            scales: vec![],
+        };
+        let p = places(&what, &near, Kind::Weights, layout).unwrap();
+        assert_eq!(p[0].offset as u64, (u64::MAX - 63) % 4096);
+        assert_eq!(layout.offset(usize::MAX - 10, 0), None);
+        assert_eq!(layout.offset(usize::MAX - 10, u64::MAX - 63), None);
     }
 }

@@ -99,6 +99,12 @@ pub struct LayerReport {
     /// `pread` calls planned (after coalescing; a direct read may split one into aligned
     /// windows).
     pub reads: usize,
+    /// Bytes a [`ReadMode::Direct`] load copied into the slots through the loaders'
+    /// bounce buffers rather than reading them in place: pieces whose slot address does
+    /// not follow their file offset, and the partial alignment units at the ends of the
+    /// ones that do (see [`StoreOptions::piece_congruence`]). 0 for other read modes.
+    ///
+    pub bounced_bytes: u64,
     /// How the files were read: [`StoreOptions::read_mode`], or [`ReadMode::Buffered`]
     /// when a direct read fell back (then [`LayerReport::read_fallback`] says why).
     pub read_mode: ReadMode,

@@ -8,9 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan, expert_layout_text};
 use crate::error::{CheckpointFault, Error, Result};
-use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, SliceAxis, TensorInfo, TensorSlice};
+use crate::model::{
+    Checkpoint, Dtype, ExpertPieces, ExpertPlan, Naming, SliceAxis, TensorInfo, TensorPiece,
+    TensorSlice,
+};
 use crate::node::{Node, NodeSet};
-use crate::store::Layout;
+use crate::store::{Layout, PieceLayout};
 
 /// Dense tensors start at multiples of this inside their group's slot at least: GGUF's
 /// default alignment is 32 and AVX-512 loads want 64.
@@ -38,7 +41,10 @@ pub(crate) struct Assigned {
     pub(crate) groups: Vec<Group>,
     /// The dense stores: one per (class, layout) that has a group.
     pub(crate) stores: Vec<(TensorClass, DenseLayout)>,
-    pub(crate) piece_align: usize,
+    /// How dense tensors are laid out in their group's slot.
+    pub(crate) layout: PieceLayout,
+    /// The experts' congruence modulus (their store's `piece_congruence`).
+    pub(crate) expert_modulus: usize,
     /// Per checkpoint tensor: the part of it this rank holds under a dense slice.
     pub(crate) cuts: Vec<Option<DenseCut>>,
 }
@@ -54,6 +60,15 @@ pub(crate) struct DenseCut {
 }
 
 impl Assigned {
+    /// The file offset of the bytes of tensor `index` this rank holds.
+    pub(crate) fn held_offset(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
+        let start = checkpoint.tensors()[index].offset();
+        match self.cuts.get(index).copied().flatten() {
+            Some(cut) => start.saturating_add(cut.offset),
+            None => start,
+        }
+    }
+
     /// The bytes of tensor `index` this rank holds.
     pub(crate) fn held_len(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
         match self.cuts.get(index).copied().flatten() {
@@ -214,7 +229,7 @@ fn size_fault(checkpoint: &Checkpoint, t: &TensorInfo, why: String) -> Error {
 pub(crate) fn assign(
     checkpoint: &Checkpoint,
     plan: &PlacementPlan,
-    piece_align: usize,
+    (layout, expert_modulus): (PieceLayout, usize),
 ) -> Result<Assigned> {
     let mut experts = experts_of(checkpoint)?;
     let mut cuts = vec![None; checkpoint.tensors().len()];
@@ -324,7 +339,8 @@ pub(crate) fn assign(
         class_of,
         groups,
         stores,
-        piece_align,
+        layout,
+        expert_modulus,
         cuts,
     })
 }
@@ -385,13 +401,21 @@ fn align_up(n: u64, a: u64) -> u64 {
     n.div_ceil(a.max(1)).saturating_mul(a.max(1))
 }
 
-/// The slot extent of pieces of `lens` laid out at multiples of `align`, rounded to the
-/// slot alignment `slot`.
-pub(crate) fn slot_bytes(lens: impl Iterator<Item = u64>, align: u64, slot: u64) -> u64 {
-    let end = lens
-        .filter(|&n| n > 0)
-        .fold(0u64, |at, n| align_up(at, align).saturating_add(n));
-    align_up(end, slot)
+/// The slot extent of the non-empty pieces `(file offset, len)` laid out as the store
+/// lays them out ([`PieceLayout::offset`]), rounded to the slot alignment `slot`
+/// (`u64::MAX` where that overflows: no node has room for it).
+pub(crate) fn slot_bytes(
+    pieces: impl Iterator<Item = (u64, u64)>,
+    layout: PieceLayout,
+    slot: u64,
+) -> u64 {
+    let end = pieces
+        .filter(|&(_, n)| n > 0)
+        .try_fold(0usize, |at, (offset, n)| {
+            let n = usize::try_from(n).ok()?;
+            layout.offset(at, offset)?.checked_add(n)
+        });
+    end.map_or(u64::MAX, |end| align_up(end as u64, slot))
 }
 
 /// Adds `bytes` spread over `set` page by page (rounded up per node).
@@ -430,8 +454,13 @@ impl Assigned {
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
             let copy = slot_bytes(
-                g.tensors.iter().map(|&i| self.held_len(checkpoint, i)),
-                self.piece_align as u64,
+                g.tensors.iter().map(|&i| {
+                    (
+                        self.held_offset(checkpoint, i),
+                        self.held_len(checkpoint, i),
+                    )
+                }),
+                self.layout,
                 slot,
             );
             one_copy = one_copy.saturating_add(copy);
@@ -466,7 +495,11 @@ impl Assigned {
         if let Some(experts) = &self.experts {
             let mut c = entry(TensorClass::RoutedExperts);
             c.layout = expert_layout_text(&plan.experts);
-            let (u, o) = expert_cost(&mut c, experts, plan.experts, self.piece_align as u64, slot);
+            let layout = PieceLayout {
+                align: self.layout.align,
+                modulus: self.expert_modulus,
+            };
+            let (u, o) = expert_cost(&mut c, experts, plan.experts, layout, slot);
             unbound = unbound.saturating_add(u);
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
@@ -497,7 +530,7 @@ fn expert_cost(
     c: &mut ClassCost,
     experts: &ExpertPlan,
     layout: Layout,
-    align: u64,
+    pieces_layout: PieceLayout,
     slot: u64,
 ) -> (u64, u64) {
     let (mut unbound, mut one_copy) = (0u64, 0u64);
@@ -509,11 +542,27 @@ fn expert_cost(
         c.groups += 1;
         c.tensors += count * (first.weights().len() + first.scales().len());
         c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
-        for pieces in [first.weights(), first.scales()] {
+        let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
+            [ExpertPieces::weights, ExpertPieces::scales];
+        for of in kinds {
+            let pieces = of(first);
             if pieces.is_empty() {
                 continue;
             }
-            let stride = slot_bytes(pieces.iter().map(|p| p.len()), align, slot);
+            let extent = |e: &ExpertPieces| {
+                slot_bytes(
+                    of(e).iter().map(|p| (p.offset(), p.len())),
+                    pieces_layout,
+                    slot,
+                )
+            };
+            // Under a congruence each expert's padding follows its own file offsets: the
+            // slot is the largest; without one every expert of a layer has `first`'s.
+            let stride = if pieces_layout.modulus > 1 {
+                layer.experts().iter().map(extent).max().unwrap_or(0)
+            } else {
+                extent(first)
+            };
             let bytes = stride.saturating_mul(count as u64);
             one_copy = one_copy.saturating_add(bytes);
             let per_copy_tensors = count * pieces.len();

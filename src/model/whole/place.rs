@@ -13,9 +13,10 @@ use crate::diag;
 use crate::error::{Error, Result};
 use crate::model::Checkpoint;
 use crate::node::{Node, NodeSet};
+use crate::source::direct::dio_mem_alignment;
 use crate::store::{
-    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PinStore,
-    StoreOptions, available_bytes,
+    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PieceLayout,
+    PinStore, ReadMode, StoreOptions, available_bytes,
 };
 
 const OP: &str = "Checkpoint::place";
@@ -23,8 +24,9 @@ const OP: &str = "Checkpoint::place";
 impl Checkpoint {
     /// What `plan` would cost here, nothing reserved: per class its tensors, bytes,
     /// groups, mappings, `mbind` calls, bytes per node, against one mapping per tensor.
-    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)`, as
-    /// [`Checkpoint::place`] does.
+    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)` (and for
+    /// [`ReadMode::Direct`] congruent to their file offsets, see [`Checkpoint::place`]),
+    /// as [`Checkpoint::place`] does: the two count the same padding.
     ///
     /// # Errors
     /// As [`Checkpoint::place`]'s plan errors: a pattern that matches no dense tensor, a
@@ -40,8 +42,53 @@ impl Checkpoint {
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
         let align = options.piece_align.max(DENSE_ALIGN);
-        let slot = options.slot_align.bytes()? as u64;
-        Ok((assign(self, plan, align)?, slot))
+        let slot = options.slot_align.bytes()?;
+        // The experts' store would refuse a bad modulus only after the dense ones are
+        // packed: refused here, before anything is reserved (and by the dry run too).
+        let experts = PieceLayout {
+            align: options.piece_align,
+            modulus: options.piece_congruence,
+        };
+        experts.check(slot)?;
+        let layout = PieceLayout {
+            align,
+            modulus: self.dense_congruence(options, align, slot),
+        };
+        layout.check(slot)?;
+        let assigned = assign(self, plan, (layout, options.piece_congruence))?;
+        Ok((assigned, slot as u64))
+    }
+
+    /// The congruence modulus of the dense stores: the caller's
+    /// [`StoreOptions::piece_congruence`] when set (1: off, the layout of other read
+    /// modes); at its default 0, for [`ReadMode::Direct`] the largest direct-I/O memory
+    /// alignment the files report (`STATX_DIOALIGN`'s `stx_dio_mem_align`: a read lands
+    /// in place from the first aligned file offset on where the address follows the
+    /// offset modulo it), so that a tensor whose file offset is a multiple of the dense
+    /// alignment is read in place; 0 (off) for other read modes, for files read
+    /// buffered anyway (no alignment reported), for an alignment below `align` (then
+    /// every aligned slot offset already follows an aligned file offset modulo it) and
+    /// above `slot` (a modulus the store would refuse).
+    fn dense_congruence(&self, options: &StoreOptions, align: usize, slot: usize) -> usize {
+        match options.piece_congruence {
+            0 => {}
+            1 => return 0,
+            modulus => return modulus.max(align),
+        }
+        if options.read_mode != ReadMode::Direct {
+            return 0;
+        }
+        let unit = self
+            .files
+            .iter()
+            .filter_map(|f| dio_mem_alignment(f.file()))
+            .max()
+            .unwrap_or(0);
+        if (align..=slot).contains(&unit) {
+            unit
+        } else {
+            0
+        }
     }
 
     /// The default plan over `nodes`, which looks at free memory per node: routed experts
@@ -119,6 +166,16 @@ impl Checkpoint {
     /// order. Every region is bound once before it is touched; replicas are copied from
     /// the first copy.
     ///
+    /// With [`ReadMode::Direct`] (and [`StoreOptions::piece_congruence`] at its default
+    /// 0), a dense tensor whose file offset is a multiple of that alignment also starts
+    /// at an offset congruent to its file offset modulo the file's direct-I/O memory
+    /// alignment (`stx_dio_mem_align`, where it exceeds the alignment): its read lands in
+    /// the slot in place, only the partial units at its two ends going through the
+    /// loader's bounce buffer, at the price of less than that alignment in padding per
+    /// tensor. A tensor off the alignment in the file keeps the alignment and is read
+    /// through the bounce buffer ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes)
+    /// counts those bytes). `piece_congruence(1)` keeps the alignment alone.
+    ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
     /// L × copies mappings (+1 for a global group); the experts cost what the store
@@ -139,13 +196,17 @@ impl Checkpoint {
         let cost = assigned.cost(self, plan, slot);
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
-        let dense_options = options.clone().piece_align(assigned.piece_align);
+        let dense_options = options
+            .clone()
+            .piece_align(assigned.layout.align)
+            .piece_congruence(assigned.layout.modulus);
         let mut stores = Vec::with_capacity(assigned.stores.len());
         for &(class, layout) in &assigned.stores {
             stores.push(DenseStore {
                 class,
                 store: PinStore::new(layout.store_layout(), dense_options.clone())?,
                 reads: 0,
+                bounced: 0,
             });
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
@@ -171,6 +232,7 @@ impl Checkpoint {
             let dense = &mut stores[g.store];
             let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
             dense.reads += report.reads;
+            dense.bounced += report.bounced_bytes;
             let map = dense.store.slot_map(g.slot_layer)?;
             let slots = map.pieces(0, Kind::Weights).unwrap_or_default();
             for (&i, sp) in packed.iter().zip(slots) {

@@ -51,6 +51,10 @@ pub struct ClassMeasured {
     pub mbind_calls: usize,
     /// `pread` calls its loads made (dense classes; the experts' are in their report).
     pub reads: usize,
+    /// Bytes its [`ReadMode::Direct`](crate::store::ReadMode::Direct) loads copied through
+    /// the bounce buffer instead of reading in place (dense classes; the experts' are in
+    /// their report's [`LayerReport::bounced_bytes`](crate::store::LayerReport::bounced_bytes)).
+    pub bounced_bytes: u64,
     /// `bound`, `unplaced`, or `degraded: REASON` (one copy, no policy).
     pub placement: String,
 }
@@ -62,13 +66,13 @@ impl PlacedModel {
         let stores = self
             .stores
             .iter()
-            .map(|s| (s.class, &s.store, s.reads))
+            .map(|s| (s.class, &s.store, s.reads, s.bounced))
             .chain(
                 self.experts
                     .iter()
-                    .map(|s| (TensorClass::RoutedExperts, s, 0)),
+                    .map(|s| (TensorClass::RoutedExperts, s, 0, 0)),
             );
-        for (class, store, reads) in stores {
+        for (class, store, reads, bounced) in stores {
             let stats = store.stats()?;
             let placement = placement_text(store, stats.placement);
             match out.iter_mut().find(|m| m.class == class) {
@@ -76,6 +80,7 @@ impl PlacedModel {
                     m.mappings += stats.vmas;
                     m.mbind_calls += stats.mbind_calls;
                     m.reads += reads;
+                    m.bounced_bytes += bounced;
                     if m.placement != placement {
                         m.placement = format!("{}, {placement}", m.placement);
                     }
@@ -85,6 +90,7 @@ impl PlacedModel {
                     mappings: stats.vmas,
                     mbind_calls: stats.mbind_calls,
                     reads,
+                    bounced_bytes: bounced,
                     placement,
                 }),
             }

@@ -74,6 +74,7 @@ pub(crate) struct DenseStore {
     pub(crate) class: TensorClass,
     pub(crate) store: PinStore,
     pub(crate) reads: usize,
+    pub(crate) bounced: u64,
 }
 
 /// A checkpoint placed whole by [`Checkpoint::place`]: its stores and a view of every
