@@ -226,7 +226,31 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         &report.layer_reports,
     )?;
     let purge = if args.purge() { Some(purge()?) } else { None };
-    let model = ModelJson {
+    let model = model_json(path, &plan, &report, &verify);
+    if !model.complete {
+        return Err(format!(
+            "{}: the plan is not complete (an expert lacks a role): not reporting it as pinned",
+            path.display()
+        ));
+    }
+    if args.json {
+        return print_json(args, &run, purge, Some(model), None);
+    }
+    print_checkpoint(path, &model, &report, &verify, &plan, &run);
+    print_report(&run, None, &args.nodes, args.layout.name());
+    print_purge(purge);
+    Ok(())
+}
+
+/// What the JSON report says of the checkpoint: its files, naming, layers and roles, and
+/// how many slots were verified against the plan.
+fn model_json(
+    path: &std::path::Path,
+    plan: &numapin::model::ExpertPlan,
+    report: &numapin::model::ModelReport,
+    verify: &numapin::model::VerifyReport,
+) -> ModelJson {
+    ModelJson {
         path: path.display().to_string(),
         naming: report.naming.clone(),
         files: report.files,
@@ -248,16 +272,18 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
             })
             .collect(),
         share: report.share.as_ref().map(ShareJson::new),
-    };
-    if !model.complete {
-        return Err(format!(
-            "{}: the plan is not complete (an expert lacks a role): not reporting it as pinned",
-            path.display()
-        ));
     }
-    if args.json {
-        return print_json(args, &run, purge, Some(model), None);
-    }
+}
+
+/// The checkpoint's part of the text report: what was packed, for the engine, verified.
+fn print_checkpoint(
+    path: &std::path::Path,
+    model: &ModelJson,
+    report: &numapin::model::ModelReport,
+    verify: &numapin::model::VerifyReport,
+    plan: &numapin::model::ExpertPlan,
+    run: &Run,
+) {
     println!("numapin pin_model: {}", path.display());
     println!(
         "  checkpoint       {} file(s), naming {}, {} MoE layers (model layers {})",
@@ -282,9 +308,6 @@ fn run_checkpoint(args: &PinModelArgs, path: &std::path::Path) -> Result<(), Str
         run.read_mode,
         plan.layers().first().map_or(0, |l| l.roles().count())
     );
-    print_report(&run, None, &args.nodes, args.layout.name());
-    print_purge(purge);
-    Ok(())
 }
 
 /// `0-2,5` style list of the model layer numbers, with the experts of each when they

@@ -1,13 +1,15 @@
 //! One error type that keeps the story: which call, which errno, which arguments.
 
+mod build;
+mod errno;
 mod invalid;
 mod quote;
 
 use std::fmt;
 
+use errno::{errno_meaning, errno_name};
 pub use invalid::Invalid;
 use invalid::wide;
-use quote::{PATH_MAX, REASON_MAX};
 pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list};
 
 use crate::nodeset::{Node, NodeSet};
@@ -324,192 +326,6 @@ impl Error {
             _ => None,
         }
     }
-
-    pub(crate) fn os(op: &'static str, errno: Errno, args: impl fmt::Display) -> Self {
-        Error::Os {
-            op,
-            errno,
-            args: args.to_string(),
-        }
-    }
-
-    /// An invalid argument of a kind nobody matches on: [`Invalid::Other`]. The
-    /// conditions a caller reacts to have their own constructors below.
-    pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
-        Self::invalid_because(op, Invalid::Other(reason.into()))
-    }
-
-    /// An invalid argument with a typed detail.
-    pub(crate) fn invalid_because(op: &'static str, reason: Invalid) -> Self {
-        Error::InvalidArgument { op, reason }
-    }
-
-    /// [`Invalid::Misaligned`].
-    pub(crate) fn misaligned(
-        op: &'static str,
-        what: impl Into<String>,
-        value: impl TryInto<u64>,
-        align: impl TryInto<u64>,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::Misaligned {
-                what: what.into(),
-                value: wide(value),
-                align: wide(align),
-            },
-        )
-    }
-
-    /// [`Invalid::OutOfBounds`]: `range` (a single offset is `offset..offset`) is not
-    /// inside `within`, which holds `len` bytes.
-    pub(crate) fn out_of_bounds(
-        op: &'static str,
-        what: impl Into<String>,
-        range: std::ops::Range<u64>,
-        len: impl TryInto<u64>,
-        within: &'static str,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::OutOfBounds {
-                what: what.into(),
-                start: range.start,
-                end: range.end,
-                len: wide(len),
-                within,
-            },
-        )
-    }
-
-    /// [`Invalid::Overflow`].
-    pub(crate) fn overflow(op: &'static str, what: impl Into<String>) -> Self {
-        Self::invalid_because(op, Invalid::Overflow { what: what.into() })
-    }
-
-    /// [`Invalid::BadValue`].
-    pub(crate) fn bad_value(
-        op: &'static str,
-        what: &'static str,
-        value: impl fmt::Display,
-        why: impl Into<String>,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::BadValue {
-                what,
-                value: value.to_string(),
-                why: why.into(),
-            },
-        )
-    }
-
-    /// [`Invalid::TooLarge`].
-    pub(crate) fn too_large(
-        op: &'static str,
-        what: impl Into<String>,
-        size: impl TryInto<u64>,
-        max: impl TryInto<u64>,
-        within: &'static str,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::TooLarge {
-                what: what.into(),
-                size: wide(size),
-                max: wide(max),
-                within,
-            },
-        )
-    }
-
-    /// [`Invalid::Mismatch`].
-    pub(crate) fn mismatch(
-        op: &'static str,
-        what: impl Into<String>,
-        expected: impl TryInto<u64>,
-        found: impl TryInto<u64>,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::Mismatch {
-                what: what.into(),
-                expected: wide(expected),
-                found: wide(found),
-            },
-        )
-    }
-
-    /// [`Invalid::Empty`].
-    pub(crate) fn empty(op: &'static str, what: impl Into<String>) -> Self {
-        Self::invalid_because(op, Invalid::Empty { what: what.into() })
-    }
-
-    /// [`Invalid::NoSuchNode`].
-    pub(crate) fn no_such_node(
-        op: &'static str,
-        what: impl Into<String>,
-        node: usize,
-        limit: usize,
-        machine: Option<String>,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::NoSuchNode {
-                what: what.into(),
-                node,
-                limit,
-                machine,
-            },
-        )
-    }
-
-    /// [`Invalid::WrongBacking`].
-    pub(crate) fn wrong_backing(
-        op: &'static str,
-        found: impl Into<String>,
-        needed: &'static str,
-    ) -> Self {
-        Self::invalid_because(
-            op,
-            Invalid::WrongBacking {
-                found: found.into(),
-                needed,
-            },
-        )
-    }
-
-    /// A checkpoint error. The tensor name is clipped to [`QUOTE_MAX`] bytes (with its
-    /// length), the file to [`PATH_MAX`] and the reason to [`REASON_MAX`]: each may quote
-    /// what a file chose, and a file may choose megabytes. Callers quote file-chosen
-    /// values in the reason with [`quote`] and lists with [`quote_list`]; the reason's cap
-    /// is a backstop.
-    #[cfg_attr(not(feature = "model"), allow(dead_code))]
-    pub(crate) fn checkpoint(
-        file: impl Into<String>,
-        tensor: Option<&str>,
-        kind: CheckpointFault,
-        reason: impl Into<String>,
-    ) -> Self {
-        Error::Checkpoint {
-            file: clip_owned(file.into(), PATH_MAX),
-            tensor: tensor.map(|t| match clip(t, QUOTE_MAX) {
-                (t, false) => t.to_owned(),
-                (head, true) => format!("{head}… ({} bytes)", t.len()),
-            }),
-            kind,
-            reason: clip_owned(reason.into(), REASON_MAX),
-        }
-    }
-
-    pub(crate) fn io(op: &'static str, path: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io {
-            op,
-            // A path may come from a file (a shard named by an index): bounded as well.
-            path: clip_owned(path.into(), PATH_MAX),
-            source: std::sync::Arc::new(source),
-        }
-    }
 }
 
 impl From<Error> for std::io::Error {
@@ -593,65 +409,9 @@ impl fmt::Display for CheckpointFault {
 /// `Result` with numapin's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-fn errno_name(errno: Errno) -> &'static str {
-    match errno {
-        Errno::PERM => "EPERM",
-        Errno::NOENT => "ENOENT",
-        Errno::SRCH => "ESRCH",
-        Errno::IO => "EIO",
-        Errno::NOMEM => "ENOMEM",
-        Errno::ACCESS => "EACCES",
-        Errno::FAULT => "EFAULT",
-        Errno::BUSY => "EBUSY",
-        Errno::XDEV => "EXDEV",
-        Errno::INVAL => "EINVAL",
-        Errno::NOSYS => "ENOSYS",
-        Errno::AGAIN => "EAGAIN",
-        Errno::OVERFLOW => "EOVERFLOW",
-        Errno::NODEV => "ENODEV",
-        _ => "errno",
-    }
-}
-
-/// What an errno means for the NUMA calls, not the generic strerror.
-fn errno_meaning(op: &str, errno: Errno) -> &'static str {
-    match (op, errno) {
-        ("mbind", Errno::INVAL) => {
-            "unaligned address, unknown mode or flags, a mask that is empty after removing \
-             nodes without memory or outside mems_allowed, or mode flags the mode cannot take"
-        }
-        ("mbind", Errno::FAULT) => "part of the range is not mapped",
-        ("mbind", Errno::IO) => "MPOL_MF_STRICT: existing pages are on other nodes",
-        ("mbind" | "munmap" | "mmap" | "madvise", Errno::NOMEM) => {
-            "out of memory or out of mappings: splitting a VMA needs a map slot \
-             (see vm.max_map_count)"
-        }
-        ("set_mempolicy" | "get_mempolicy", Errno::INVAL) => {
-            "unknown mode or flags, a mask empty after removing unusable nodes, or maxnode \
-             below the kernel's possible node count"
-        }
-        ("move_pages", Errno::NODEV) => "a target node is not online",
-        ("mallctl", Errno::PERM) => {
-            "jemalloc refused a read or write through a void key: this key takes no \
-             old or new value (pass NULL pointers)"
-        }
-        ("mallctl", Errno::NOENT) => "jemalloc has no such key (or it is not compiled in)",
-        ("mallctl", Errno::INVAL) => "jemalloc: wrong value size or value for this key",
-        ("mallctl", Errno::AGAIN) => "jemalloc: a temporary failure, try again",
-        ("mlock", Errno::NOMEM) => "RLIMIT_MEMLOCK reached, or part of the range is not mapped",
-        (_, Errno::PERM) => {
-            "not permitted (a seccomp profile, or a missing capability such as CAP_SYS_NICE)"
-        }
-        (_, Errno::NOSYS) => "the kernel does not implement this call (built without CONFIG_NUMA?)",
-        (_, Errno::NOMEM) => "out of memory",
-        (_, Errno::INVAL) => "invalid argument",
-        (_, Errno::FAULT) => "bad address",
-        _ => "see the man page",
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::quote::{PATH_MAX, REASON_MAX};
     use super::*;
 
     #[test]

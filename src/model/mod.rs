@@ -40,6 +40,7 @@ mod plan;
 pub mod safetensors;
 mod share;
 mod slice;
+mod verify;
 mod whole;
 
 use std::fs::File;
@@ -53,10 +54,11 @@ pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
     PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
 };
-pub use pack::{ModelReport, ShareReport, SlotMismatch, VerifyReport};
+pub use pack::{ModelReport, ShareReport};
 pub use safetensors::Dtype as SafetensorsDtype;
 pub use share::{ExpertShare, LayerShare, Share};
 pub use slice::{RoleSlice, SliceAxis, TensorSlice};
+pub use verify::{SlotMismatch, VerifyReport};
 pub use whole::{
     Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, DenseSlice, ExpertPieceView,
     PlacedModel, PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,

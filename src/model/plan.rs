@@ -97,7 +97,36 @@ impl Plan<'_> {
     }
 }
 
-pub(crate) fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
+// `Naming::plan` lives beside its builder, so that the arrow runs one way: this module
+// reads the naming's types, the naming module needs nothing of this one.
+impl Naming {
+    /// The plan of `checkpoint`'s experts under this naming.
+    ///
+    /// An expert is complete or it is an error: every expert `0..E` of a MoE layer must
+    /// have every role of the naming (see [`Naming::role_name`]). A preset with scales
+    /// wants a scale for every weight role of a layer where any scale is present. Beside
+    /// a safetensors checkpoint, a `config.json` (`num_hidden_layers`,
+    /// `first_k_dense_replace`, `moe_layer_freq`, `decoder_sparse_step`,
+    /// `mlp_only_layers`, and `n_routed_experts`, `num_local_experts` or `num_experts`)
+    /// says which layers are MoE layers and how many experts each has; a GGUF's
+    /// `{arch}.expert_count` says the latter. Presets are checked against them (keys
+    /// absent or not understood: no check); a custom naming is not, as it may choose a
+    /// subset on purpose.
+    ///
+    /// # Errors
+    /// [`CheckpointFault::NoExperts`]; [`CheckpointFault::Missing`]: an expert of a layer
+    /// without a role (the message names the layer, the expert and the role), a layer
+    /// missing an expert, a MoE layer of `config.json` missing, fewer experts than the
+    /// config says; [`CheckpointFault::Shape`]: experts of one layer with different
+    /// shapes or dtypes, a piece given twice, a fused tensor whose bytes do not divide by
+    /// its expert count, fused tensors of one layer that disagree on it, more experts
+    /// than the config says, more than [`MAX_EXPERTS_PER_LAYER`] experts.
+    pub fn plan(&self, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
+        build_plan(self, checkpoint)
+    }
+}
+
+fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
     let plan = Plan { naming, checkpoint };
     let (layers, engine_tensors, engine_bytes) = group(&plan)?;
     if layers.is_empty() {

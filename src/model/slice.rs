@@ -368,72 +368,155 @@ pub(crate) fn slice_layer(
             .collect()
     };
     let (weight_names, scale_names) = (names(PieceRole::Weight), names(PieceRole::Scale));
-    let axis = slice.axis;
-    let bad = |role: &str, g: &Geometry, why: String| {
+    let cutting = Cutting {
+        checkpoint,
+        slice,
+        layer: layer.layer,
+    };
+    // Every expert of a layer has one shape, so the first expert's pieces say where the
+    // cuts fall for all of them.
+    let mut report = Vec::new();
+    let (weight_cuts, weight_axes) = cutting.weights(&first.weights, &weight_names, &mut report)?;
+    let scale_cuts = cutting.scales(&first.scales, &scale_names, &weight_axes, &mut report)?;
+    for expert in &mut layer.experts {
+        expert.weights = apply(&expert.weights, &weight_cuts, &first.weights)?;
+        expert.scales = apply(&expert.scales, &scale_cuts, &first.scales)?;
+    }
+    let bytes = |cuts: &[Vec<(u64, u64)>]| cuts.iter().flatten().map(|c| c.1).sum::<u64>();
+    layer.weight_bytes = bytes(&weight_cuts);
+    layer.scale_bytes = bytes(&scale_cuts);
+    Ok(report)
+}
+
+/// Each piece's (offset, len) cuts within its tensor, in slot order.
+type PieceCuts = Vec<Vec<(u64, u64)>>;
+
+/// A weight role's extent along the slice's axis and the range of it kept: what its
+/// scale's blocks must line up with.
+type WeightAxis = (u64, Range<u64>);
+
+/// One layer being cut to a slice: what its errors name.
+struct Cutting<'a> {
+    checkpoint: &'a Checkpoint,
+    slice: &'a TensorSlice,
+    layer: usize,
+}
+
+impl Cutting<'_> {
+    fn bad(&self, role: &str, g: &Geometry, why: String) -> Error {
         Error::bad_value(
             OP,
             "tensor slice",
-            slice,
+            self.slice,
             format!(
                 "layer {} {role} ({} {:?}): {why}",
-                layer.layer,
+                self.layer,
                 quote(&g.name),
                 g.dims
             ),
         )
-    };
-    let mut report = Vec::new();
-    let mut weight_cuts = Vec::new();
-    let mut weight_axes = Vec::new();
-    for (j, p) in first.weights.iter().enumerate() {
-        let role = weight_names.get(j).map_or("weight", String::as_str);
-        let g = geometry(checkpoint, p)?;
-        if g.dims.len() < 2 {
-            return Err(bad(role, &g, "a 1-D tensor has no axis to slice".into()));
-        }
-        let extent = match axis {
-            SliceAxis::Rows => g.rows,
-            SliceAxis::Columns => g.cols,
-        };
-        let range = slice.resolve(extent).map_err(|why| bad(role, &g, why))?;
-        weight_cuts.push(g.cuts(axis, &range).map_err(|why| bad(role, &g, why))?);
-        report.push(role_slice(role, true, axis, &range, extent, &g, false));
-        weight_axes.push((extent, range));
     }
-    let mut scale_cuts = Vec::new();
-    for (j, p) in first.scales.iter().enumerate() {
-        let role = scale_names.get(j).map_or("scale", String::as_str);
-        let g = geometry(checkpoint, p)?;
-        let numel: u64 = g.dims.iter().product();
-        let paired = weight_axes.get(j % weight_axes.len().max(1));
-        let whole = numel <= 1 || (g.dims.len() == 1 && axis == SliceAxis::Columns);
-        let Some((n, wrange)) = paired.filter(|_| !whole) else {
-            scale_cuts.push(vec![(0, p.len)]);
-            let all = 0..g.rows;
-            report.push(role_slice(role, false, axis, &all, g.rows, &g, true));
-            continue;
-        };
-        let s = match axis {
-            SliceAxis::Rows => g.rows,
-            SliceAxis::Columns => g.cols,
-        };
+
+    /// The weight pieces' cuts: each weight role keeps the slice's range of its axis.
+    fn weights(
+        &self,
+        pieces: &[TensorPiece],
+        names: &[String],
+        report: &mut Vec<RoleSlice>,
+    ) -> Result<(PieceCuts, Vec<WeightAxis>)> {
+        let axis = self.slice.axis;
+        let mut cuts = Vec::new();
+        let mut axes = Vec::new();
+        for (j, p) in pieces.iter().enumerate() {
+            let role = names.get(j).map_or("weight", String::as_str);
+            let g = geometry(self.checkpoint, p)?;
+            if g.dims.len() < 2 {
+                return Err(self.bad(role, &g, "a 1-D tensor has no axis to slice".into()));
+            }
+            let extent = match axis {
+                SliceAxis::Rows => g.rows,
+                SliceAxis::Columns => g.cols,
+            };
+            let range = self
+                .slice
+                .resolve(extent)
+                .map_err(|why| self.bad(role, &g, why))?;
+            cuts.push(
+                g.cuts(axis, &range)
+                    .map_err(|why| self.bad(role, &g, why))?,
+            );
+            report.push(role_slice(role, true, axis, &range, extent, &g, false));
+            axes.push((extent, range));
+        }
+        Ok((cuts, axes))
+    }
+
+    /// The scale pieces' cuts: scale `j` follows weight `j` (modulo the weights), keeping
+    /// the blocks that cover the weight's kept range; a scalar or a 1-D scale under a
+    /// column slice is kept whole.
+    fn scales(
+        &self,
+        pieces: &[TensorPiece],
+        names: &[String],
+        weight_axes: &[WeightAxis],
+        report: &mut Vec<RoleSlice>,
+    ) -> Result<PieceCuts> {
+        let axis = self.slice.axis;
+        let mut cuts = Vec::new();
+        for (j, p) in pieces.iter().enumerate() {
+            let role = names.get(j).map_or("scale", String::as_str);
+            let g = geometry(self.checkpoint, p)?;
+            let numel: u64 = g.dims.iter().product();
+            let paired = weight_axes.get(j % weight_axes.len().max(1));
+            let whole = numel <= 1 || (g.dims.len() == 1 && axis == SliceAxis::Columns);
+            let Some((n, wrange)) = paired.filter(|_| !whole) else {
+                cuts.push(vec![(0, p.len)]);
+                let all = 0..g.rows;
+                report.push(role_slice(role, false, axis, &all, g.rows, &g, true));
+                continue;
+            };
+            let s = match axis {
+                SliceAxis::Rows => g.rows,
+                SliceAxis::Columns => g.cols,
+            };
+            let range = self.scale_range(role, &g, s, *n, wrange)?;
+            cuts.push(
+                g.cuts(axis, &range)
+                    .map_err(|why| self.bad(role, &g, why))?,
+            );
+            report.push(role_slice(role, false, axis, &range, s, &g, false));
+        }
+        Ok(cuts)
+    }
+
+    /// The range of a scale's `s` entries that covers `wrange` of its weight's `n`, when
+    /// the entries tile the weight in whole blocks and the cuts fall on block edges.
+    fn scale_range(
+        &self,
+        role: &str,
+        g: &Geometry,
+        s: u64,
+        n: u64,
+        wrange: &Range<u64>,
+    ) -> Result<Range<u64>> {
+        let axis = self.slice.axis;
         // Block b: a grid of S entries over N means ⌈N / S⌉ entries a block.
         let b = if s == 0 { 0 } else { n.div_ceil(s) };
         if b == 0 || n.div_ceil(b) != s {
-            return Err(bad(
+            return Err(self.bad(
                 role,
-                &g,
+                g,
                 format!(
                     "{s} entries along the {} do not tile the weight's {n}",
                     axis.name()
                 ),
             ));
         }
-        let cut_ok = |x: u64| x.is_multiple_of(b) || x == *n;
+        let cut_ok = |x: u64| x.is_multiple_of(b) || x == n;
         if !cut_ok(wrange.start) || !cut_ok(wrange.end) {
-            return Err(bad(
+            return Err(self.bad(
                 role,
-                &g,
+                g,
                 format!(
                     "{} {}..{} of {n} cut through its scale blocks of {b}: a cut falls on \
                      a multiple of {b}",
@@ -443,18 +526,8 @@ pub(crate) fn slice_layer(
                 ),
             ));
         }
-        let range = wrange.start / b..wrange.end.div_ceil(b);
-        scale_cuts.push(g.cuts(axis, &range).map_err(|why| bad(role, &g, why))?);
-        report.push(role_slice(role, false, axis, &range, s, &g, false));
+        Ok(wrange.start / b..wrange.end.div_ceil(b))
     }
-    for expert in &mut layer.experts {
-        expert.weights = apply(&expert.weights, &weight_cuts, &first.weights)?;
-        expert.scales = apply(&expert.scales, &scale_cuts, &first.scales)?;
-    }
-    let bytes = |cuts: &[Vec<(u64, u64)>]| cuts.iter().flatten().map(|c| c.1).sum::<u64>();
-    layer.weight_bytes = bytes(&weight_cuts);
-    layer.scale_bytes = bytes(&scale_cuts);
-    Ok(report)
 }
 
 fn role_slice(

@@ -121,78 +121,8 @@ impl Machine {
     pub fn from_json(text: &str) -> Result<Machine> {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| Error::bad_value(OP, "topology description", "the text", e.to_string()))?;
-        if root.get("numapin_topology").and_then(Value::as_u64) != Some(1) {
-            return Err(Error::bad_value(
-                OP,
-                "numapin_topology",
-                root.get("numapin_topology")
-                    .map_or("nothing".into(), Value::to_string),
-                "the format version must be 1",
-            ));
-        }
-        let list = root
-            .get("nodes")
-            .and_then(Value::as_array)
-            .ok_or_else(|| Error::bad_value(OP, "nodes", "nothing", "an array of node objects"))?;
-        let mut nodes = Vec::with_capacity(list.len());
-        // Explicit domain numbers, and a key of their own for nodes that name none (a
-        // number taken from the id could collide with an explicit one).
-        let mut domain_ids: Vec<Option<u64>> = Vec::new();
-        for (i, v) in list.iter().enumerate() {
-            let int = |key: &'static str| {
-                v.get(key).and_then(Value::as_u64).ok_or_else(|| {
-                    Error::bad_value(
-                        OP,
-                        key,
-                        v.get(key).map_or("nothing".into(), Value::to_string),
-                        format!("nodes[{i}].{key} must be an integer from 0"),
-                    )
-                })
-            };
-            let id = int("id")?;
-            let node = u16::try_from(id)
-                .ok()
-                .filter(|&n| usize::from(n) < crate::nodeset::MAX_NODES)
-                .map(Node)
-                .ok_or_else(|| {
-                    Error::no_such_node(
-                        OP,
-                        format!("nodes[{i}].id"),
-                        id as usize,
-                        crate::nodeset::MAX_NODES,
-                        None,
-                    )
-                })?;
-            let domain_id = match v.get("domain") {
-                None => None,
-                Some(_) => Some(int("domain")?),
-            };
-            let found = domain_id.and_then(|d| domain_ids.iter().position(|&x| x == Some(d)));
-            let domain = match found {
-                Some(d) => d,
-                None => {
-                    domain_ids.push(domain_id);
-                    domain_ids.len() - 1
-                }
-            };
-            let cpus = match v.get("cpus") {
-                None => true,
-                Some(c) => c.as_bool().ok_or_else(|| {
-                    Error::bad_value(
-                        OP,
-                        "cpus",
-                        c,
-                        format!("nodes[{i}].cpus must be true or false"),
-                    )
-                })?,
-            };
-            nodes.push(MachineNode {
-                node,
-                domain,
-                free_bytes: int("free_bytes")?,
-                cpus,
-            });
-        }
+        check_version(&root)?;
+        let nodes = read_nodes(&root)?;
         let n = nodes.len();
         let distances = match root.get("distances") {
             None => (0..n)
@@ -200,28 +130,27 @@ impl Machine {
                 .collect(),
             Some(d) => read_distances(d, n)?,
         };
-        let map_limit = match root.get("max_map_count") {
-            None => 65530,
-            Some(v) => v
-                .as_u64()
-                .and_then(|m| usize::try_from(m).ok())
-                .ok_or_else(|| Error::bad_value(OP, "max_map_count", v, "an integer from 0"))?,
-        };
-        let mut machine = Machine {
+        let machine = Machine {
             nodes,
             distances,
-            map_limit,
-        };
-        // By increasing id, distances along.
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&i| machine.nodes[i].node);
-        machine.nodes = order.iter().map(|&i| machine.nodes[i].clone()).collect();
-        machine.distances = order
-            .iter()
-            .map(|&i| order.iter().map(|&j| machine.distances[i][j]).collect())
-            .collect();
+            map_limit: read_map_limit(&root)?,
+        }
+        .sorted_by_id();
         machine.check(OP)?;
         Ok(machine)
+    }
+
+    /// The same machine with its nodes by increasing id, and the distances along: a
+    /// description may list its nodes in any order.
+    fn sorted_by_id(mut self) -> Machine {
+        let mut order: Vec<usize> = (0..self.nodes.len()).collect();
+        order.sort_by_key(|&i| self.nodes[i].node);
+        self.nodes = order.iter().map(|&i| self.nodes[i].clone()).collect();
+        self.distances = order
+            .iter()
+            .map(|&i| order.iter().map(|&j| self.distances[i][j]).collect())
+            .collect();
+        self
     }
 
     /// Reads a description file ([`Machine::from_json`]).
@@ -290,6 +219,105 @@ fn live_domain_of(node: Node, nodes: &[Node]) -> usize {
         }
     }
     seen.iter().position(|&k| k == key(node)).unwrap_or(0)
+}
+
+/// A description's `numapin_topology`: only version 1 is understood.
+fn check_version(root: &Value) -> Result<()> {
+    if root.get("numapin_topology").and_then(Value::as_u64) != Some(1) {
+        return Err(Error::bad_value(
+            OP,
+            "numapin_topology",
+            root.get("numapin_topology")
+                .map_or("nothing".into(), Value::to_string),
+            "the format version must be 1",
+        ));
+    }
+    Ok(())
+}
+
+/// A description's `nodes`, in the file's order.
+fn read_nodes(root: &Value) -> Result<Vec<MachineNode>> {
+    let list = root
+        .get("nodes")
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::bad_value(OP, "nodes", "nothing", "an array of node objects"))?;
+    let mut nodes = Vec::with_capacity(list.len());
+    // Explicit domain numbers, and a key of their own for nodes that name none (a
+    // number taken from the id could collide with an explicit one).
+    let mut domain_ids: Vec<Option<u64>> = Vec::new();
+    for (i, v) in list.iter().enumerate() {
+        nodes.push(read_node(i, v, &mut domain_ids)?);
+    }
+    Ok(nodes)
+}
+
+/// `nodes[i]`. Its domain is its place in `domain_ids` (the domains met so far, by their
+/// number in the file), which a node naming a new domain, or none, extends.
+fn read_node(i: usize, v: &Value, domain_ids: &mut Vec<Option<u64>>) -> Result<MachineNode> {
+    let int = |key: &'static str| {
+        v.get(key).and_then(Value::as_u64).ok_or_else(|| {
+            Error::bad_value(
+                OP,
+                key,
+                v.get(key).map_or("nothing".into(), Value::to_string),
+                format!("nodes[{i}].{key} must be an integer from 0"),
+            )
+        })
+    };
+    let id = int("id")?;
+    let node = u16::try_from(id)
+        .ok()
+        .filter(|&n| usize::from(n) < crate::nodeset::MAX_NODES)
+        .map(Node)
+        .ok_or_else(|| {
+            Error::no_such_node(
+                OP,
+                format!("nodes[{i}].id"),
+                id as usize,
+                crate::nodeset::MAX_NODES,
+                None,
+            )
+        })?;
+    let domain_id = match v.get("domain") {
+        None => None,
+        Some(_) => Some(int("domain")?),
+    };
+    let found = domain_id.and_then(|d| domain_ids.iter().position(|&x| x == Some(d)));
+    let domain = match found {
+        Some(d) => d,
+        None => {
+            domain_ids.push(domain_id);
+            domain_ids.len() - 1
+        }
+    };
+    let cpus = match v.get("cpus") {
+        None => true,
+        Some(c) => c.as_bool().ok_or_else(|| {
+            Error::bad_value(
+                OP,
+                "cpus",
+                c,
+                format!("nodes[{i}].cpus must be true or false"),
+            )
+        })?,
+    };
+    Ok(MachineNode {
+        node,
+        domain,
+        free_bytes: int("free_bytes")?,
+        cpus,
+    })
+}
+
+/// A description's `max_map_count`; Linux's default when it names none.
+fn read_map_limit(root: &Value) -> Result<usize> {
+    Ok(match root.get("max_map_count") {
+        None => 65530,
+        Some(v) => v
+            .as_u64()
+            .and_then(|m| usize::try_from(m).ok())
+            .ok_or_else(|| Error::bad_value(OP, "max_map_count", v, "an integer from 0"))?,
+    })
 }
 
 fn read_distances(d: &Value, n: usize) -> Result<Vec<Vec<u32>>> {

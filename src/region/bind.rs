@@ -1,13 +1,92 @@
 //! `mbind` for regions and for memory other crates own.
 
 use std::ffi::c_void;
+use std::ops::Range;
 
 use numapin_sys as sys;
 
+use super::{Backing, Region};
 use crate::calls::{MempolicySupport, NumaCall};
 use crate::error::{Errno, Error, Result};
 use crate::page::page_size;
 use crate::policy::{MbindFlags, MemPolicy, ModeFlags, Placement};
+
+impl Region {
+    /// Sets the memory policy of the whole region (`mbind(2)`). Bind before the first
+    /// touch with no flags; `MOVE` is for pages that already exist.
+    ///
+    /// # Errors
+    /// The region is a shared file mapping (the page cache ignores VMA policy), the policy
+    /// has an empty node set, `MOVE_ALL` without `CAP_SYS_NICE` (`EPERM`), or any errno
+    /// but `EPERM`/`ENOSYS` (which give [`Placement::Degraded`]). Checked before the call,
+    /// so in every environment (never `Degraded`): `flags` or mode flags with bits the
+    /// kernel refuses, a node this machine cannot have (the error names it and the
+    /// machine's nodes), or a policy with no node this process may allocate on
+    /// ([`Error::NodeNotAllowed`]).
+    #[doc(alias = "mbind")]
+    pub fn bind(&self, policy: &MemPolicy, flags: MbindFlags) -> Result<Placement> {
+        self.bind_with(policy, ModeFlags::empty(), flags)
+    }
+
+    /// [`Region::bind`] with mode flags (`STATIC_NODES`, ...).
+    ///
+    /// # Errors
+    /// As [`Region::bind`].
+    pub fn bind_with(
+        &self,
+        policy: &MemPolicy,
+        mode_flags: ModeFlags,
+        flags: MbindFlags,
+    ) -> Result<Placement> {
+        if let Backing::File = self.backing {
+            return Err(Error::wrong_backing(
+                "mbind",
+                "the region is a shared file mapping, placed by the page cache, which ignores \
+                 VMA policy: pages stay where they were first read",
+                "an anonymous or memfd region: copy the data into one bound before the copy",
+            ));
+        }
+        // SAFETY: the whole range is this region's own mapping; MOVE flags only migrate
+        // pages, keeping their contents.
+        unsafe { mbind_checked(self.as_ptr().cast(), self.len, policy, mode_flags, flags) }
+    }
+
+    /// Sets the memory policy of part of the region (`mbind(2)` over `range`, whose ends
+    /// must be page-aligned offsets): a region bound block by block, each block to its
+    /// own node, costs one mapping per block.
+    ///
+    /// # Errors
+    /// The range is not page-aligned or not inside the region, or as [`Region::bind`].
+    #[doc(alias = "mbind")]
+    pub fn bind_part(
+        &self,
+        range: Range<usize>,
+        policy: &MemPolicy,
+        flags: MbindFlags,
+    ) -> Result<Placement> {
+        let page = crate::page::page_size();
+        self.check_range("mbind", &range)?;
+        for (what, value) in [("start", range.start), ("end", range.end)] {
+            if !value.is_multiple_of(page) {
+                return Err(Error::misaligned("mbind", what, value, page));
+            }
+        }
+        if let Backing::File = self.backing {
+            return self.bind(policy, flags);
+        }
+        // SAFETY: the range was checked to lie inside this region's own mapping; MOVE
+        // flags only migrate pages, keeping their contents.
+        unsafe {
+            mbind_checked(
+                self.as_ptr().add(range.start).cast(),
+                range.end - range.start,
+                policy,
+                ModeFlags::empty(),
+                flags,
+            )
+        }
+    }
+}
 
 /// Sets the memory policy of memory another crate owns (`mbind(2)`), checking alignment
 /// first so that a misaligned pointer is a clear error, not the kernel's bare `EINVAL`.

@@ -3,7 +3,7 @@
 //! `replica`.
 
 use super::arena::Arena;
-use super::layer::Layer;
+use super::layer::{Layer, out_of_range};
 use super::{ExpertSource, Kind, LayerSpec, PACK, PinStore, State, broken, slot_map};
 use crate::error::{Error, Result};
 use crate::policy::{MemPolicy, ModeFlags, Observed};
@@ -188,15 +188,6 @@ impl PinStore {
         // the first node's CPUs alone, no other node's CPU would be allowed).
         drop(on_node);
         self.sync_replicas(layer, expert)
-    }
-}
-
-pub(super) fn out_of_range(layer: usize, expert: usize, experts: usize) -> Error {
-    Error::OutOfRange {
-        op: "PinStore",
-        what: format!("expert of layer {layer}"),
-        index: expert,
-        len: experts,
     }
 }
 

@@ -61,11 +61,7 @@ impl Layer {
     pub(crate) fn slot_of(&self, layer: usize, expert: usize) -> Result<usize> {
         match &self.ids {
             None if expert < self.spec.experts => Ok(expert),
-            None => Err(super::access::out_of_range(
-                layer,
-                expert,
-                self.spec.experts,
-            )),
+            None => Err(out_of_range(layer, expert, self.spec.experts)),
             Some(ids) => ids.binary_search(&expert).map_err(|_| Error::NotHeld {
                 op: "PinStore",
                 layer,
@@ -213,6 +209,16 @@ pub(crate) fn ids_text(ids: &[usize]) -> String {
         return "none".to_owned();
     }
     text.join(",")
+}
+
+/// An expert id past the experts of a whole layer (its slot lookups and the store's).
+pub(super) fn out_of_range(layer: usize, expert: usize, experts: usize) -> Error {
+    Error::OutOfRange {
+        op: "PinStore",
+        what: format!("expert of layer {layer}"),
+        index: expert,
+        len: experts,
+    }
 }
 
 #[cfg(test)]

@@ -187,115 +187,137 @@ pub fn strip_comments_and_strings(text: &str) -> String {
     let b = text.as_bytes();
     let mut out = String::with_capacity(text.len());
     let mut i = 0;
-    let keep = |out: &mut String, c: u8| out.push(if c == b'\n' { '\n' } else { ' ' });
     while i < b.len() {
-        match b[i] {
-            b'/' if b.get(i + 1) == Some(&b'/') => {
-                while i < b.len() && b[i] != b'\n' {
-                    i += 1;
-                }
-            }
-            b'/' if b.get(i + 1) == Some(&b'*') => {
-                let mut depth = 0;
-                while i < b.len() {
-                    if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                        depth += 1;
-                        i += 2;
-                    } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                        depth -= 1;
-                        i += 2;
-                        if depth == 0 {
-                            break;
-                        }
-                    } else {
-                        keep(&mut out, b[i]);
-                        i += 1;
-                    }
-                }
-            }
+        i = match b[i] {
+            b'/' if b.get(i + 1) == Some(&b'/') => line_comment_end(b, i),
+            b'/' if b.get(i + 1) == Some(&b'*') => blank_block_comment(b, i, &mut out),
             b'r' if matches!(b.get(i + 1), Some(b'"' | b'#'))
                 && (starts_token(b, i)
                     || (i > 0 && matches!(b[i - 1], b'b' | b'c') && starts_token(b, i - 1))) =>
             {
-                // A raw string: r"…", r#"…"#.
-                let mut j = i + 1;
-                let mut hashes = 0;
-                while b.get(j) == Some(&b'#') {
-                    hashes += 1;
-                    j += 1;
-                }
-                if b.get(j) != Some(&b'"') {
-                    out.push(b[i] as char);
-                    i += 1;
-                    continue;
-                }
-                out.push('"');
-                j += 1;
-                loop {
-                    if j >= b.len() {
-                        break;
-                    }
-                    if b[j] == b'"' && (0..hashes).all(|k| b.get(j + 1 + k) == Some(&b'#')) {
-                        j += 1 + hashes;
-                        break;
-                    }
-                    keep(&mut out, b[j]);
-                    j += 1;
-                }
-                out.push('"');
-                i = j;
+                blank_raw_string(b, i, &mut out)
             }
-            b'"' => {
-                out.push('"');
-                i += 1;
-                while i < b.len() && b[i] != b'"' {
-                    if b[i] == b'\\' {
-                        keep(&mut out, b[i]);
-                        i += 1;
-                    }
-                    if i < b.len() {
-                        keep(&mut out, b[i]);
-                        i += 1;
-                    }
-                }
-                out.push('"');
-                i += 1;
-            }
-            b'\'' => {
-                // A char literal ('x', '\n', '\u{1F600}') or a lifetime ('a).
-                // The escaped character is skipped ('\'' ends at i + 3), and a multi-byte
-                // one ('é') is one char.
-                let end = if b.get(i + 1) == Some(&b'\\') {
-                    b.get(i + 3..)
-                        .and_then(|rest| rest.iter().position(|&c| c == b'\''))
-                        .map(|p| i + 3 + p)
-                } else if let Some(&c) = b.get(i + 1)
-                    && b.get(i + 1 + utf8_len(c)) == Some(&b'\'')
-                {
-                    Some(i + 1 + utf8_len(c))
-                } else {
-                    None
-                };
-                match end {
-                    Some(e) => {
-                        out.push_str("' '");
-                        i = e + 1;
-                    }
-                    None => {
-                        out.push('\'');
-                        i += 1;
-                    }
-                }
-            }
+            b'"' => blank_string(b, i, &mut out),
+            b'\'' => blank_char(b, i, &mut out),
             c => {
                 // Multi-byte UTF-8 passes through whole.
                 let len = utf8_len(c);
                 out.push_str(&text[i..(i + len).min(text.len())]);
-                i += len;
+                i + len
             }
-        }
+        };
     }
     out
+}
+
+/// A blanked byte: a space, or the newline it was (the line structure is kept).
+fn blank(out: &mut String, c: u8) {
+    out.push(if c == b'\n' { '\n' } else { ' ' });
+}
+
+/// Where the `//` comment at `i` ends: at its newline, which is kept.
+fn line_comment_end(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && b[i] != b'\n' {
+        i += 1;
+    }
+    i
+}
+
+/// Blanks the `/* */` comment at `i`, nested ones inside it too; returns where it ends.
+fn blank_block_comment(b: &[u8], mut i: usize, out: &mut String) -> usize {
+    let mut depth = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+            depth += 1;
+            i += 2;
+        } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+            depth -= 1;
+            i += 2;
+            if depth == 0 {
+                break;
+            }
+        } else {
+            blank(out, b[i]);
+            i += 1;
+        }
+    }
+    i
+}
+
+/// Blanks the raw string `r"…"`, `r#"…"#` at `i` (the `r` of one; a `b` or `c` before it
+/// is already out), keeping its quotes; an `r` that starts none is kept as it is.
+fn blank_raw_string(b: &[u8], i: usize, out: &mut String) -> usize {
+    let mut j = i + 1;
+    let mut hashes = 0;
+    while b.get(j) == Some(&b'#') {
+        hashes += 1;
+        j += 1;
+    }
+    if b.get(j) != Some(&b'"') {
+        out.push(b[i] as char);
+        return i + 1;
+    }
+    out.push('"');
+    j += 1;
+    loop {
+        if j >= b.len() {
+            break;
+        }
+        if b[j] == b'"' && (0..hashes).all(|k| b.get(j + 1 + k) == Some(&b'#')) {
+            j += 1 + hashes;
+            break;
+        }
+        blank(out, b[j]);
+        j += 1;
+    }
+    out.push('"');
+    j
+}
+
+/// Blanks the string literal at `i` (escapes included), keeping its quotes.
+fn blank_string(b: &[u8], mut i: usize, out: &mut String) -> usize {
+    out.push('"');
+    i += 1;
+    while i < b.len() && b[i] != b'"' {
+        if b[i] == b'\\' {
+            blank(out, b[i]);
+            i += 1;
+        }
+        if i < b.len() {
+            blank(out, b[i]);
+            i += 1;
+        }
+    }
+    out.push('"');
+    i + 1
+}
+
+/// Blanks the char literal at `i` ('x', '\n', '\u{1F600}') to `' '`; a lifetime ('a)
+/// keeps its quote.
+fn blank_char(b: &[u8], i: usize, out: &mut String) -> usize {
+    // The escaped character is skipped ('\'' ends at i + 3), and a multi-byte one ('é')
+    // is one char.
+    let end = if b.get(i + 1) == Some(&b'\\') {
+        b.get(i + 3..)
+            .and_then(|rest| rest.iter().position(|&c| c == b'\''))
+            .map(|p| i + 3 + p)
+    } else if let Some(&c) = b.get(i + 1)
+        && b.get(i + 1 + utf8_len(c)) == Some(&b'\'')
+    {
+        Some(i + 1 + utf8_len(c))
+    } else {
+        None
+    };
+    match end {
+        Some(e) => {
+            out.push_str("' '");
+            e + 1
+        }
+        None => {
+            out.push('\'');
+            i + 1
+        }
+    }
 }
 
 /// Whether `b[i]` starts a token: no identifier character right before it.

@@ -299,6 +299,39 @@ fn boot(
     log: &Path,
     timeout: Duration,
 ) -> Result<(String, BTreeMap<String, f64>), String> {
+    let mut cmd = qemu_command(tools, shape, initramfs);
+    eprintln!("xtask: booting {cmd:?}");
+    let started = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("{}: {e}", tools.qemu.display()))?;
+    let lines = forward_output(&mut child)?;
+    let mut console = Console::new(log, started)?;
+    let outcome = console.follow(&lines, timeout);
+    // poweroff -f follows DONE at once; give qemu a moment, then make sure it is gone.
+    let stop_by = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < stop_by && child.try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    match outcome {
+        Ok(()) => Ok((console.text, console.seconds)),
+        Err(e) => {
+            let tail: Vec<&str> = console.text.lines().rev().take(80).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            Err(format!(
+                "{e}; console tail ({}):\n{}",
+                log.display(),
+                tail.join("\n")
+            ))
+        }
+    }
+}
+
+/// qemu for one boot of `shape`: TCG, the kernel and the initramfs, the serial console
+/// on stdout.
+fn qemu_command(tools: &Tools, shape: Shape, initramfs: &Path) -> Command {
     let mut cmd = Command::new(&tools.qemu);
     cmd.args([
         "-accel",
@@ -323,11 +356,12 @@ fn boot(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    eprintln!("xtask: booting {cmd:?}");
-    let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("{}: {e}", tools.qemu.display()))?;
+    cmd
+}
+
+/// qemu's stdout (the console) and stderr (marked `qemu: `) as one stream of lines, read
+/// by a thread each so that neither pipe fills while the other is waited on.
+fn forward_output(child: &mut std::process::Child) -> Result<mpsc::Receiver<String>, String> {
     let stdout = child.stdout.take().ok_or("qemu stdout")?;
     let stderr = child.stderr.take().ok_or("qemu stderr")?;
     let (tx, rx) = mpsc::channel::<String>();
@@ -344,75 +378,91 @@ fn boot(
             let _ = err_tx.send(format!("qemu: {line}"));
         }
     });
-    let mut console = String::new();
-    let mut log_file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut booted = None;
-    let mut case_started: Option<(String, f64)> = None;
-    let mut seconds = BTreeMap::new();
-    let deadline = started + timeout;
-    let outcome = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => {
-                let _ = writeln!(log_file, "{line}");
-                if line.starts_with(TOPOLOGY) && booted.is_none() {
-                    booted = Some(started.elapsed());
-                    eprintln!(
-                        "xtask: VM booted in {:.1} s: {line}",
-                        started.elapsed().as_secs_f64()
-                    );
-                }
-                let now = started.elapsed().as_secs_f64();
-                if let Some(name) = line.strip_prefix(BEGIN) {
-                    let name = name.trim_end_matches('@').to_string();
-                    eprintln!("xtask: [{now:>5.0} s] {name}");
-                    case_started = Some((name, now));
-                }
-                if line.starts_with(END)
-                    && let Some((name, at)) = case_started.take()
-                {
-                    seconds.insert(name, now - at);
-                }
-                let done = line.contains(DONE);
-                let panic = line.contains("Kernel panic");
-                console.push_str(&line);
-                console.push('\n');
-                if done {
-                    break Ok(());
-                }
-                if panic {
-                    break Err("the VM kernel panicked".to_string());
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                break Err(format!(
-                    "the VM did not finish within {} s",
-                    timeout.as_secs()
-                ));
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                break Err("qemu exited before the test run finished".to_string());
-            }
-        }
-    };
-    // poweroff -f follows DONE at once; give qemu a moment, then make sure it is gone.
-    let stop_by = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < stop_by && child.try_wait().ok().flatten().is_none() {
-        std::thread::sleep(Duration::from_millis(100));
+    Ok(rx)
+}
+
+/// The VM's console as it arrives: its text, a copy in the log file, when it booted, and
+/// how long each case ran (from its BEGIN marker to its END).
+struct Console {
+    text: String,
+    log_file: std::fs::File,
+    started: Instant,
+    booted: Option<Duration>,
+    case_started: Option<(String, f64)>,
+    seconds: BTreeMap<String, f64>,
+}
+
+impl Console {
+    fn new(log: &Path, started: Instant) -> Result<Console, String> {
+        let log_file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+        Ok(Console {
+            text: String::new(),
+            log_file,
+            started,
+            booted: None,
+            case_started: None,
+            seconds: BTreeMap::new(),
+        })
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    match outcome {
-        Ok(()) => Ok((console, seconds)),
-        Err(e) => {
-            let tail: Vec<&str> = console.lines().rev().take(80).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            Err(format!(
-                "{e}; console tail ({}):\n{}",
-                log.display(),
-                tail.join("\n")
-            ))
+
+    /// Reads lines until the run says DONE (`Ok`), the kernel panics, qemu exits, or
+    /// `timeout` from the start passes.
+    fn follow(&mut self, lines: &mpsc::Receiver<String>, timeout: Duration) -> Result<(), String> {
+        let deadline = self.started + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(end) = self.take(line) {
+                        return end;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(format!(
+                        "the VM did not finish within {} s",
+                        timeout.as_secs()
+                    ));
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err("qemu exited before the test run finished".to_string());
+                }
+            }
         }
+    }
+
+    /// Logs and keeps one line, noting the boot and the cases' markers; `Some` once the
+    /// line ends the run.
+    fn take(&mut self, line: String) -> Option<Result<(), String>> {
+        let _ = writeln!(self.log_file, "{line}");
+        if line.starts_with(TOPOLOGY) && self.booted.is_none() {
+            self.booted = Some(self.started.elapsed());
+            eprintln!(
+                "xtask: VM booted in {:.1} s: {line}",
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+        let now = self.started.elapsed().as_secs_f64();
+        if let Some(name) = line.strip_prefix(BEGIN) {
+            let name = name.trim_end_matches('@').to_string();
+            eprintln!("xtask: [{now:>5.0} s] {name}");
+            self.case_started = Some((name, now));
+        }
+        if line.starts_with(END)
+            && let Some((name, at)) = self.case_started.take()
+        {
+            self.seconds.insert(name, now - at);
+        }
+        let done = line.contains(DONE);
+        let panic = line.contains("Kernel panic");
+        self.text.push_str(&line);
+        self.text.push('\n');
+        if done {
+            return Some(Ok(()));
+        }
+        if panic {
+            return Some(Err("the VM kernel panicked".to_string()));
+        }
+        None
     }
 }
 

@@ -1,0 +1,309 @@
+//! The check after a pack: every expert piece re-read from the files and compared with
+//! its place in the store, the bytes between pieces zero.
+
+use std::fmt;
+
+use super::{Checkpoint, ExpertPlan, Naming, Share};
+use crate::error::{Error, Result};
+use crate::source::ReadMode;
+use crate::source::load::{Reader, Scratch};
+use crate::store::{Kind, PinStore, SlotPiece};
+
+/// One slot that does not hold what the checkpoint says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SlotMismatch {
+    /// The model layer.
+    pub layer: usize,
+    /// The expert.
+    pub expert: usize,
+    /// Weights or scales.
+    pub kind: Kind,
+    /// The first differing byte, from the start of the slot.
+    pub slot_offset: usize,
+    /// What differs.
+    pub reason: String,
+}
+
+/// What [`Checkpoint::verify`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct VerifyReport {
+    /// Slots compared (weights and scales each count).
+    pub slots: usize,
+    /// Bytes re-read from the files and compared.
+    pub bytes: u64,
+    /// `pread` calls made.
+    pub reads: usize,
+    /// Slots that differ (0: verified).
+    pub mismatched_slots: usize,
+    /// The first [`VerifyReport::MAX_LISTED`] of them.
+    pub mismatches: Vec<SlotMismatch>,
+}
+
+impl VerifyReport {
+    /// Mismatches listed at most.
+    pub const MAX_LISTED: usize = 64;
+
+    /// Whether every slot holds exactly its pieces.
+    pub fn verified(&self) -> bool {
+        self.mismatched_slots == 0
+    }
+}
+
+impl fmt::Display for VerifyReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.verified() {
+            write!(
+                f,
+                "verified: {} slots, {} bytes re-read in {} reads",
+                self.slots, self.bytes, self.reads
+            )
+        } else {
+            write!(
+                f,
+                "NOT verified: {} of {} slots differ",
+                self.mismatched_slots, self.slots
+            )?;
+            if let Some(m) = self.mismatches.first() {
+                write!(
+                    f,
+                    "; first: layer {} expert {} {} at byte {}: {}",
+                    m.layer,
+                    m.expert,
+                    m.kind.name(),
+                    m.slot_offset,
+                    m.reason
+                )?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The largest read [`Checkpoint::verify`] makes at once.
+const VERIFY_CHUNK: usize = 4 << 20;
+
+impl Checkpoint {
+    /// Re-reads a share packed with [`Checkpoint::pack_share`] (as
+    /// [`Checkpoint::verify`]; the naming detected).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_with`] and [`ExpertPlan::share`].
+    pub fn verify_share(&self, store: &PinStore, share: &Share) -> Result<VerifyReport> {
+        let naming = Naming::detect(self)?;
+        let plan = naming.plan(self)?.share(self, share)?;
+        self.verify_plan(store, &plan, ReadMode::Buffered)
+    }
+
+    /// Re-reads every expert piece from the files and compares it with its place in
+    /// `store` (as [`PinStore::slot_map`] says); the bytes between pieces must be zero.
+    /// The naming is detected as in [`Checkpoint::pack`].
+    ///
+    /// The reads go through the page cache (`pread`, at most 4 MiB at once); see
+    /// [`Checkpoint::verify_in_mode`] to re-read the way a direct or drop-behind load did.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_with`].
+    pub fn verify(&self, store: &PinStore) -> Result<VerifyReport> {
+        let naming = Naming::detect(self)?;
+        self.verify_with(store, &naming)
+    }
+
+    /// [`Checkpoint::verify`] under a naming chosen by hand (the one packed with).
+    ///
+    /// A slot that differs is reported in [`VerifyReport::mismatches`], not as an error.
+    ///
+    /// # Errors
+    /// The naming's errors (as [`Checkpoint::pack`]); [`Error::NotPacked`] for a layer
+    /// the store does not hold; a released slot ([`Error::Released`]); a read that fails.
+    pub fn verify_with(&self, store: &PinStore, naming: &Naming) -> Result<VerifyReport> {
+        self.verify_in_mode(store, naming, ReadMode::Buffered)
+    }
+
+    /// [`Checkpoint::verify_with`], re-reading the files the way the load read them:
+    /// [`ReadMode::Direct`] and [`ReadMode::DropBehind`] keep the page cache as empty as
+    /// the load left it (a buffered re-read would fill it with the whole model again).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_with`], or the direct-I/O set-up fails (a file system that
+    /// cannot do it falls back to buffered reads, as the load does).
+    pub fn verify_in_mode(
+        &self,
+        store: &PinStore,
+        naming: &Naming,
+        mode: ReadMode,
+    ) -> Result<VerifyReport> {
+        let plan = naming.plan(self)?;
+        self.verify_plan(store, &plan, mode)
+    }
+
+    /// Re-reads the pieces of `plan` (the whole's or a share's,
+    /// [`ExpertPlan::share`]) from the files and compares each with its slot in `store`,
+    /// as [`Checkpoint::verify_in_mode`] does.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_in_mode`].
+    pub fn verify_plan(
+        &self,
+        store: &PinStore,
+        plan: &ExpertPlan,
+        mode: ReadMode,
+    ) -> Result<VerifyReport> {
+        let reader = Reader::new(mode, self.files.iter().map(|f| f.file()))?;
+        let mut scratch = reader.scratch()?;
+        let report = self.verify_using(store, plan, &reader, &mut scratch)?;
+        reader.finish()?;
+        Ok(report)
+    }
+
+    fn verify_using(
+        &self,
+        store: &PinStore,
+        plan: &ExpertPlan,
+        reader: &Reader<'_>,
+        scratch: &mut Scratch,
+    ) -> Result<VerifyReport> {
+        let mut report = VerifyReport {
+            slots: 0,
+            bytes: 0,
+            reads: 0,
+            mismatched_slots: 0,
+            mismatches: Vec::new(),
+        };
+        let largest = plan
+            .layers()
+            .iter()
+            .flat_map(|l| l.experts())
+            .flat_map(|e| e.weights().iter().chain(e.scales()))
+            .map(|p| p.len())
+            .max()
+            .unwrap_or(0);
+        let mut buffer =
+            vec![0u8; usize::try_from(largest).map_or(VERIFY_CHUNK, |n| n.min(VERIFY_CHUNK))];
+        for layer in plan.layers() {
+            let map = store.slot_map(layer.layer())?;
+            for (slot, expert) in layer.experts().iter().enumerate() {
+                // The global id: a share's store is looked up by it.
+                let e = layer.expert_id(slot);
+                for kind in Kind::ALL {
+                    let (slot, pieces) = match kind {
+                        Kind::Weights => (store.weights(layer.layer(), e)?, expert.weights()),
+                        Kind::Scales => (store.scales(layer.layer(), e)?, expert.scales()),
+                    };
+                    if pieces.is_empty() && slot.is_empty() {
+                        continue;
+                    }
+                    report.slots += 1;
+                    let places = map.pieces(e, kind).unwrap_or_default();
+                    let found = self.compare_slot(
+                        slot,
+                        pieces,
+                        places,
+                        (&mut buffer, reader, &mut *scratch),
+                        &mut report,
+                    )?;
+                    if let Some((slot_offset, reason)) = found {
+                        report.mismatched_slots += 1;
+                        if report.mismatches.len() < VerifyReport::MAX_LISTED {
+                            report.mismatches.push(SlotMismatch {
+                                layer: layer.layer(),
+                                expert: e,
+                                kind,
+                                slot_offset,
+                                reason,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// The first difference between `slot` and `pieces` laid out as `places`.
+    fn compare_slot(
+        &self,
+        slot: &[u8],
+        pieces: &[super::TensorPiece],
+        places: &[SlotPiece],
+        (buffer, reader, scratch): (&mut [u8], &Reader<'_>, &mut Scratch),
+        report: &mut VerifyReport,
+    ) -> Result<Option<(usize, String)>> {
+        if places.len() != pieces.len()
+            || places
+                .iter()
+                .zip(pieces)
+                .any(|(a, b)| a.len as u64 != b.len())
+        {
+            return Ok(Some((
+                0,
+                format!(
+                    "the slot holds pieces of {:?} bytes, the checkpoint has {:?}",
+                    places.iter().map(|p| p.len).collect::<Vec<_>>(),
+                    pieces.iter().map(|p| p.len()).collect::<Vec<_>>()
+                ),
+            )));
+        }
+        let end = places.last().map_or(0, SlotPiece::end);
+        if slot.len() != end {
+            return Ok(Some((
+                slot.len().min(end),
+                format!(
+                    "the slot holds {} bytes, its pieces end at {end}",
+                    slot.len()
+                ),
+            )));
+        }
+        let mut at = 0;
+        for (index, (place, piece)) in places.iter().zip(pieces).enumerate() {
+            let Some(padding) = slot.get(at..place.offset) else {
+                return Ok(Some((
+                    at,
+                    format!("piece {index} starts before the one before ends"),
+                )));
+            };
+            if let Some(i) = padding.iter().position(|&b| b != 0) {
+                return Ok(Some((
+                    at + i,
+                    format!("padding before piece {index} is not zero"),
+                )));
+            }
+            let file = self.files.get(piece.file()).ok_or_else(|| {
+                Error::invalid(
+                    "Checkpoint::verify",
+                    format!(
+                        "a piece names file {} of {}",
+                        piece.file(),
+                        self.files.len()
+                    ),
+                )
+            })?;
+            let mut done = 0usize;
+            while done < place.len {
+                let n = (place.len - done).min(buffer.len());
+                let offset = piece.offset() + done as u64;
+                let what = || format!("verify {}", file.path().display());
+                reader.read(file.file(), offset, &mut buffer[..n], scratch, &what)?;
+                report.reads += 1;
+                report.bytes += n as u64;
+                let here = place.offset + done;
+                let held = slot.get(here..here + n).unwrap_or_default();
+                if held != &buffer[..n] {
+                    let i = (0..n).find(|&i| held.get(i) != buffer.get(i)).unwrap_or(0);
+                    return Ok(Some((
+                        here + i,
+                        format!(
+                            "piece {index} differs from {} at file offset {}",
+                            file.path().display(),
+                            offset + i as u64
+                        ),
+                    )));
+                }
+                done += n;
+            }
+            at = place.end();
+        }
+        Ok(None)
+    }
+}
