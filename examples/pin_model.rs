@@ -33,6 +33,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
+use support::outln;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use numapin::model::{Checkpoint, Naming};
@@ -156,10 +157,10 @@ fn run_plan(args: &PinModelArgs, path: &std::path::Path) -> Result<(), String> {
     }
     let table = planner::plan(&sizes, &machine, stats.as_ref(), &options).map_err(err)?;
     if args.json {
-        println!("{}", table.to_json());
+        outln!("{}", table.to_json());
     } else {
         let experts: usize = sizes.moe_layers.iter().map(|l| l.experts).sum();
-        println!(
+        outln!(
             "{}: {} MoE layers, {} experts, {:.1} GiB of experts, {:.1} GiB of other tensors",
             path.display(),
             sizes.moe_layers.len(),
@@ -167,7 +168,7 @@ fn run_plan(args: &PinModelArgs, path: &std::path::Path) -> Result<(), String> {
             sizes.expert_bytes() as f64 / (1u64 << 30) as f64,
             sizes.other_bytes as f64 / (1u64 << 30) as f64
         );
-        println!("{table}");
+        outln!("{table}");
     }
     Ok(())
 }
@@ -284,8 +285,8 @@ fn print_checkpoint(
     plan: &numapin::model::ExpertPlan,
     run: &Run,
 ) {
-    println!("numapin pin_model: {}", path.display());
-    println!(
+    outln!("numapin pin_model: {}", path.display());
+    outln!(
         "  checkpoint       {} file(s), naming {}, {} MoE layers (model layers {})",
         model.files,
         model.naming,
@@ -296,12 +297,12 @@ fn print_checkpoint(
     if let Some(share) = &model.share {
         print_share(share);
     }
-    println!(
+    outln!(
         "  for the engine   {} tensors, {} (not experts: read them yourself)",
         model.engine_tensors,
         gib(model.engine_bytes)
     );
-    println!(
+    outln!(
         "  verified         {} slots re-read from the files ({} read) and equal to what \
          the plan named; every expert complete ({} roles each)",
         verify.slots,
@@ -387,7 +388,7 @@ fn print_roles(layers: &BTreeMap<usize, LayerRolesJson>) {
             .gate_up_layout
             .map(|g| format!("; gate_up {g}"))
             .unwrap_or_default();
-        println!(
+        outln!(
             "  roles            {layers}: {}{layout}",
             r.roles.join(", ")
         );
@@ -397,16 +398,16 @@ fn print_roles(layers: &BTreeMap<usize, LayerRolesJson>) {
 /// The share placed: what was asked, the experts held of each layer (once when every
 /// layer holds the same), and each role's slice of the first layer.
 fn print_share(share: &ShareJson) {
-    println!("  share            {}", share.share);
+    outln!("  share            {}", share.share);
     let mut held = share.experts_held.iter();
     if let Some((&first, ids)) = held.next() {
         let of = share.experts_of.get(&first).copied().unwrap_or(0);
         if share.experts_held.values().all(|v| v == ids) {
-            println!("  experts held     {ids} of {of} in every MoE layer");
+            outln!("  experts held     {ids} of {of} in every MoE layer");
         } else {
             for (layer, ids) in share.experts_held.iter() {
                 let of = share.experts_of.get(layer).copied().unwrap_or(0);
-                println!("  experts held     layer {layer}: {ids} of {of}");
+                outln!("  experts held     layer {layer}: {ids} of {of}");
             }
         }
     }
@@ -423,9 +424,10 @@ fn print_share(share: &ShareJson) {
                     s.extent
                 )
             };
-            println!(
+            outln!(
                 "  slice            layer {layer} {} {:?}: {what}",
-                s.role, s.shape
+                s.role,
+                s.shape
             );
         }
     }
@@ -449,13 +451,13 @@ fn print_json(
         baseline: baseline.map(BaselineJson::new),
     };
     let text = serde_json::to_string(&json).map_err(|e| format!("JSON: {e}"))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(())
 }
 
 fn print_purge(purge: Option<Purge>) {
     if let Some(p) = purge {
-        println!(
+        outln!(
             "  jemalloc purge   RSS {} -> {} (live heap bytes {})",
             gib(p.rss_before),
             gib(p.rss_after),
@@ -516,9 +518,9 @@ fn pages(run: &Run) -> String {
 }
 
 fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeSet, layout: &str) {
-    println!("numapin pin_model: every slot verified");
-    println!("  nodes            {nodes} (layout {layout})");
-    println!(
+    outln!("numapin pin_model: every slot verified");
+    outln!("  nodes            {nodes} (layout {layout})");
+    outln!(
         "  map limit        vm.max_map_count = {}",
         diag::max_map_count().unwrap_or(0)
     );
@@ -526,18 +528,18 @@ fn print_report(run: &Run, baseline: Option<&Result<Run, String>>, nodes: &NodeS
     match baseline {
         None => {
             for (name, value) in &left {
-                println!("  {name:<16} {value}");
+                outln!("  {name:<16} {value}");
             }
         }
         Some(b) => {
-            println!("  {:<16} {:<28} one slab per expert", "", "PinStore");
+            outln!("  {:<16} {:<28} one slab per expert", "", "PinStore");
             let right = b.as_ref().map(rows).ok();
             for (i, (name, value)) in left.iter().enumerate() {
                 let other = right.as_ref().map_or("-", |r| r[i].1.as_str());
-                println!("  {name:<16} {value:<28} {other}");
+                outln!("  {name:<16} {value:<28} {other}");
             }
             if let Err(e) = b {
-                println!("  baseline failed: {e}");
+                outln!("  baseline failed: {e}");
             }
         }
     }

@@ -4,6 +4,7 @@
 mod support;
 
 use std::process::ExitCode;
+use support::outln;
 
 use clap::Parser;
 use support::args::ProbeArgs;
@@ -20,14 +21,14 @@ fn main() -> ExitCode {
     };
     if args.json {
         match serde_json::to_string(&ProbeJson::new(&support)) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => outln!("{text}"),
             Err(e) => {
                 eprintln!("probe: JSON: {e}");
                 return ExitCode::FAILURE;
             }
         }
     } else {
-        println!("{support}\n\n{}", verdict(&support));
+        outln!("{support}\n\n{}", verdict(&support));
     }
     ExitCode::SUCCESS
 }

@@ -652,3 +652,40 @@ fn pin_model_plan_takes_the_share_flags() {
         "{err}"
     );
 }
+
+/// The examples print through `support::outln!`: output to a pipe closed early
+/// (`pin_model --json | head -c 100`) ends the program with status 141, as `SIGPIPE` ends
+/// `cat`, where `println!` panicked ("failed printing to stdout: Broken pipe").
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    const CHILD: &str = "NUMAPIN_TEST_CLOSED_PIPE";
+    if std::env::var_os(CHILD).is_some() {
+        for line in 0.. {
+            support::outln!("line {line} of an output longer than any pipe buffer");
+        }
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "a_closed_pipe_ends_the_output_quietly", "--nocapture"])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read up to the first line printed (the harness prints its own first), then close
+    // the pipe, as `head` does.
+    let mut first = String::new();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..8 {
+        first.clear();
+        std::io::BufRead::read_line(&mut out, &mut first).unwrap();
+        if first.starts_with("line ") {
+            break;
+        }
+    }
+    drop(out);
+    let result = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(first.starts_with("line 0 "), "{first}");
+    assert_eq!(result.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -2,12 +2,24 @@
 //! flags ([`args`]) and JSON ([`report`]).
 #![allow(dead_code)]
 
+/// `println!` for a program whose output may go to a pipe that closes early
+/// (`pin_model --json | head -c 100`): a closed pipe ends the process quietly with
+/// status 141, as `SIGPIPE` ends `cat`, instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::support::write_line(format_args!($($arg)*))
+    };
+}
+#[allow(unused_imports)] // not every program that includes the module prints
+pub(crate) use outln;
+
 pub mod args;
 pub mod report;
 pub mod whole;
 
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::io::Write;
 use std::time::Instant;
 
 use numapin::store::{Kind, LayerReport, Layout, PinStore, StoreOptions};
@@ -213,4 +225,22 @@ pub fn run_baseline(
         direct_io: None,
     };
     Ok((run, slabs))
+}
+
+/// One line on standard output (see [`outln`]): a closed pipe ends the process with
+/// status 141, another write error with status 1 and the error.
+pub fn write_line(args: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) => {
+            eprintln!("standard output: {e}");
+            std::process::exit(1);
+        }
+    }
 }

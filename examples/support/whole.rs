@@ -136,14 +136,14 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
     let report = model.report().ok_or_else(|| "no report".to_owned())?;
     if args.json {
         let json = WholeJson::new(path, report, verify.verified(), verify.copies);
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(&json).map_err(|e| e.to_string())?
         );
         return Ok(());
     }
-    println!("numapin pin_model: {} (whole model)", path.display());
-    println!("{report}");
-    println!("  {verify}");
+    outln!("numapin pin_model: {} (whole model)", path.display());
+    outln!("{report}");
+    outln!("  {verify}");
     Ok(())
 }
