@@ -665,7 +665,11 @@ fn a_closed_pipe_ends_the_output_quietly() {
         }
     }
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_closed_pipe_ends_the_output_quietly", "--nocapture"])
+        .args([
+            "--exact",
+            "a_closed_pipe_ends_the_output_quietly",
+            "--nocapture",
+        ])
         .env(CHILD, "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

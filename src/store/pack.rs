@@ -130,21 +130,8 @@ impl PinStore {
         let (placement, mut mbind_calls) =
             self.place(policy.as_ref(), &arenas, spec.experts, order.as_ref())?;
         let reader = self.reader(sources)?;
-        // Reads fault the slots in themselves, under the bind, on every loader thread and
-        // overlapped with the device's transfers: a separate pass first zeroes them on
-        // one thread, serially (a cold drop-behind load ran 1.5-2x slower with it). Only
-        // bytes in memory, copied in user space, are populated first.
         let (read_mode, read_fallback) = reader.outcome();
-        let copies_memory = sources.iter().any(|source| {
-            Kind::ALL.iter().any(
-                |&kind| matches!(source.tensor(kind), crate::source::Tensor::Memory(b) if !b.is_empty()),
-            )
-        });
-        if self.options.populate && copies_memory {
-            for arena in arenas.iter_mut().flatten() {
-                arena.populate()?;
-            }
-        }
+        self.populate_for(&mut arenas, sources)?;
         let experts = spec.experts;
         let target = |expert: usize| self.expert_node(layer, experts, expert);
         let filled = self.fill(
@@ -327,6 +314,30 @@ impl PinStore {
     }
 
     /// How the layer's files are read: the store's read mode, with or without `io_uring`.
+    /// Faults the regions in first where the layer copies bytes from memory. Reads
+    /// fault the slots in themselves, under the bind, on every loader thread and
+    /// overlapped with the device's transfers, where a separate pass zeroes the whole
+    /// layer on one thread first (a cold drop-behind load ran 1.5-2x slower with it);
+    /// bytes in memory are copied in user space, where a fault that finds the bound
+    /// nodes full is not an error the copy can return.
+    fn populate_for(
+        &self,
+        arenas: &mut [Option<Arena>; 2],
+        sources: &[ExpertSource<'_>],
+    ) -> Result<()> {
+        let copies_memory = sources.iter().any(|source| {
+            Kind::ALL.iter().any(
+                |&kind| matches!(source.tensor(kind), crate::source::Tensor::Memory(b) if !b.is_empty()),
+            )
+        });
+        if self.options.populate && copies_memory {
+            for arena in arenas.iter_mut().flatten() {
+                arena.populate()?;
+            }
+        }
+        Ok(())
+    }
+
     fn reader<'a>(&self, sources: &'a [ExpertSource<'a>]) -> Result<load::Reader<'a>> {
         let reader = load::Reader::new(
             self.options.read_mode,
