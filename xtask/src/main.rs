@@ -224,8 +224,10 @@ fn whole_model_plans(pin_model: &std::path::Path) -> Result<(), String> {
         eprintln!("xtask: running {cmd:?}");
         let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
+        // The whole model's figures follow its per-class ones in the object: the last
+        // occurrence of a key is the whole model's.
         let number = |key: &str| -> Option<u64> {
-            let at = text.find(&format!("\"{key}\":"))? + key.len() + 3;
+            let at = text.rfind(&format!("\"{key}\":"))? + key.len() + 3;
             let digits: String = text[at..]
                 .chars()
                 .take_while(char::is_ascii_digit)
