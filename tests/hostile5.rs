@@ -806,3 +806,116 @@ fn a_column_sliced_share_places_numpys_columns_in_every_mode() {
         }
     }
 }
+
+/// A slot released and loaded again with `ensure` (buffered, piece by piece) gets the
+/// layout the pack gave it: pieces at their congruent offsets, padding zero.
+#[test]
+fn ensure_after_release_keeps_the_congruent_layout() {
+    let d = dir("ensure");
+    let path = d.join("data.bin");
+    let bytes = write_file(&path, 4 << 20, 31);
+    let file = File::open(&path).unwrap();
+    let experts: Vec<Pieces> = (0..6u64)
+        .map(|e| {
+            let at = e * (512 << 10);
+            (
+                vec![(at + 100, 5000), (at + 8192, 4096 + 3), (at + 3, 7)],
+                vec![(at + 300_000, 33)],
+            )
+        })
+        .collect();
+    for mode in MODES {
+        for (align, modulus) in [(1usize, 4096usize), (512, 512), (64, 0), (1, 2)] {
+            let options = StoreOptions::default()
+                .huge_pages(false)
+                .read_mode(mode)
+                .piece_align(align)
+                .piece_congruence(modulus);
+            let what = format!("{mode:?} align {align} modulus {modulus}");
+            let mut store = PinStore::new(Layout::Unplaced, options).unwrap();
+            let sources: Vec<_> = experts
+                .iter()
+                .map(|(w, s)| ExpertSource::from_file(&file, w, s))
+                .collect();
+            store
+                .pack_layer(0, &LayerSpec::fitting(&sources).unwrap(), &sources)
+                .unwrap();
+            let before: Vec<Vec<u8>> = (0..6)
+                .map(|e| [store.weights(0, e).unwrap(), store.scales(0, e).unwrap()].concat())
+                .collect();
+            for e in [0, 3, 5] {
+                store.release(0, e).unwrap();
+                store.ensure(0, e, &sources[e]).unwrap();
+            }
+            let map = store.slot_map(0).unwrap().clone();
+            for (e, (w, _)) in experts.iter().enumerate() {
+                let slot = store.weights(0, e).unwrap();
+                for (p, &(off, len)) in map.pieces(e, Kind::Weights).unwrap().iter().zip(w) {
+                    assert!(
+                        slot[p.offset..p.end()] == bytes[off as usize..off as usize + len],
+                        "{what}: expert {e} piece at {off}"
+                    );
+                }
+                let after = [slot, store.scales(0, e).unwrap()].concat();
+                assert!(
+                    after == before[e],
+                    "{what}: expert {e} differs after ensure"
+                );
+            }
+        }
+    }
+}
+
+/// `Checkpoint::place` with piece alignments and moduli at the edges: a named error
+/// before anything is placed, or a model that re-reads equal to the file.
+#[cfg(feature = "model")]
+#[test]
+fn place_with_edge_alignments_is_named_or_exact() {
+    use numapin::model::{DenseLayout, PlacementPlan};
+    let Some(dir) = common::fixtures("place_with_edge_alignments_is_named_or_exact") else {
+        return;
+    };
+    let nodes = common::nodes();
+    let checkpoint = common::open_fixture(&dir, "gguf-single");
+    let plan = || PlacementPlan::new(Layout::SplitExperts(nodes), DenseLayout::Replicate(nodes));
+    for mode in MODES {
+        for slot in [SlotAlign::Page, SlotAlign::HugePage] {
+            for (align, modulus) in [
+                (1usize, 3usize),
+                (1, usize::MAX),
+                (1, 1 << 21),
+                (1 << 21, 0),
+                (1 << 21, 1 << 21),
+                (4096, 2048),
+                (128, 64),
+                (1 << 30, 0),
+                (3, 0),
+                (0, 0),
+                (usize::MAX, 0),
+            ] {
+                let options = StoreOptions::default()
+                    .loader_threads(2)
+                    .read_mode(mode)
+                    .slot_align(slot)
+                    .piece_align(align)
+                    .piece_congruence(modulus);
+                let what = format!("{mode:?} {slot:?} align {align} modulus {modulus}");
+                match checkpoint.place(&plan(), options) {
+                    Ok(model) => {
+                        let verify = model.verify(&checkpoint).unwrap();
+                        assert!(verify.verified(), "{what}: {verify}");
+                    }
+                    Err(e) => assert!(
+                        matches!(
+                            e,
+                            Error::InvalidArgument { .. }
+                                | Error::MapBudget { .. }
+                                | Error::NodeMemory { .. }
+                        ),
+                        "{what}: {e:?}"
+                    ),
+                }
+            }
+        }
+    }
+}
