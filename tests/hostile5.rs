@@ -919,3 +919,46 @@ fn place_with_edge_alignments_is_named_or_exact() {
         }
     }
 }
+
+/// `expert_cache` writing into a pipe already closed (`expert_cache | true`): the program
+/// ends with status 141 as `SIGPIPE` would end it, not a panic in `println!`. The example
+/// binary is the one `cargo test` builds beside this test's (`target/<profile>/examples`).
+#[test]
+fn expert_cache_into_a_closed_pipe_ends_with_141() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples")
+        .join("expert_cache");
+    if !bin.exists() {
+        println!(
+            "NOT RUN: expert_cache_into_a_closed_pipe_ends_with_141: {} is not built (`cargo \
+             test` builds it; `--test hostile5` alone does not)",
+            bin.display()
+        );
+        return;
+    }
+    let mut child = std::process::Command::new(&bin)
+        .args([
+            "--ops",
+            "1000",
+            "--slots",
+            "4",
+            "--layers",
+            "2",
+            "--experts",
+            "8",
+        ])
+        .args(["--weight-bytes", "4096"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
