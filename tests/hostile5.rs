@@ -1050,3 +1050,115 @@ fn congruent_loads_under_every_layout_and_shared_store() {
         }
     }
 }
+
+/// Zero-length pieces anywhere (past the end, at `u64::MAX`, between others, alone in a
+/// tensor whose other pieces load): a load equal to the file or a named error.
+#[test]
+fn zero_length_pieces_far_away_are_harmless() {
+    let d = dir("zero");
+    let path = d.join("data.bin");
+    let bytes = write_file(&path, 1 << 16, 51);
+    let file = File::open(&path).unwrap();
+    let far = [
+        u64::MAX,
+        u64::MAX - 1,
+        u64::MAX - 4095,
+        1 << 63,
+        1 << 16,
+        (1 << 16) + 1,
+    ];
+    for mode in MODES {
+        for modulus in [0usize, 2, 4096] {
+            for &at in &far {
+                let experts: Vec<Pieces> = vec![
+                    (vec![(0, 100), (at, 0), (4096, 10)], vec![(at, 0)]),
+                    (vec![(at, 0), (513, 4096)], vec![]),
+                ];
+                let options = StoreOptions::default()
+                    .huge_pages(false)
+                    .read_mode(mode)
+                    .piece_congruence(modulus);
+                let what = format!("{mode:?} modulus {modulus} zero-length at {at}");
+                if let Err(e) = pack_and_check(options, &file, &bytes, &experts, &what) {
+                    assert!(
+                        matches!(e, Error::InvalidArgument { .. } | Error::Checkpoint { .. }),
+                        "{what}: {e:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Drop-behind over many tiny pieces spread thinly over a large file: few bytes are read,
+/// but each read brings the kernel's readahead with it. The cache, sampled by a thread of
+/// the test's own during the load, must stay near `DROP_BEHIND_EVERY` as promised, not
+/// grow with the span of the file read over.
+#[test]
+fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
+    use numapin::store::DROP_BEHIND_EVERY;
+    use numapin_testkit::cache::{cached_pages, evict};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let d = dir("sparse");
+    let path = d.join("data.bin");
+    let len = 128usize << 20;
+    {
+        let mut f = File::create(&path).unwrap();
+        let block: Vec<u8> = (0..1 << 20)
+            .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        for _ in 0..len >> 20 {
+            f.write_all(&block).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    let file = File::open(&path).unwrap();
+    // No kernel readahead (as tests/read_modes): what stays cached is drop-behind's doing.
+    rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random).unwrap();
+    evict(&file).unwrap();
+    // Experts of 64 pieces of 64 bytes, one every STRIDE bytes: 64 B read per STRIDE.
+    const STRIDE: u64 = 8 << 10;
+    let experts: Vec<Pieces> = (0..(len as u64 / STRIDE / 64))
+        .map(|e| {
+            (
+                (0..64u64)
+                    .map(|p| ((e * 64 + p) * STRIDE + 100, 64))
+                    .collect(),
+                vec![],
+            )
+        })
+        .collect();
+    let (done, peak) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let sampler = {
+        let (done, peak, file) = (done.clone(), peak.clone(), file.try_clone().unwrap());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                peak.fetch_max(cached_pages(&file).unwrap().0, Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        })
+    };
+    let options = StoreOptions::default()
+        .huge_pages(false)
+        .loader_threads(2)
+        .read_mode(ReadMode::DropBehind);
+    let result = pack_and_check(options, &file, &bytes, &experts, "sparse");
+    done.store(true, Ordering::SeqCst);
+    sampler.join().unwrap();
+    result.unwrap();
+    let (after, total) = cached_pages(&file).unwrap();
+    let peak = peak.load(Ordering::SeqCst);
+    let page = numapin::page_size();
+    println!("sparse: {peak} pages cached at most during the load, {after} of {total} after");
+    let bound = (DROP_BEHIND_EVERY as usize + 2 * (2 << 20)) / page;
+    assert!(after * 50 <= total, "{after} of {total} after");
+    assert!(
+        peak <= bound,
+        "{peak} pages cached during the load, more than {bound} of {total}"
+    );
+}
