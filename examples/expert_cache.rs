@@ -4,7 +4,10 @@
 //!
 //! `cargo run --release --example expert_cache -- --ops 1000000 --slots 128`
 
+mod support;
+
 use std::time::Instant;
+use support::outln;
 
 use clap::Parser;
 use numapin::NodeSet;
@@ -75,28 +78,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let hit_rate = stats.hits as f64 / (stats.hits + stats.misses).max(1) as f64;
     // op = hit_rate × hit + (1 − hit_rate) × miss.
     let miss_ns = (op_ns - hit_rate * hit_ns) / (1.0 - hit_rate).max(1e-9);
-    println!(
+    outln!(
         "expert_cache: {} requests, Zipf(1.0) over {keys} experts",
         args.ops
     );
-    println!(
+    outln!(
         "  nodes          {} ({} slots each)",
-        args.nodes, args.slots
+        args.nodes,
+        args.slots
     );
-    println!(
+    outln!(
         "  hit rate       {:.1}% ({} hits, {} misses, {} evictions)",
         100.0 * hit_rate,
         stats.hits,
         stats.misses,
         stats.evictions
     );
-    println!(
+    outln!(
         "  mappings       {created} after creation, {} after the churn",
         stats.mappings
     );
-    println!("  per request    {op_ns:.0} ns; a hit {hit_ns:.0} ns, a miss ~{miss_ns:.0} ns");
+    outln!("  per request    {op_ns:.0} ns; a hit {hit_ns:.0} ns, a miss ~{miss_ns:.0} ns");
     for node in &stats.nodes {
-        println!(
+        outln!(
             "  node {:<9} {} of {} slots used, {} KiB resident, {}",
             node.node.to_string(),
             node.used,

@@ -109,8 +109,12 @@ impl PieceLayout {
         PieceLayout { align, modulus: 0 }
     }
 
-    /// Checks the modulus as [`PinStore::new`] does, against the slot alignment `slot`.
+    /// Checks the alignment and the modulus as [`PinStore::new`] does, the modulus
+    /// against the slot alignment `slot` (a caller that lays pieces out before any store
+    /// exists, `Checkpoint::place`, would otherwise reckon with an alignment the store
+    /// refuses: `usize::MAX` overflowed its cost sums).
     pub(crate) fn check(self, slot: usize) -> Result<()> {
+        check_piece_align(self.align)?;
         check_piece_congruence(self.modulus, self.align, slot)
     }
 

@@ -418,11 +418,17 @@ pub(crate) fn slot_bytes(
     end.map_or(u64::MAX, |end| align_up(end as u64, slot))
 }
 
+/// Adds `bytes` to `node`'s, saturating.
+fn add(into: &mut BTreeMap<Node, u64>, node: Node, bytes: u64) {
+    let at = into.entry(node).or_default();
+    *at = at.saturating_add(bytes);
+}
+
 /// Adds `bytes` spread over `set` page by page (rounded up per node).
 fn spread(into: &mut BTreeMap<Node, u64>, set: NodeSet, bytes: u64) {
     let n = set.len().max(1) as u64;
     for node in set.iter() {
-        *into.entry(node).or_default() += bytes.div_ceil(n);
+        add(into, node, bytes.div_ceil(n));
     }
 }
 
@@ -482,13 +488,14 @@ impl Assigned {
             c.mbind_calls += g.layout.mbind_calls();
             c.per_tensor_mappings += g.tensors.len() * g.layout.copies();
             match g.layout {
+                // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
                 DenseLayout::Replicate(set) => {
                     for node in set.iter() {
-                        *c.node_bytes.entry(node).or_default() += copy;
+                        add(&mut c.node_bytes, node, copy);
                     }
                 }
                 DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
-                DenseLayout::Bind(node) => *c.node_bytes.entry(node).or_default() += copy,
+                DenseLayout::Bind(node) => add(&mut c.node_bytes, node, copy),
                 DenseLayout::Unplaced => unbound = unbound.saturating_add(copy),
             }
         }
@@ -508,7 +515,7 @@ impl Assigned {
         let mut node_bytes = BTreeMap::new();
         for c in &classes {
             for (&n, &b) in &c.node_bytes {
-                *node_bytes.entry(n).or_default() += b;
+                add(&mut node_bytes, n, b);
             }
         }
         PlacementCost {
@@ -573,13 +580,13 @@ fn expert_cost(
                 }
                 Layout::LayerPerNode(set) => {
                     if let Some(node) = set.nth(layer.layer() % set.len().max(1)) {
-                        *c.node_bytes.entry(node).or_default() += bytes;
+                        add(&mut c.node_bytes, node, bytes);
                     }
                     (1, 1, 1)
                 }
                 Layout::Replicate(set) => {
                     for node in set.iter() {
-                        *c.node_bytes.entry(node).or_default() += bytes;
+                        add(&mut c.node_bytes, node, bytes);
                     }
                     (set.len(), set.len(), set.len())
                 }
@@ -603,7 +610,7 @@ fn expert_cost(
                         let len = start(i + 1) - start(i);
                         if len > 0 {
                             blocks += 1;
-                            *c.node_bytes.entry(node).or_default() += stride * len as u64;
+                            add(&mut c.node_bytes, node, stride.saturating_mul(len as u64));
                         }
                     }
                     (blocks.max(1), blocks, 1)

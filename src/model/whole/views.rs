@@ -7,8 +7,10 @@ use std::collections::HashMap;
 use super::classes::TensorClass;
 use super::report::WholeReport;
 use crate::error::{Error, Result};
-use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, SliceAxis, TensorInfo};
-use crate::store::{Kind, PinStore};
+use crate::model::{
+    Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, RoleSlice, SliceAxis, TensorInfo, TensorPiece,
+};
+use crate::store::{Kind, PinStore, SlotPiece};
 
 /// Where a placed tensor's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -328,6 +330,15 @@ impl PlacedModel {
             };
             let names = roles.iter().filter(|(r, _)| *r == role).map(|(_, n)| *n);
             let places = map.pieces(expert, kind).unwrap_or_default();
+            let cuts: Vec<&RoleSlice> = plan.share().map_or(Vec::new(), |s| {
+                let weight = role == PieceRole::Weight;
+                s.slices().iter().filter(|c| c.weight == weight).collect()
+            });
+            if !cuts.is_empty() {
+                let what = (layer, expert, pieces.pieces(role), places);
+                out.extend(self.sliced_views(what, role, names, &cuts, slot)?);
+                continue;
+            }
             for ((p, sp), name) in pieces.pieces(role).iter().zip(places).zip(names) {
                 let t = &self.tensors[p.tensor()];
                 out.push(ExpertPieceView {
@@ -339,6 +350,75 @@ impl PlacedModel {
                     bytes: piece(slot, sp.offset, sp.len),
                 });
             }
+        }
+        Ok(out)
+    }
+
+    /// The views of one slot's roles under a tensor slice: a role cut by columns is one
+    /// piece per row (all of them one view, its shape the slice's), a role cut by rows
+    /// or kept whole one piece. The rows of a view must lie back to back in the slot
+    /// (`piece_align` 1, no `piece_congruence`): with padding between them no single
+    /// byte slice holds the role, and that is an error rather than padding in the view.
+    fn sliced_views<'s>(
+        &'s self,
+        (layer, expert, pieces, places): (usize, usize, &[TensorPiece], &[SlotPiece]),
+        role: PieceRole,
+        names: impl Iterator<Item = &'s str>,
+        cuts: &[&RoleSlice],
+        slot: &'s [u8],
+    ) -> Result<Vec<ExpertPieceView<'s>>> {
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        for (cut, name) in cuts.iter().zip(names) {
+            let rows = match cut.shape.split_last() {
+                Some((_, outer)) if sliced_by_columns(cut) => outer.iter().product::<u64>(),
+                _ => 1,
+            };
+            let count = usize::try_from(rows).unwrap_or(usize::MAX);
+            let end = at.saturating_add(count);
+            let (Some(ps), Some(sps)) = (pieces.get(at..end), places.get(at..end)) else {
+                return Err(Error::invalid(
+                    "PlacedModel::expert",
+                    format!(
+                        "layer {layer} expert {expert} {name}: {count} pieces from {at}, the \
+                         slot has {}",
+                        places.len()
+                    ),
+                ));
+            };
+            at = end;
+            let (Some(first), Some(last)) = (sps.first(), sps.last()) else {
+                continue;
+            };
+            if sps.windows(2).any(|w| w[0].end() != w[1].offset) {
+                return Err(Error::invalid(
+                    "PlacedModel::expert",
+                    format!(
+                        "layer {layer} expert {expert} {name}: its {count} row pieces are not \
+                         back to back in the slot (piece_align or piece_congruence padded \
+                         them); read them through the store's slot_map"
+                    ),
+                ));
+            }
+            let t = &self.tensors[ps[0].tensor()];
+            let mut shape = cut.shape.clone();
+            if !cut.whole {
+                let axis = match cut.axis {
+                    SliceAxis::Rows => shape.first_mut(),
+                    SliceAxis::Columns => shape.last_mut(),
+                };
+                if let Some(d) = axis {
+                    *d = cut.len;
+                }
+            }
+            out.push(ExpertPieceView {
+                slot: role,
+                role: name,
+                tensor: &t.name,
+                dtype: t.dtype,
+                shape,
+                bytes: piece(slot, first.offset, last.end() - first.offset),
+            });
         }
         Ok(out)
     }
@@ -410,6 +490,12 @@ impl PlacedModel {
 }
 
 /// `slot[offset..offset + len]`, empty where the slot is shorter (never a panic).
+/// Whether a role's cut keeps part of each row (one piece per row), as
+/// `Geometry::cuts` makes it.
+fn sliced_by_columns(cut: &RoleSlice) -> bool {
+    cut.axis == SliceAxis::Columns && !cut.whole && cut.len != cut.extent
+}
+
 fn piece(slot: &[u8], offset: usize, len: usize) -> &[u8] {
     slot.get(offset..offset.saturating_add(len))
         .unwrap_or_default()
