@@ -117,6 +117,11 @@ pub(crate) enum Settled {
     Again { done: usize },
     /// The file ended `done` bytes into the request.
     Eof { done: usize },
+    /// The kernel cancelled the read (`ECANCELED`) though nothing here asked it to: a
+    /// read handed to the ring's worker threads can end so while signals arrive (seen
+    /// in a user namespace under a signal storm). Submitted again, a bounded number of
+    /// times ([`MAX_CANCELED`]).
+    Canceled,
     /// The read failed.
     Failed(Errno),
 }
@@ -137,11 +142,16 @@ pub(crate) fn settle(res: i32, len: usize) -> Settled {
             };
             match errno {
                 Errno::INTR | Errno::AGAIN => Settled::Again { done: 0 },
+                Errno::CANCELED => Settled::Canceled,
                 errno => Settled::Failed(errno),
             }
         }
     }
 }
+
+/// Reads of one call submitted again after `ECANCELED` before the call fails with it:
+/// a guard against a ring that cancels everything, far above what a signal storm causes.
+pub(crate) const MAX_CANCELED: usize = 1 << 16;
 
 /// A loader thread's ring.
 pub(crate) struct Ring {
@@ -186,6 +196,7 @@ impl Ring {
         let mut free: Vec<usize> = (0..DEPTH).rev().collect();
         let mut in_flight = 0usize;
         let mut first_error: Option<Error> = None;
+        let mut canceled = 0usize;
         loop {
             // One request at a time: fault its pages in, then submit it, so that the
             // faults of the next request overlap the transfers of those in flight.
@@ -245,6 +256,14 @@ impl Ring {
                 match settle(res, len) {
                     Settled::Done => {}
                     Settled::Again { done } => pending.push(request.advance(done)),
+                    Settled::Canceled if canceled < MAX_CANCELED => {
+                        canceled += 1;
+                        pending.push(request);
+                    }
+                    Settled::Canceled => {
+                        first_error
+                            .get_or_insert_with(|| failed(Errno::CANCELED, request.offset, len));
+                    }
                     Settled::Eof { done } => {
                         let at = request.offset + done as u64;
                         first_error.get_or_insert_with(|| eof(at, len - done));
@@ -340,6 +359,7 @@ mod tests {
         assert_eq!(settle(0, 4096), Settled::Eof { done: 0 });
         assert_eq!(settle(-libc::EINTR, 4096), Settled::Again { done: 0 });
         assert_eq!(settle(-libc::EAGAIN, 4096), Settled::Again { done: 0 });
+        assert_eq!(settle(-libc::ECANCELED, 4096), Settled::Canceled);
         assert_eq!(settle(-libc::EIO, 4096), Settled::Failed(Errno::IO));
         assert_eq!(settle(-libc::EINVAL, 4096), Settled::Failed(Errno::INVAL));
         assert_eq!(settle(i32::MIN, 4096), Settled::Failed(Errno::IO));
