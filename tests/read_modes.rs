@@ -14,6 +14,8 @@ use numapin::store::{
 use numapin_testkit::cache::{cached_pages, evict};
 use numapin_testkit::synthetic::SyntheticModel;
 
+mod common;
+
 /// A directory of this test's own on the target directory's file system.
 fn dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -339,5 +341,82 @@ fn consecutive_slots_load_byte_exact_in_every_mode() {
             }
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Bytes this process caused to be read from storage (`/proc/self/io`'s `read_bytes`:
+/// the kernel's readahead included), or `None` where the kernel does not count them.
+fn storage_read_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// A cold drop-behind load, one fill per layer with the kernel's readahead on, reads the
+/// file from the device once: each fill leaves what the kernel read ahead past its last
+/// byte for the next fill. Advising the whole file at the end of each fill threw that
+/// away at every layer boundary, and the next fill read it again (11% of a 16-layer
+/// model with this machine's 8 MiB readahead; 15 × 128 KiB = 1.9 MiB at the smallest
+/// usual `read_ahead_kb`, above this test's 1 MiB allowance). Counted by the kernel,
+/// alone in its process, so no other test's reads count.
+#[test]
+fn a_drop_behind_load_reads_the_file_from_the_device_once() {
+    const TEST: &str = "a_drop_behind_load_reads_the_file_from_the_device_once";
+    if !common::alone(TEST) {
+        return;
+    }
+    let dir = dir("once");
+    let model = SyntheticModel {
+        layers: 16,
+        experts: 8,
+        weight_bytes: (512 << 10) + 333,
+        scale_bytes: 4096 + 5,
+    };
+    let path = dir.join("model.bin");
+    model.write(&path).unwrap();
+    let file = File::open(&path).unwrap();
+    let len = file.metadata().unwrap().len();
+    evict(&file).unwrap();
+    let (cached, _) = cached_pages(&file).unwrap();
+    let before = storage_read_bytes();
+    if cached != 0 || before.is_none() {
+        println!(
+            "NOT RUN: {TEST} needs a file the page cache can drop ({cached} pages of {} stayed \
+             after eviction: ramfs or tmpfs) and /proc/self/io ({})",
+            path.display(),
+            if before.is_some() {
+                "present"
+            } else {
+                "absent"
+            }
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    }
+    let store = PinStore::new(Layout::Unplaced, options(ReadMode::DropBehind, 2)).unwrap();
+    for layer in 0..model.layers {
+        let report = store
+            .pack_layer(layer, &model.spec(), &model.sources(&file, layer))
+            .unwrap();
+        assert_eq!(report.read_mode, ReadMode::DropBehind);
+    }
+    let read = storage_read_bytes().unwrap() - before.unwrap();
+    for layer in 0..model.layers {
+        for e in 0..model.experts {
+            assert!(model.verify(layer, e, Kind::Weights, store.weights(layer, e).unwrap()));
+        }
+    }
+    println!("{TEST}: {read} bytes read from the device for a {len}-byte file");
+    // At least the file (else the kernel counts nothing here and the bound says nothing),
+    // at most the file and 1 MiB (the file system's own metadata).
+    assert!(
+        read >= len,
+        "{read} bytes read from the device, the file has {len}"
+    );
+    assert!(
+        read <= len + (1 << 20),
+        "{read} bytes read from the device for a {len}-byte file: read more than once"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -339,14 +339,26 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// The end of a fill: drop-behind files are advised whole.
+    /// The end of a fill: each drop-behind file is advised from its start to the end of
+    /// what the fill read of it. What the kernel read ahead past that end stays cached for
+    /// the next fill (the next layer: usually the next bytes of the file), at most the
+    /// device's readahead window (`read_ahead_kb`, twice with asynchronous readahead).
+    /// Advising the whole file here threw that window away at every layer boundary: a
+    /// cold load of a 16-layer 1 GiB model read 11% more from the device than `cat`
+    /// (`getrusage`'s `ru_inblock`: 1,179 against 1,059 MiB) and ran at 0.61× its speed.
     ///
     /// # Errors
     /// `posix_fadvise` fails.
     pub(crate) fn finish(&self) -> Result<()> {
         for source in &self.files {
-            if let How::DropBehind(_) = source.how {
-                dont_need(source.file, 0, 0)?;
+            if let How::DropBehind(behind) = &source.how {
+                let end = match self.streams.get(&key(source.file)) {
+                    Some(stream) => stream.end(),
+                    None => behind.lock().unwrap_or_else(|e| e.into_inner()).high,
+                };
+                if end > 0 {
+                    dont_need(source.file, 0, end)?;
+                }
             }
         }
         Ok(())
