@@ -209,6 +209,11 @@ class WholeModel:
         """(name, class, layer) of every tensor."""
     def expert(self, layer: int, expert: int) -> dict[str, View]:
         """{role: view} with each piece's dtype and per-expert shape."""
+    def layer(self, layer: int, role: str, *, through: str | None = None) -> View:
+        """[experts, ...] view of one role of every expert the model holds, the slot
+        stride as the outer stride (this thread's node's copy where replicated); with
+        `through`, roles role..through joined along their first dimension. NumapinError
+        where the pieces are not at one stride (a layer split over nodes)."""
     def stats(self) -> dict[str, Any]:
         """{"experts": store stats or None, "dense": [store stats + "class"]}."""
     def report(self) -> str: ...

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use numapin::model::{Dtype, PlacementPlan};
+use numapin::model::{Dtype, ExpertPieceView, PlacementPlan};
 use numapin::store::{Layout, StoreOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
@@ -70,6 +70,60 @@ fn view_of(
     // SAFETY: `bytes` lies in one of the placed model's stores; the model never releases
     // or re-packs them (no such call) and lives as long as `keep`, which the view holds.
     unsafe { View::contiguous(bytes.as_ptr() as usize, elem, &shape, keep.clone()) }
+}
+
+/// The pieces from role `role` to `through` (or `role` alone) of one expert, in slot
+/// order; an error naming the roles where either is missing or `through` comes first.
+fn role_run<'p, 'a>(
+    pieces: &'p [ExpertPieceView<'a>],
+    layer: usize,
+    role: &str,
+    through: Option<&str>,
+) -> PyResult<&'p [ExpertPieceView<'a>]> {
+    let find = |name: &str| {
+        pieces.iter().position(|p| p.role == name).ok_or_else(|| {
+            let names: Vec<&str> = pieces.iter().map(|p| p.role).collect();
+            InvalidArgument::new_err(format!(
+                "layer {layer}: no role {name:?} (roles: {names:?})"
+            ))
+        })
+    };
+    let first = find(role)?;
+    let last = match through {
+        Some(t) => find(t)?,
+        None => first,
+    };
+    if last < first || pieces[first].slot != pieces[last].slot {
+        return Err(InvalidArgument::new_err(format!(
+            "layer {layer}: {:?} does not follow {role:?} in the same slot",
+            through.unwrap_or(role)
+        )));
+    }
+    Ok(&pieces[first..=last])
+}
+
+/// The element type, shape and bytes of pieces joined along their first dimension: one
+/// dtype, back to back, the same inner dimensions (raw bytes for GGML quant blocks).
+fn joined_layout(run: &[ExpertPieceView<'_>], layer: usize) -> PyResult<(Elem, Vec<u64>, usize)> {
+    let head = &run[0];
+    let (elem, mut shape) = tensor_layout(head.dtype, &head.shape, head.bytes.len());
+    let mut len = head.bytes.len();
+    for pair in run.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        let (e, s) = tensor_layout(b.dtype, &b.shape, b.bytes.len());
+        let adjacent = a.bytes.as_ptr() as usize + a.bytes.len() == b.bytes.as_ptr() as usize;
+        let same_inner = shape.get(1..) == s.get(1..) && e.name == elem.name;
+        if !adjacent || !same_inner || shape.is_empty() {
+            return Err(InvalidArgument::new_err(format!(
+                "layer {layer}: {:?} ({} {:?}) and {:?} ({} {:?}) cannot be joined: not back \
+                 to back, or another dtype or inner shape",
+                a.role, a.dtype, a.shape, b.role, b.dtype, b.shape
+            )));
+        }
+        shape[0] += s[0];
+        len += b.bytes.len();
+    }
+    Ok((elem, shape, len))
 }
 
 /// Places `checkpoint` whole under `plan`; the progress callback as in `Checkpoint.pack`.
@@ -181,6 +235,61 @@ impl WholeModel {
             dict.set_item(piece.role, view)?;
         }
         Ok(dict)
+    }
+
+    /// Role `role` of every expert of MoE layer `layer` this model holds: one
+    /// `[experts, ...]` view over the layer's region with the slot stride as the outer
+    /// stride (this thread's node's copy where the experts are replicated), so that a
+    /// fused-experts parameter is assigned without a copy. With `through`, the roles from
+    /// `role` to `through` (back to back in each slot, one dtype, the same inner
+    /// dimensions) joined along their first dimension, as transformers' `gate_up_proj`.
+    /// The experts' pieces must lie at one stride: a layer split over nodes is in one
+    /// block per node (`NumapinError`: read its experts with `expert(layer, e)`).
+    #[pyo3(signature = (layer, role, *, through = None))]
+    fn layer(&self, layer: usize, role: &str, through: Option<&str>) -> PyResult<View> {
+        let ids = self.inner.expert_ids(layer).py_err()?;
+        let mut firsts = Vec::with_capacity(ids.len());
+        let mut joined = None;
+        for &id in &ids {
+            let pieces = self.inner.expert(layer, id).py_err()?;
+            let run = role_run(&pieces, layer, role, through)?;
+            firsts.push(run[0].bytes.as_ptr() as usize);
+            if joined.is_none() {
+                joined = Some(joined_layout(run, layer)?);
+            }
+        }
+        let Some((elem, inner, len)) = joined else {
+            return Err(InvalidArgument::new_err(format!(
+                "layer {layer}: this model holds none of its experts"
+            )));
+        };
+        let stride = firsts.get(1).map_or(len, |&a| a.wrapping_sub(firsts[0]));
+        let uniform = firsts
+            .iter()
+            .enumerate()
+            .all(|(e, &a)| Some(a) == e.checked_mul(stride).and_then(|o| firsts[0].checked_add(o)));
+        if !uniform || stride < len {
+            return Err(crate::errors::NumapinError::new_err(format!(
+                "layer {layer}: the experts' {role:?} pieces are not at one stride (a layout \
+                 that splits the layer over nodes keeps one block per node): read them with \
+                 expert(layer, e)"
+            )));
+        }
+        let mut shape = vec![ids.len() as isize];
+        shape.extend(inner.iter().map(|&n| n as isize));
+        let mut strides = vec![stride as isize];
+        let mut step = elem.size as isize;
+        let mut inner_strides = vec![0isize; inner.len()];
+        for (s, &n) in inner_strides.iter_mut().zip(&inner).rev() {
+            *s = step;
+            step *= n as isize;
+        }
+        strides.extend(inner_strides);
+        // SAFETY: expert i's joined pieces are `len` bytes at `firsts[0] + i × stride`
+        // (checked above for every held expert, `stride ≥ len`), each inside its slot in
+        // the expert store, which the placed model never releases and `self.inner` keeps
+        // alive for as long as the view.
+        Ok(unsafe { View::new(firsts[0], elem, shape, strides, self.inner.clone()) })
     }
 
     /// The plan in its text form.

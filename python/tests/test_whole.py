@@ -232,3 +232,69 @@ def test_threads_read_while_others_place(fixture):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("name", DENSE_FIXTURES)
+def test_a_layer_view_of_the_whole_model_is_numpys_experts(fixture, name):
+    """`WholeModel.layer(l, role)`: one `[E, ...]` view over the layer's region at the slot
+    stride, each row numpy's bytes of one expert's tensor (found by its bytes among the
+    layer's expert tensors numpy wrote, not through numapin's naming)."""
+    fx = fixture(name)
+    want = numpy_tensors(fx.root)
+    model = numapin.Checkpoint(fx.path).place("interleave:all", "interleave:all",
+                                              loader_threads=2, progress=False)
+    per_layer = {}
+    for tensor, cls, layer in model.classes():
+        if cls == "experts":
+            per_layer.setdefault(layer, []).append(want[tensor][1])
+    assert per_layer, "the fixture has experts"
+    for layer, datas in per_layer.items():
+        experts = model.expert(layer, 0)
+        for role, first in experts.items():
+            view = model.layer(layer, role)
+            got = np.asarray(view)
+            assert not got.flags.writeable
+            # Zero copy: row 0 is expert 0's piece, the outer stride the slot stride.
+            assert view.address == first.address
+            assert view.strides[0] == model.expert(layer, 1)[role].address - first.address
+            for e in range(got.shape[0]):
+                row = got[e].tobytes()
+                assert row == np.asarray(model.expert(layer, e)[role]).tobytes()
+                # numpy's bytes: a whole per-expert tensor, or expert e's part of a fused one.
+                assert any(row == data or row in _rows_of(data, got.shape[0], e)
+                           for data in datas), (name, layer, role, e)
+    with pytest.raises(numapin.InvalidArgument, match="no role"):
+        model.layer(min(per_layer), "nope")
+
+
+def _rows_of(data, experts, e):
+    """Expert e's part of a tensor holding every expert (numpy's e-th slice), if the
+    tensor's size divides evenly."""
+    if len(data) % experts:
+        return ()
+    per = len(data) // experts
+    return (data[e * per:(e + 1) * per],)
+
+
+def test_a_split_layer_is_one_view_only_where_its_slots_are_at_one_stride(fixture):
+    """Split over several nodes, a layer is one block per node: the view is refused where
+    the experts' pieces are not at one stride (the VM), and given where they are (one
+    node: one block)."""
+    fx = fixture("gguf-single")
+    model = numapin.Checkpoint(fx.path).place("split:all", "replicate:all", progress=False)
+    layer = next(layer for _, cls, layer in model.classes() if cls == "experts")
+    role = next(iter(model.expert(layer, 0)))
+    addresses = []
+    while True:
+        try:
+            addresses.append(model.expert(layer, len(addresses))[role].address)
+        except numapin.InvalidArgument:
+            break
+    steps = {b - a for a, b in zip(addresses, addresses[1:])}
+    if len(steps) <= 1:
+        got = np.asarray(model.layer(layer, role))
+        for e, address in enumerate(addresses):
+            assert got[e].tobytes() == np.asarray(model.expert(layer, e)[role]).tobytes()
+    else:
+        with pytest.raises(numapin.NumapinError, match="one stride"):
+            model.layer(layer, role)

@@ -354,6 +354,26 @@ impl PlacedModel {
         Ok(out)
     }
 
+    /// The global ids of MoE layer `layer`'s experts this model holds, in slot order
+    /// (`0..n` without an expert share).
+    ///
+    /// # Errors
+    /// The model has no experts, or not that layer.
+    pub fn expert_ids(&self, layer: usize) -> Result<Vec<usize>> {
+        self.expert_store()?;
+        let plan = self
+            .expert_plan
+            .as_ref()
+            .and_then(|p| p.layer(layer))
+            .ok_or(Error::NotPacked {
+                op: "PlacedModel::expert_ids",
+                layer,
+            })?;
+        Ok((0..plan.experts().len())
+            .map(|slot| plan.expert_id(slot))
+            .collect())
+    }
+
     /// The views of one slot's roles under a tensor slice: a role cut by columns is one
     /// piece per row (all of them one view, its shape the slice's), a role cut by rows
     /// or kept whole one piece. The rows of a view must lie back to back in the slot
