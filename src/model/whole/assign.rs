@@ -224,54 +224,80 @@ fn size_fault(checkpoint: &Checkpoint, t: &TensorInfo, why: String) -> Error {
     Error::checkpoint(file, Some(t.name()), CheckpointFault::Size, why)
 }
 
-/// Applies `plan` to `checkpoint`: classes, layouts, groups; errors for a pattern that
-/// matches no dense tensor and for a tensor whose bytes are not its dtype × shape.
-pub(crate) fn assign(
-    checkpoint: &Checkpoint,
-    plan: &PlacementPlan,
-    (layout, expert_modulus): (PieceLayout, usize),
-) -> Result<Assigned> {
-    let mut experts = experts_of(checkpoint)?;
-    let mut cuts = vec![None; checkpoint.tensors().len()];
-    let expert_tensors: BTreeSet<usize> = experts
+/// The checkpoint tensors that are pieces of routed experts (weights and scales).
+fn expert_tensor_indices(experts: Option<&(Naming, ExpertPlan)>) -> BTreeSet<usize> {
+    experts
         .iter()
         .flat_map(|(_, p)| p.layers())
         .flat_map(|l| l.experts())
         .flat_map(|e| e.weights().iter().chain(e.scales()))
         .map(|p| p.tensor())
-        .collect();
-    let mut class_of = Vec::with_capacity(checkpoint.tensors().len());
-    let mut used = vec![false; plan.patterns().len()];
-    let mut keyed: BTreeMap<(TensorClass, usize, Option<usize>), Vec<usize>> = BTreeMap::new();
-    let mut layouts: Vec<DenseLayout> = Vec::new();
+        .collect()
+}
+
+/// The dense tensors keyed by (class, index in `layouts`, model layer), before grouping.
+type Keyed = BTreeMap<(TensorClass, usize, Option<usize>), Vec<usize>>;
+
+/// Every tensor classified under the plan: its class and layer, its dense cut, its
+/// layout; which patterns matched a tensor.
+struct Classified {
+    class_of: Vec<(TensorClass, Option<usize>)>,
+    cuts: Vec<Option<DenseCut>>,
+    /// Per pattern of the plan: whether it matched a dense tensor.
+    used: Vec<bool>,
+    keyed: Keyed,
+    /// The distinct dense layouts, in first-seen order.
+    layouts: Vec<DenseLayout>,
+}
+
+/// Checks each tensor's size, then gives it its class and layer; a dense tensor also
+/// gets its cut (under a dense slice of its class) and its layout (the plan's patterns).
+fn classify_tensors(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    expert_tensors: &BTreeSet<usize>,
+) -> Result<Classified> {
+    let mut out = Classified {
+        class_of: Vec::with_capacity(checkpoint.tensors().len()),
+        cuts: vec![None; checkpoint.tensors().len()],
+        used: vec![false; plan.patterns().len()],
+        keyed: BTreeMap::new(),
+        layouts: Vec::new(),
+    };
     for (index, t) in checkpoint.tensors().iter().enumerate() {
         check_size(checkpoint, t)?;
         if expert_tensors.contains(&index) {
             let layer = TensorClass::of(t.name()).1;
-            class_of.push((TensorClass::RoutedExperts, layer));
+            out.class_of.push((TensorClass::RoutedExperts, layer));
             continue;
         }
         let (class, layer) = TensorClass::of(t.name());
-        class_of.push((class, layer));
+        out.class_of.push((class, layer));
         if let Some(slice) = plan.dense_slice.filter(|_| plan.is_sliced(class)) {
-            cuts[index] = match scale_of(checkpoint, t) {
+            out.cuts[index] = match scale_of(checkpoint, t) {
                 Some(weight) => scale_cut(t, weight, &slice)?,
                 None => dense_cut(t, &slice)?,
             };
         }
         let (layout, pattern) = plan.dense_layout(class, t.name());
         if let Some(i) = pattern {
-            used[i] = true;
+            out.used[i] = true;
         }
-        let l = match layouts.iter().position(|&x| x == layout) {
+        let l = match out.layouts.iter().position(|&x| x == layout) {
             Some(l) => l,
             None => {
-                layouts.push(layout);
-                layouts.len() - 1
+                out.layouts.push(layout);
+                out.layouts.len() - 1
             }
         };
-        keyed.entry((class, l, layer)).or_default().push(index);
+        out.keyed.entry((class, l, layer)).or_default().push(index);
     }
+    Ok(out)
+}
+
+/// Refuses a pattern the plan's text form cannot carry and a pattern that matched no
+/// dense tensor (`used`, per pattern).
+fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) -> Result<()> {
     // The text form separates items by ',' and ';' and keys from values by '=': a
     // pattern holding one would print a plan that reads back as another (no tensor name
     // holds them).
@@ -301,10 +327,16 @@ pub(crate) fn assign(
             ),
         ));
     }
-    // Routed experts are recognised on the whole plan (above), then cut to the share.
-    if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
-        *expert_plan = expert_plan.share(checkpoint, share)?;
-    }
+    Ok(())
+}
+
+/// The dense groups, one per (class, layout, layer), each the next layer of its
+/// (class, layout) store, with its tensors in read order; and those stores.
+fn group_dense(
+    checkpoint: &Checkpoint,
+    keyed: Keyed,
+    layouts: &[DenseLayout],
+) -> (Vec<Group>, Vec<(TensorClass, DenseLayout)>) {
     let mut stores: Vec<(TensorClass, DenseLayout)> = Vec::new();
     let mut per_store: Vec<usize> = Vec::new();
     let mut groups = Vec::with_capacity(keyed.len());
@@ -329,6 +361,25 @@ pub(crate) fn assign(
         });
         per_store[store] += 1;
     }
+    (groups, stores)
+}
+
+/// Applies `plan` to `checkpoint`: classes, layouts, groups; errors for a pattern that
+/// matches no dense tensor and for a tensor whose bytes are not its dtype × shape.
+pub(crate) fn assign(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    (layout, expert_modulus): (PieceLayout, usize),
+) -> Result<Assigned> {
+    let mut experts = experts_of(checkpoint)?;
+    let expert_tensors = expert_tensor_indices(experts.as_ref());
+    let classified = classify_tensors(checkpoint, plan, &expert_tensors)?;
+    check_patterns(checkpoint, plan, &classified.used)?;
+    // Routed experts are recognised on the whole plan (above), then cut to the share.
+    if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
+        *expert_plan = expert_plan.share(checkpoint, share)?;
+    }
+    let (groups, stores) = group_dense(checkpoint, classified.keyed, &classified.layouts);
     let (naming, experts) = match experts {
         Some((n, p)) => (Some(n), Some(p)),
         None => (None, None),
@@ -336,12 +387,12 @@ pub(crate) fn assign(
     Ok(Assigned {
         naming,
         experts,
-        class_of,
+        class_of: classified.class_of,
         groups,
         stores,
         layout,
         expert_modulus,
-        cuts,
+        cuts: classified.cuts,
     })
 }
 
