@@ -331,32 +331,23 @@ fn one_byte_files_the_same_file_twice_and_many_tiny_pieces() {
 #[test]
 fn drop_behind_keeps_its_bound_when_slots_read_the_file_backwards() {
     use numapin::store::{DROP_BEHIND_EVERY, ProgressHook};
-    use numapin_testkit::cache::{cached_pages, evict};
-    use std::sync::{Arc, Mutex};
-    let d = dir("backwards");
-    if !evicts_here(&d) {
-        println!(
-            "NOT RUN: drop_behind_keeps_its_bound_when_slots_read_the_file_backwards needs a file system whose page cache can be evicted; {} keeps its files in memory (the VM's initramfs)",
-            d.display()
-        );
+    let Some(d) = evictable_dir(
+        "backwards",
+        "drop_behind_keeps_its_bound_when_slots_read_the_file_backwards",
+    ) else {
         return;
-    }
+    };
     let path = d.join("data.bin");
     let chunk = (1usize << 20) + 333;
     let experts = 96usize;
     let len = chunk * experts;
     let bytes = write_file(&path, len, 21);
-    let file = File::open(&path).unwrap();
-    rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random).unwrap();
-    evict(&file).unwrap();
-    let peak = Arc::new(Mutex::new(0usize));
+    let file = open_uncached(&path);
+    // Sampled at each progress report of the load.
+    let peak = CachePeak::new(&file);
     let sampler = {
-        let (peak, file) = (peak.clone(), file.try_clone().unwrap());
-        ProgressHook::new(move |_| {
-            let (resident, _) = cached_pages(&file).unwrap();
-            let mut p = peak.lock().unwrap();
-            *p = (*p).max(resident);
-        })
+        let peak = peak.clone();
+        ProgressHook::new(move |_| peak.sample())
     };
     let layout: Vec<_> = (0..experts)
         .map(|e| {
@@ -370,19 +361,8 @@ fn drop_behind_keeps_its_bound_when_slots_read_the_file_backwards() {
         .read_mode(ReadMode::DropBehind)
         .progress(Some(sampler));
     pack_and_check(options, &file, &bytes, &layout, "backwards").unwrap();
-    let (after, total) = cached_pages(&file).unwrap();
-    let peak = *peak.lock().unwrap();
-    let page = numapin::page_size();
-    println!("backwards: {after} of {total} pages cached after, {peak} at most during");
-    assert!(
-        after * 50 <= total,
-        "{after} of {total} cached after the load"
-    );
-    let bound = (DROP_BEHIND_EVERY as usize + 2 * (2 << 20) + 2 * (2 * chunk)) / page;
-    assert!(
-        peak <= bound,
-        "{peak} pages cached during the load, more than {bound} (total {total})"
-    );
+    let bound = DROP_BEHIND_EVERY as usize + 2 * (2 << 20) + 2 * (2 * chunk);
+    peak.assert_bounded("backwards", bound);
 }
 
 #[cfg(feature = "model")]
@@ -782,39 +762,8 @@ fn a_column_sliced_share_places_numpys_columns_in_every_mode() {
                     held += 1;
                     for p in pieces {
                         let (shape, bytes) = &numpy[p.tensor];
-                        // A tensor of every expert `[E, ...]` holds more than n of its pieces.
-                        let (shape, bytes) = if p.bytes.len() * n as usize != bytes.len() {
-                            let per = bytes.len() / shape[0] as usize;
-                            (&shape[1..], &bytes[e * per..(e + 1) * per])
-                        } else {
-                            (&shape[..], &bytes[..])
-                        };
-                        let cols = *shape.last().unwrap();
-                        let elem = bytes.len() as u64 / shape.iter().product::<u64>();
-                        let row = (cols * elem) as usize;
-                        let (from, to) = (
-                            (k * cols / n * elem) as usize,
-                            ((k + 1) * cols / n * elem) as usize,
-                        );
-                        let want: Vec<u8> = match axis {
-                            SliceAxis::Columns => {
-                                assert_eq!(
-                                    *p.shape.last().unwrap(),
-                                    cols / n,
-                                    "{what} {}",
-                                    p.tensor
-                                );
-                                bytes
-                                    .chunks(row)
-                                    .flat_map(|r| r[from..to].to_vec())
-                                    .collect()
-                            }
-                            SliceAxis::Rows => {
-                                assert_eq!(p.shape[0], shape[0] / n, "{what} {}", p.tensor);
-                                let per = bytes.len() / n as usize;
-                                bytes[k as usize * per..(k as usize + 1) * per].to_vec()
-                            }
-                        };
+                        let numpy = (shape.as_slice(), bytes.as_slice());
+                        let want = numpys_part(&p, numpy, e, axis, (k, n), &what);
                         assert!(
                             p.bytes == &want[..],
                             "{what} layer {layer} expert {e} {}",
@@ -825,6 +774,48 @@ fn a_column_sliced_share_places_numpys_columns_in_every_mode() {
             }
             assert!(held > 0, "{what}: no expert held");
             assert!(model.verify(&checkpoint).unwrap().verified(), "{what}");
+        }
+    }
+}
+
+/// Numpy's bytes of what expert `e` holds of a tensor (`shape`, `bytes` as numpy wrote
+/// it) under part `k/n` of `axis`, checking the piece's shape on the way.
+#[cfg(feature = "model")]
+fn numpys_part(
+    p: &numapin::model::ExpertPieceView<'_>,
+    (shape, bytes): (&[u64], &[u8]),
+    e: usize,
+    axis: numapin::model::SliceAxis,
+    (k, n): (u64, u64),
+    what: &str,
+) -> Vec<u8> {
+    use numapin::model::SliceAxis;
+    // A tensor of every expert `[E, ...]` holds more than n of its pieces.
+    let (shape, bytes) = if p.bytes.len() * n as usize != bytes.len() {
+        let per = bytes.len() / shape[0] as usize;
+        (&shape[1..], &bytes[e * per..(e + 1) * per])
+    } else {
+        (shape, bytes)
+    };
+    let cols = *shape.last().unwrap();
+    let elem = bytes.len() as u64 / shape.iter().product::<u64>();
+    let row = (cols * elem) as usize;
+    let (from, to) = (
+        (k * cols / n * elem) as usize,
+        ((k + 1) * cols / n * elem) as usize,
+    );
+    match axis {
+        SliceAxis::Columns => {
+            assert_eq!(*p.shape.last().unwrap(), cols / n, "{what} {}", p.tensor);
+            bytes
+                .chunks(row)
+                .flat_map(|r| r[from..to].to_vec())
+                .collect()
+        }
+        SliceAxis::Rows => {
+            assert_eq!(p.shape[0], shape[0] / n, "{what} {}", p.tensor);
+            let per = bytes.len() / n as usize;
+            bytes[k as usize * per..(k as usize + 1) * per].to_vec()
         }
     }
 }
@@ -1114,17 +1105,14 @@ fn zero_length_pieces_far_away_are_harmless() {
 #[test]
 fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
     use numapin::store::DROP_BEHIND_EVERY;
-    use numapin_testkit::cache::{cached_pages, evict};
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    let d = dir("sparse");
-    if !evicts_here(&d) {
-        println!(
-            "NOT RUN: drop_behind_over_sparse_tiny_pieces_keeps_its_bound needs a file system whose page cache can be evicted; {} keeps its files in memory (the VM's initramfs)",
-            d.display()
-        );
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(d) = evictable_dir(
+        "sparse",
+        "drop_behind_over_sparse_tiny_pieces_keeps_its_bound",
+    ) else {
         return;
-    }
+    };
     let path = d.join("data.bin");
     let len = 128usize << 20;
     {
@@ -1138,10 +1126,7 @@ fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
         f.sync_all().unwrap();
     }
     let bytes = std::fs::read(&path).unwrap();
-    let file = File::open(&path).unwrap();
-    // No kernel readahead (as tests/read_modes): what stays cached is drop-behind's doing.
-    rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random).unwrap();
-    evict(&file).unwrap();
+    let file = open_uncached(&path);
     // Experts of 64 pieces of 64 bytes, one every STRIDE bytes: 64 B read per STRIDE.
     const STRIDE: u64 = 8 << 10;
     let experts: Vec<Pieces> = (0..(len as u64 / STRIDE / 64))
@@ -1154,15 +1139,14 @@ fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
             )
         })
         .collect();
-    let (done, peak) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicUsize::new(0)),
-    );
+    // Sampled by a thread of the test's own every 2 ms: one layer of tiny pieces makes
+    // few progress reports.
+    let (done, peak) = (Arc::new(AtomicBool::new(false)), CachePeak::new(&file));
     let sampler = {
-        let (done, peak, file) = (done.clone(), peak.clone(), file.try_clone().unwrap());
+        let (done, peak) = (done.clone(), peak.clone());
         std::thread::spawn(move || {
             while !done.load(Ordering::SeqCst) {
-                peak.fetch_max(cached_pages(&file).unwrap().0, Ordering::SeqCst);
+                peak.sample();
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
         })
@@ -1175,16 +1159,70 @@ fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
     done.store(true, Ordering::SeqCst);
     sampler.join().unwrap();
     result.unwrap();
-    let (after, total) = cached_pages(&file).unwrap();
-    let peak = peak.load(Ordering::SeqCst);
-    let page = numapin::page_size();
-    println!("sparse: {peak} pages cached at most during the load, {after} of {total} after");
-    let bound = (DROP_BEHIND_EVERY as usize + 2 * (2 << 20)) / page;
-    assert!(after * 50 <= total, "{after} of {total} after");
-    assert!(
-        peak <= bound,
-        "{peak} pages cached during the load, more than {bound} of {total}"
-    );
+    peak.assert_bounded("sparse", DROP_BEHIND_EVERY as usize + 2 * (2 << 20));
+}
+
+/// `dir(name)` where evicting a file from the page cache works; `None` (after saying
+/// NOT RUN for `test`) where it cannot.
+fn evictable_dir(name: &str, test: &str) -> Option<PathBuf> {
+    let d = dir(name);
+    if !evicts_here(&d) {
+        println!(
+            "NOT RUN: {test} needs a file system whose page cache can be evicted; {} keeps its files in memory (the VM's initramfs)",
+            d.display()
+        );
+        return None;
+    }
+    Some(d)
+}
+
+/// `path` opened with no kernel readahead (as tests/read_modes) and evicted: what stays
+/// cached during a load is drop-behind's doing.
+fn open_uncached(path: &Path) -> File {
+    let file = File::open(path).unwrap();
+    rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random).unwrap();
+    numapin_testkit::cache::evict(&file).unwrap();
+    file
+}
+
+/// The most pages of a file seen cached by [`CachePeak::sample`], from any thread.
+#[derive(Clone)]
+struct CachePeak {
+    file: std::sync::Arc<File>,
+    peak: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CachePeak {
+    fn new(file: &File) -> CachePeak {
+        CachePeak {
+            file: std::sync::Arc::new(file.try_clone().unwrap()),
+            peak: Default::default(),
+        }
+    }
+
+    /// Counts the file's cached pages now.
+    fn sample(&self) {
+        let (resident, _) = numapin_testkit::cache::cached_pages(&self.file).unwrap();
+        self.peak
+            .fetch_max(resident, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// After the load: at most 1 in 50 pages still cached, and never more than `bound`
+    /// bytes of pages cached during it.
+    fn assert_bounded(&self, what: &str, bound: usize) {
+        let (after, total) = numapin_testkit::cache::cached_pages(&self.file).unwrap();
+        let peak = self.peak.load(std::sync::atomic::Ordering::SeqCst);
+        let bound = bound / numapin::page_size();
+        println!("{what}: {after} of {total} pages cached after, {peak} at most during");
+        assert!(
+            after * 50 <= total,
+            "{what}: {after} of {total} cached after the load"
+        );
+        assert!(
+            peak <= bound,
+            "{what}: {peak} pages cached during the load, more than {bound} (total {total})"
+        );
+    }
 }
 
 /// Whether evicting a file of `dir` from the page cache works here: false on ramfs and
