@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use numapin::cache::{CacheOptions, ExpertCache};
+use numapin::cache::{CacheOptions, CacheStats, ExpertCache};
 use numapin::store::ExpertSource;
 use numapin::{Node, NodeSet, diag};
 
@@ -371,6 +371,170 @@ fn scaling_table(name: &str, lookup: &Lookup<'_>, keys: &[Key], rounds: usize, p
     }
 }
 
+/// One contender's figures on the Zipf stream, the hot keys and the cold keys.
+struct Figures {
+    /// ns per operation of the Zipf stream, per hit of a cached key, per miss.
+    stream_ns: f64,
+    hit_ns: f64,
+    miss_ns: f64,
+    /// Mappings added after each checkpoint of the stream, and after the misses.
+    maps: Vec<isize>,
+    after: isize,
+}
+
+/// What the contenders share: the node, the keys, their bytes.
+struct Workload<'a> {
+    node: Node,
+    policy: MemPolicy,
+    set: NodeSet,
+    experts: &'a Experts,
+    stream: Vec<Key>,
+    /// Stream positions after which the mappings are counted.
+    checkpoints: Vec<usize>,
+    /// Keys never cached by a miss run: every op a miss once the cache is full.
+    cold: Vec<Key>,
+}
+
+/// The process's mappings now, less `base`.
+fn maps_since(base: usize) -> isize {
+    diag::map_count().expect("maps") as isize - base as isize
+}
+
+/// ExpertCache on the workload; also its counters after the stream.
+fn run_cache(w: &Workload<'_>) -> (Figures, CacheStats) {
+    let ops = w.stream.len();
+    let base = diag::map_count().expect("maps");
+    let cache = ExpertCache::new(w.set, ENTRIES, BYTES, BYTES, CacheOptions::default())
+        .expect("ExpertCache::new");
+    let mut maps = Vec::new();
+    let start = Instant::now();
+    let mut sink = 0usize;
+    for (i, &key) in w.stream.iter().enumerate() {
+        let entry = cache
+            .get_or_load(key.0, key.1, &w.experts.source(key), Some(w.node))
+            .expect("get_or_load");
+        sink += entry.weights()[0] as usize;
+        drop(entry);
+        if w.checkpoints.contains(&(i + 1)) {
+            maps.push(maps_since(base));
+        }
+    }
+    let stream_ns = ns_per(start, ops);
+    let stats = cache.stats().expect("stats");
+    let hot: Vec<Key> = (0..LAYERS)
+        .flat_map(|l| (0..EXPERTS).map(move |e| (l, e)))
+        .filter(|k| cache.get(k.0, k.1).is_some())
+        .collect();
+    let start = Instant::now();
+    for i in 0..ops {
+        let k = hot[i % hot.len()];
+        sink += cache.get(k.0, k.1).map_or(0, |e| e.weights()[0] as usize);
+    }
+    let hit_ns = ns_per(start, ops);
+    let start = Instant::now();
+    for &key in &w.cold {
+        sink += cache
+            .get_or_load(key.0 + LAYERS, key.1, &w.experts.source(key), Some(w.node))
+            .expect("get_or_load")
+            .weights()[0] as usize;
+    }
+    let miss_ns = ns_per(start, w.cold.len());
+    let after = maps_since(base);
+    drop(cache);
+    black_box(sink);
+    let figures = Figures {
+        stream_ns,
+        hit_ns,
+        miss_ns,
+        maps,
+        after,
+    };
+    (figures, stats)
+}
+
+/// One bound slab per entry on the workload.
+fn run_slab(w: &Workload<'_>) -> Figures {
+    let ops = w.stream.len();
+    let base = diag::map_count().expect("maps");
+    let mut lru = SlabLru {
+        policy: w.policy,
+        entries: HashMap::new(),
+        order: BTreeMap::new(),
+        clock: 0,
+    };
+    let mut maps = Vec::new();
+    let mut sink = 0usize;
+    let start = Instant::now();
+    for (i, &key) in w.stream.iter().enumerate() {
+        sink += lru.get_or_load(key, &w.experts.source(key));
+        if w.checkpoints.contains(&(i + 1)) {
+            maps.push(maps_since(base));
+        }
+    }
+    let stream_ns = ns_per(start, ops);
+    let hot: Vec<Key> = lru.entries.keys().copied().collect();
+    let start = Instant::now();
+    for i in 0..ops {
+        sink += lru
+            .get(hot[i % hot.len()])
+            .map_or(0, |(w, _)| w[0] as usize);
+    }
+    let hit_ns = ns_per(start, ops);
+    let start = Instant::now();
+    for &key in &w.cold {
+        sink += lru.get_or_load((key.0 + LAYERS, key.1), &w.experts.source(key));
+    }
+    let miss_ns = ns_per(start, w.cold.len());
+    let after = maps_since(base);
+    drop(lru);
+    black_box(sink);
+    Figures {
+        stream_ns,
+        hit_ns,
+        miss_ns,
+        maps,
+        after,
+    }
+}
+
+/// The two contenders side by side.
+fn print_comparison(w: &Workload<'_>, stats: &CacheStats, cache: &Figures, slab: &Figures) {
+    println!(
+        "cache stream: hits {} misses {} evictions {} ({:.1}% hits)",
+        stats.hits,
+        stats.misses,
+        stats.evictions,
+        100.0 * stats.hits as f64 / (stats.hits + stats.misses) as f64
+    );
+    println!("{:<28} {:>14} {:>14}", "", "ExpertCache", "slab per entry");
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "hit (ns/lookup)", cache.hit_ns, slab.hit_ns
+    );
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "miss (ns/load, evicting)", cache.miss_ns, slab.miss_ns
+    );
+    println!(
+        "{:<28} {:>14.0} {:>14.0}",
+        "Zipf stream (ns/op)", cache.stream_ns, slab.stream_ns
+    );
+    for (i, c) in w.checkpoints.iter().enumerate() {
+        println!(
+            "{:<28} {:>14} {:>14}",
+            format!("+mappings after {c} ops"),
+            cache.maps[i],
+            slab.maps[i]
+        );
+    }
+    println!(
+        "{:<28} {:>14} {:>14}",
+        format!("+mappings after {} misses", w.cold.len()),
+        cache.after,
+        slab.after
+    );
+}
+
 fn main() {
     let only = std::env::var("NUMAPIN_BENCH_ONLY").unwrap_or_default();
     let ops: usize = std::env::var("NUMAPIN_BENCH_CACHE_OPS")
@@ -384,7 +548,6 @@ fn main() {
         .unwrap_or(Node(0));
     let mut set = NodeSet::new();
     set.insert(node);
-    let policy = MemPolicy::Bind(set);
     let mut rng = XorShift(1);
     let experts = Experts(
         (0..(LAYERS * EXPERTS * 8 + BYTES + 8).div_ceil(8))
@@ -395,129 +558,28 @@ fn main() {
         hit_scaling(node, &experts);
         return;
     }
-    let stream = zipf_stream(ops, 7);
-    let checkpoints: Vec<usize> = [10_000, 100_000, ops]
-        .into_iter()
-        .filter(|&c| c <= ops)
-        .collect();
-    // Keys never cached by a miss run: every op a miss once the cache is full.
-    let cold: Vec<Key> = (0..LAYERS * EXPERTS)
-        .map(|i| (i / EXPERTS, i % EXPERTS))
-        .cycle()
-        .take(100_000)
-        .collect();
+    let workload = Workload {
+        node,
+        policy: MemPolicy::Bind(set),
+        set,
+        experts: &experts,
+        stream: zipf_stream(ops, 7),
+        checkpoints: [10_000, 100_000, ops]
+            .into_iter()
+            .filter(|&c| c <= ops)
+            .collect(),
+        cold: (0..LAYERS * EXPERTS)
+            .map(|i| (i / EXPERTS, i % EXPERTS))
+            .cycle()
+            .take(100_000)
+            .collect(),
+    };
     println!(
         "ExpertCache vs one bound slab per entry: {LAYERS}×{EXPERTS} experts, {BYTES} B weights + \
          {BYTES} B scales, {ENTRIES} entries on node {node}, Zipf(1.0), {ops} ops"
     );
-
-    // ExpertCache.
-    let base = diag::map_count().expect("maps");
-    let cache = ExpertCache::new(set, ENTRIES, BYTES, BYTES, CacheOptions::default())
-        .expect("ExpertCache::new");
-    let mut cache_maps = Vec::new();
-    let start = Instant::now();
-    let mut sink = 0usize;
-    for (i, &key) in stream.iter().enumerate() {
-        let entry = cache
-            .get_or_load(key.0, key.1, &experts.source(key), Some(node))
-            .expect("get_or_load");
-        sink += entry.weights()[0] as usize;
-        drop(entry);
-        if checkpoints.contains(&(i + 1)) {
-            cache_maps.push(diag::map_count().expect("maps") as isize - base as isize);
-        }
-    }
-    let cache_stream_ns = ns_per(start, ops);
-    let stats = cache.stats().expect("stats");
-    let hot: Vec<Key> = (0..LAYERS)
-        .flat_map(|l| (0..EXPERTS).map(move |e| (l, e)))
-        .filter(|k| cache.get(k.0, k.1).is_some())
-        .collect();
-    let start = Instant::now();
-    for i in 0..ops {
-        let k = hot[i % hot.len()];
-        sink += cache.get(k.0, k.1).map_or(0, |e| e.weights()[0] as usize);
-    }
-    let cache_hit_ns = ns_per(start, ops);
-    let start = Instant::now();
-    for &key in &cold {
-        sink += cache
-            .get_or_load(key.0 + LAYERS, key.1, &experts.source(key), Some(node))
-            .expect("get_or_load")
-            .weights()[0] as usize;
-    }
-    let cache_miss_ns = ns_per(start, cold.len());
-    let cache_after = diag::map_count().expect("maps") as isize - base as isize;
-    drop(cache);
-
-    // One slab per entry.
-    let base = diag::map_count().expect("maps");
-    let mut lru = SlabLru {
-        policy,
-        entries: HashMap::new(),
-        order: BTreeMap::new(),
-        clock: 0,
-    };
-    let mut slab_maps = Vec::new();
-    let start = Instant::now();
-    for (i, &key) in stream.iter().enumerate() {
-        sink += lru.get_or_load(key, &experts.source(key));
-        if checkpoints.contains(&(i + 1)) {
-            slab_maps.push(diag::map_count().expect("maps") as isize - base as isize);
-        }
-    }
-    let slab_stream_ns = ns_per(start, ops);
-    let hot: Vec<Key> = lru.entries.keys().copied().collect();
-    let start = Instant::now();
-    for i in 0..ops {
-        sink += lru
-            .get(hot[i % hot.len()])
-            .map_or(0, |(w, _)| w[0] as usize);
-    }
-    let slab_hit_ns = ns_per(start, ops);
-    let start = Instant::now();
-    for &key in &cold {
-        sink += lru.get_or_load((key.0 + LAYERS, key.1), &experts.source(key));
-    }
-    let slab_miss_ns = ns_per(start, cold.len());
-    let slab_after = diag::map_count().expect("maps") as isize - base as isize;
-    drop(lru);
-    black_box(sink);
-
-    println!(
-        "cache stream: hits {} misses {} evictions {} ({:.1}% hits)",
-        stats.hits,
-        stats.misses,
-        stats.evictions,
-        100.0 * stats.hits as f64 / (stats.hits + stats.misses) as f64
-    );
-    println!("{:<28} {:>14} {:>14}", "", "ExpertCache", "slab per entry");
-    println!(
-        "{:<28} {:>14.0} {:>14.0}",
-        "hit (ns/lookup)", cache_hit_ns, slab_hit_ns
-    );
-    println!(
-        "{:<28} {:>14.0} {:>14.0}",
-        "miss (ns/load, evicting)", cache_miss_ns, slab_miss_ns
-    );
-    println!(
-        "{:<28} {:>14.0} {:>14.0}",
-        "Zipf stream (ns/op)", cache_stream_ns, slab_stream_ns
-    );
-    for (i, c) in checkpoints.iter().enumerate() {
-        println!(
-            "{:<28} {:>14} {:>14}",
-            format!("+mappings after {c} ops"),
-            cache_maps[i],
-            slab_maps[i]
-        );
-    }
-    println!(
-        "{:<28} {:>14} {:>14}",
-        format!("+mappings after {} misses", cold.len()),
-        cache_after,
-        slab_after
-    );
+    let (cache, stats) = run_cache(&workload);
+    let slab = run_slab(&workload);
+    print_comparison(&workload, &stats, &cache, &slab);
     hit_scaling(node, &experts);
 }

@@ -30,6 +30,7 @@ mod cold;
 static ALLOCATOR: memory::switch::Switch = memory::switch::Switch;
 
 use std::fs::File;
+use std::path::Path;
 use std::time::Instant;
 
 use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, PinStore, StoreOptions};
@@ -151,68 +152,39 @@ fn scaling_row(experts: usize, layout: Layout, policy: &MemPolicy) {
     println!("{experts:>8} {store_vmas:>14} {slab_vmas:>22}");
 }
 
-fn main() {
-    if memory::run_child(&SyntheticModel::default()) || peers::run_child() {
-        return;
-    }
-    let nodes = NodeSet::allowed().expect("allowed nodes");
-    if let Some(experts) = std::env::var("NUMAPIN_BENCH_SCALING")
+/// The count in environment variable `name`, or `default` where unset or not a number.
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
-    {
-        scaling_row(
-            experts,
-            Layout::Interleave(nodes),
-            &MemPolicy::Interleave(nodes),
-        );
-        return;
+        .unwrap_or(default)
+}
+
+/// The table `NUMAPIN_BENCH_ONLY` asks for alone, if any: true when it ran one.
+fn run_only_table(model: &SyntheticModel, path: &Path, runs: usize, peer_runs: usize) -> bool {
+    match std::env::var("NUMAPIN_BENCH_ONLY").as_deref() {
+        Ok("replicas") => replicas::rows(model, path, runs),
+        Ok("cold") => cold::rows(path, env_count("NUMAPIN_BENCH_COLD_ROUNDS", 5)),
+        Ok("lookup") => {
+            let node = numapin::topology::current_node().expect("current node");
+            let layout = Layout::Replicate(std::iter::once(node).collect::<NodeSet>());
+            let file = File::open(path).expect("open model");
+            replicas::lookups(model, &file, layout, runs);
+        }
+        Ok("peers") => peers::rows(path, peer_runs),
+        _ => return false,
     }
-    let runs: usize = std::env::var("NUMAPIN_BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5);
-    let model = SyntheticModel::default();
+    true
+}
+
+/// The load strategies against the ceiling: medians of `runs` after a warm-up each.
+fn load_table(model: &SyntheticModel, path: &Path, nodes: NodeSet, runs: usize) {
     let layout = Layout::Interleave(nodes);
     let policy = MemPolicy::Interleave(nodes);
-    let dir = std::env::temp_dir().join(format!("numapin-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join("model.bin");
-    let peer_runs: usize = std::env::var("NUMAPIN_BENCH_PEER_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
-    model.write(&path).expect("write model");
-    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("replicas") {
-        replicas::rows(&model, &path, runs);
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
-    }
-    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("cold") {
-        let rounds = std::env::var("NUMAPIN_BENCH_COLD_ROUNDS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(5);
-        cold::rows(&path, rounds);
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
-    }
-    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("lookup") {
-        let node = numapin::topology::current_node().expect("current node");
-        let layout = Layout::Replicate(std::iter::once(node).collect::<NodeSet>());
-        let file = File::open(&path).expect("open model");
-        replicas::lookups(&model, &file, layout, runs);
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
-    }
-    if std::env::var("NUMAPIN_BENCH_ONLY").as_deref() == Ok("peers") {
-        peers::rows(&path, peer_runs);
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
-    }
-    let file = File::open(&path).expect("open model");
+    let file = File::open(path).expect("open model");
     // The file is page-cached now (just written); the memory copy of it is the ceiling's
     // source.
-    let source = std::fs::read(&path).expect("read model");
+    let source = std::fs::read(path).expect("read model");
     // SAFETY: the benchmark's own temp file; nothing writes or truncates it while mapped.
     let mapped = unsafe { Region::map_file(&file, 0, source.len()) }.expect("map file");
 
@@ -221,28 +193,28 @@ fn main() {
         (
             "PinStore (2 loader threads)",
             Box::new(|| {
-                run_store(&model, &file, layout, options.clone(), false)
+                run_store(model, &file, layout, options.clone(), false)
                     .expect("store")
                     .0
             }),
         ),
         (
             "one slab per expert",
-            Box::new(|| run_baseline(&model, &file, layout).expect("baseline").0),
+            Box::new(|| run_baseline(model, &file, layout).expect("baseline").0),
         ),
         (
             "mmap file, then copy",
             Box::new(|| {
-                run_copy(&model, &policy, |l, k, d| {
-                    copy_layer(&model, mapped.as_slice(), l, k, d)
+                run_copy(model, &policy, |l, k, d| {
+                    copy_layer(model, mapped.as_slice(), l, k, d)
                 })
             }),
         ),
         (
             "ceiling: memcpy from memory",
             Box::new(|| {
-                run_copy(&model, &policy, |l, k, d| {
-                    copy_layer(&model, &source, l, k, d)
+                run_copy(model, &policy, |l, k, d| {
+                    copy_layer(model, &source, l, k, d)
                 })
             }),
         ),
@@ -284,16 +256,10 @@ fn main() {
         (bytes as f64 / HUGE as f64 * 1.2) as u64,
         results[0].1.minor_faults
     );
-    drop(cases);
-    drop(mapped);
-    drop(file);
-    drop(source);
-    memory::allocator_rows(&path, runs);
-    memory::sharing_rows(&model, &path, runs);
-    peers::rows(&path, peer_runs);
-    replicas::rows(&model, &path, runs);
-    let _ = std::fs::remove_dir_all(&dir);
+}
 
+/// The mappings each strategy needs as experts grow, one size per child process.
+fn scaling_table() {
     println!();
     println!("mappings as experts grow (one layer, 4 KiB weights + 4 KiB scales per expert)");
     println!(
@@ -310,4 +276,40 @@ fn main() {
             .expect("run scaling child");
         print!("{}", String::from_utf8_lossy(&out.stdout));
     }
+}
+
+fn main() {
+    if memory::run_child(&SyntheticModel::default()) || peers::run_child() {
+        return;
+    }
+    let nodes = NodeSet::allowed().expect("allowed nodes");
+    if let Some(experts) = std::env::var("NUMAPIN_BENCH_SCALING")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        scaling_row(
+            experts,
+            Layout::Interleave(nodes),
+            &MemPolicy::Interleave(nodes),
+        );
+        return;
+    }
+    let runs = env_count("NUMAPIN_BENCH_RUNS", 5);
+    let model = SyntheticModel::default();
+    let dir = std::env::temp_dir().join(format!("numapin-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("model.bin");
+    let peer_runs = env_count("NUMAPIN_BENCH_PEER_RUNS", 3);
+    model.write(&path).expect("write model");
+    if run_only_table(&model, &path, runs, peer_runs) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    load_table(&model, &path, nodes, runs);
+    memory::allocator_rows(&path, runs);
+    memory::sharing_rows(&model, &path, runs);
+    peers::rows(&path, peer_runs);
+    replicas::rows(&model, &path, runs);
+    let _ = std::fs::remove_dir_all(&dir);
+    scaling_table();
 }

@@ -477,3 +477,43 @@ fn expert_share_resolve_refuses_absurd_expert_counts() {
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     }
 }
+
+// Rust's integer `from_str` takes a leading '+', which no text form here means: a signed
+// number is a named error quoting it, like any other bad number. (Node lists and so
+// `Layout`'s text read digits only already: `+` there is numactl's relative prefix.)
+
+#[test]
+fn expert_share_parse_refuses_a_signed_id() {
+    for text in ["+1", " +1 ", "+0-3", "0-+3", "+1/2", "1/+2", "0,+7"] {
+        match ExpertShare::parse(text) {
+            Err(Error::Parse { part, .. }) => assert!(part.contains('+'), "{text:?}: {part:?}"),
+            other => panic!("{text:?} gave {other:?}"),
+        }
+    }
+    assert!(ExpertShare::parse("1").is_ok());
+}
+
+#[test]
+fn tensor_slice_parse_refuses_a_signed_number() {
+    for text in ["rows:+0/2", "rows:0/+2", "columns:+0:4", "columns:0:+4"] {
+        match TensorSlice::parse(text) {
+            Err(Error::Parse { part, .. }) => assert!(part.starts_with('+'), "{text:?}: {part:?}"),
+            other => panic!("{text:?} gave {other:?}"),
+        }
+    }
+    assert!(TensorSlice::parse("rows:0/2").is_ok());
+}
+
+#[test]
+fn placement_plan_bind_refuses_a_signed_node() {
+    let plan = || PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced);
+    for text in ["dense=bind:+0", "*.weight=bind:+0"] {
+        match plan().apply(text) {
+            Err(e @ Error::InvalidArgument { .. }) => {
+                assert!(e.to_string().contains("+0"), "{text:?}: {e}")
+            }
+            other => panic!("{text:?} gave {:?}", other.map(|p| p.to_string())),
+        }
+    }
+    assert!(plan().apply("dense=bind:0").is_ok());
+}

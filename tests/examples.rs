@@ -91,6 +91,12 @@ fn every_pin_model_flag_keeps_its_meaning() {
     assert!(!args.purge());
     assert_eq!(args.read, numapin::store::ReadMode::Buffered, "the default");
     assert_eq!(args.model, None);
+    model_and_plan_flags_keep_their_meaning();
+    read_and_layout_flags_keep_their_meaning();
+}
+
+/// `--model`, `--no-progress`, and `--plan-only` with what needs it.
+fn model_and_plan_flags_keep_their_meaning() {
     let more = parse(&["--read", "direct", "--model", "/m/ckpt", "--no-progress"]).unwrap();
     assert_eq!(more.read, numapin::store::ReadMode::Direct);
     assert_eq!(more.model, Some(PathBuf::from("/m/ckpt")));
@@ -137,6 +143,10 @@ fn every_pin_model_flag_keeps_its_meaning() {
             "{bad}"
         );
     }
+}
+
+/// `--read` and `--layout`, each value.
+fn read_and_layout_flags_keep_their_meaning() {
     assert_eq!(
         parse(&["--read", "drop-behind"]).unwrap().read,
         numapin::store::ReadMode::DropBehind

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use numapin::model::{Checkpoint, CustomNaming, ExpertPlan, Naming, TensorPiece, TensorRef};
+use numapin::model::{
+    Checkpoint, CustomNaming, ExpertPlan, ModelReport, Naming, TensorPiece, TensorRef,
+};
 use numapin::store::{ExpertSource, Kind, Layout, PinStore, StoreOptions};
 use numapin::{CheckpointFault, Error, Invalid};
 
@@ -130,12 +132,34 @@ fn pack_fixture(test: &str, name: &str) {
     let report = f.checkpoint.pack(&store).unwrap();
     let plan = f.checkpoint.expert_plan().unwrap();
     let layers = f.layers();
+    check_report(&f, &report, &layers);
+    check_slots(&f, name, &store, &plan, &report, &layers);
+    check_stats_and_absent_layers(&store, &report, &layers);
 
-    // The report against what the generator wrote.
+    // verify re-reads every piece.
+    let scale_regions = usize::from(f.has_scales());
+    let verified = f.checkpoint.verify(&store).unwrap();
+    assert!(verified.verified(), "{verified}");
+    assert_eq!(
+        verified.slots,
+        layers.values().sum::<usize>() * (1 + scale_regions)
+    );
+    assert_eq!(verified.bytes, report.bytes);
+
+    // A second pack into the same store is refused at the first layer.
+    let first = *layers.keys().next().unwrap();
+    assert!(matches!(
+        f.checkpoint.pack(&store),
+        Err(Error::AlreadyPacked { layer, in_progress: false, .. }) if layer == first
+    ));
+}
+
+/// The report against what the generator wrote.
+fn check_report(f: &Fixture, report: &ModelReport, layers: &BTreeMap<usize, usize>) {
     assert_eq!(report.naming, f.json["naming"].as_str().unwrap());
     assert_eq!(report.files as u64, f.json["files"].as_u64().unwrap());
     assert_eq!(report.layers, layers.len());
-    assert_eq!(report.experts_per_layer, layers);
+    assert_eq!(report.experts_per_layer, *layers);
     assert_eq!(
         report.engine_tensors as u64,
         f.json["engine_tensors"].as_u64().unwrap()
@@ -149,7 +173,7 @@ fn pack_fixture(test: &str, name: &str) {
             .iter()
             .map(|r| (r.layer, r.experts))
             .collect::<BTreeMap<_, _>>(),
-        layers
+        *layers
     );
     let scale_regions = usize::from(f.has_scales());
     for r in &report.layer_reports {
@@ -165,10 +189,19 @@ fn pack_fixture(test: &str, name: &str) {
         line.contains(&format!("naming {}", report.naming)) && line.contains("left for the engine"),
         "{line}"
     );
+}
 
-    // Every slot equals numpy's bytes; the slot map agrees with the pieces; reads counted.
+/// Every slot equals numpy's bytes; the slot map agrees with the pieces; reads counted.
+fn check_slots(
+    f: &Fixture,
+    name: &str,
+    store: &PinStore,
+    plan: &ExpertPlan,
+    report: &ModelReport,
+    layers: &BTreeMap<usize, usize>,
+) {
     let mut reads = 0;
-    for (&layer, &experts) in &layers {
+    for (&layer, &experts) in layers {
         let map = store.slot_map(layer).unwrap();
         assert_eq!(map.experts(), experts);
         assert_eq!(map.piece_align(), 1);
@@ -187,7 +220,7 @@ fn pack_fixture(test: &str, name: &str) {
                         assert!(slot.is_empty());
                     }
                 }
-                let from_plan = pieces(&plan, layer, e, kind);
+                let from_plan = pieces(plan, layer, e, kind);
                 let places = map.pieces(e, kind).unwrap();
                 assert_eq!(places.len(), from_plan.len());
                 let mut at = 0;
@@ -209,8 +242,14 @@ fn pack_fixture(test: &str, name: &str) {
         reads += layer_reads;
     }
     assert_eq!(report.reads, reads);
+}
 
-    // Dense layers (and the one past the last) are absent.
+/// Dense layers (and the one past the last) are absent; the stats count what was packed.
+fn check_stats_and_absent_layers(
+    store: &PinStore,
+    report: &ModelReport,
+    layers: &BTreeMap<usize, usize>,
+) {
     let last = *layers.keys().next_back().unwrap();
     let dense: Vec<usize> = (0..=last + 1).filter(|l| !layers.contains_key(l)).collect();
     assert!(dense.contains(&(last + 1)));
@@ -228,22 +267,6 @@ fn pack_fixture(test: &str, name: &str) {
     assert_eq!(stats.layers, layers.len());
     assert_eq!(stats.experts_loaded, layers.values().sum::<usize>());
     assert_eq!(stats.bytes, report.bytes);
-
-    // verify re-reads every piece.
-    let verified = f.checkpoint.verify(&store).unwrap();
-    assert!(verified.verified(), "{verified}");
-    assert_eq!(
-        verified.slots,
-        layers.values().sum::<usize>() * (1 + scale_regions)
-    );
-    assert_eq!(verified.bytes, report.bytes);
-
-    // A second pack into the same store is refused at the first layer.
-    let first = *layers.keys().next().unwrap();
-    assert!(matches!(
-        f.checkpoint.pack(&store),
-        Err(Error::AlreadyPacked { layer, in_progress: false, .. }) if layer == first
-    ));
 }
 
 #[test]

@@ -7,7 +7,9 @@ use std::os::fd::{AsRawFd, FromRawFd};
 
 use common::{degrade_here, expect};
 use numapin::NodeSet;
-use numapin::store::{ExpertSource, Kind, LayerSpec, Layout, Manifest, PinStore, StoreOptions};
+use numapin::store::{
+    ExpertSource, Export, Kind, LayerSpec, Layout, Manifest, PinStore, StoreOptions,
+};
 
 use numapin::policy::Placement;
 
@@ -24,6 +26,35 @@ fn tensor(layer: usize, expert: usize, kind: Kind, len: usize) -> Vec<u8> {
 
 #[test]
 fn shares_a_loaded_store_with_a_child_process() {
+    let mut store = packed_shared_store();
+    let export = store.export().unwrap();
+    assert_eq!(export.files.len(), 2 * LAYERS);
+    // The exported files are immutable: nobody can truncate (SIGBUS) or write them.
+    for file in &export.files {
+        assert_eq!(
+            file.set_len(0).unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("numapin-shared-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let line = attach_in_a_child(&export, &dir);
+    let field = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.parse().ok())
+            .unwrap_or_else(|| panic!("{key} missing in {line}"))
+    };
+    let bytes = (LAYERS * EXPERTS * (WEIGHTS + SCALES)) as u64;
+    assert_eq!(field("slots="), (2 * LAYERS * EXPERTS) as u64);
+    assert_eq!(field("bytes="), bytes);
+    // No private copy: every resident byte of the child's view is shared with us.
+    assert_eq!(field("private="), 0, "{line}");
+    assert!(field("shared=") >= bytes, "{line}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A shared (memfd) store with every layer packed, one slot released and loaded again.
+fn packed_shared_store() -> PinStore {
     let nodes = NodeSet::allowed().unwrap();
     let options = StoreOptions::default().shared(true);
     let mut store = PinStore::new(Layout::Interleave(nodes), options).unwrap();
@@ -70,18 +101,12 @@ fn shares_a_loaded_store_with_a_child_process() {
             },
         )
         .unwrap();
+    store
+}
 
-    let export = store.export().unwrap();
-    assert_eq!(export.files.len(), 2 * LAYERS);
-    // The exported files are immutable: nobody can truncate (SIGBUS) or write them.
-    for file in &export.files {
-        assert_eq!(
-            file.set_len(0).unwrap_err().raw_os_error(),
-            Some(libc::EPERM)
-        );
-    }
-    let dir = std::env::temp_dir().join(format!("numapin-shared-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// Runs `attach_child` in a child process given the exported files (inherited) and the
+/// manifest (written in `dir`); its `ATTACHED` report line.
+fn attach_in_a_child(export: &Export, dir: &std::path::Path) -> String {
     let manifest_path = dir.join("manifest");
     std::fs::write(&manifest_path, export.manifest.to_text()).unwrap();
     let fds: Vec<String> = export
@@ -110,22 +135,10 @@ fn shares_a_loaded_store_with_a_child_process() {
         "child failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let line = stdout
+    stdout
         .lines()
-        .find_map(|l| l.find("ATTACHED").map(|at| &l[at..]))
-        .unwrap_or_else(|| panic!("no child report in:\n{stdout}"));
-    let field = |key: &str| -> u64 {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(key)?.parse().ok())
-            .unwrap_or_else(|| panic!("{key} missing in {line}"))
-    };
-    let bytes = (LAYERS * EXPERTS * (WEIGHTS + SCALES)) as u64;
-    assert_eq!(field("slots="), (2 * LAYERS * EXPERTS) as u64);
-    assert_eq!(field("bytes="), bytes);
-    // No private copy: every resident byte of the child's view is shared with us.
-    assert_eq!(field("private="), 0, "{line}");
-    assert!(field("shared=") >= bytes, "{line}");
-    std::fs::remove_dir_all(&dir).unwrap();
+        .find_map(|l| l.find("ATTACHED").map(|at| l[at..].to_owned()))
+        .unwrap_or_else(|| panic!("no child report in:\n{stdout}"))
 }
 
 /// The child side, run by the test above in a process of its own.

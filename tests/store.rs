@@ -360,6 +360,17 @@ fn the_map_budget_refuses_up_front_and_names_the_figures() {
     }
 }
 
+/// Asserts an `InvalidArgument` whose reason says `needle`.
+fn invalid(r: numapin::Result<numapin::store::LayerReport>, needle: &str) {
+    match r {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            let reason = reason.to_string();
+            assert!(reason.contains(needle), "{reason} lacks {needle:?}")
+        }
+        other => panic!("expected an error with {needle:?}, got {other:?}"),
+    }
+}
+
 #[test]
 fn bad_input_is_an_error_and_the_store_stays_usable() {
     let dir = temp_dir("bad-input");
@@ -375,13 +386,28 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     let good = memory_sources(&data);
     let big = vec![0u8; 4097];
 
-    let invalid = |r: numapin::Result<numapin::store::LayerReport>, needle: &str| match r {
-        Err(Error::InvalidArgument { reason, .. }) => {
-            let reason = reason.to_string();
-            assert!(reason.contains(needle), "{reason} lacks {needle:?}")
-        }
-        other => panic!("expected an error with {needle:?}, got {other:?}"),
-    };
+    pack_refuses_sources_that_do_not_fit(&store, &spec, &data, &file, &big);
+    pack_refuses_bad_specs(&store, &spec, &data);
+    assert_eq!(store.stats().unwrap().layers, 0);
+    // Still usable: pack, then the errors that need a packed layer.
+    store.pack_layer(0, &spec, &good).unwrap();
+    a_packed_layer_refuses_bad_requests(&mut store, &spec, &data, &big);
+    assert!(PinStore::new(Layout::Interleave(NodeSet::new()), StoreOptions::default()).is_err());
+    assert!(PinStore::new(interleave(), StoreOptions::default().loader_threads(0)).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Packing layer 0 with sources that do not fit the spec (too few, too large, past the
+/// end of their file): each a typed error naming what is wrong; nothing is packed.
+fn pack_refuses_sources_that_do_not_fit(
+    store: &PinStore,
+    spec: &LayerSpec,
+    data: &[(Vec<u8>, Vec<u8>)],
+    file: &std::fs::File,
+    big: &[u8],
+) {
+    let spec = *spec;
+    let good = memory_sources(data);
     assert!(matches!(
         store.pack_layer(0, &spec, &good[..1]),
         Err(Error::InvalidArgument {
@@ -400,7 +426,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     let too_big = vec![
         good[0].clone(),
         ExpertSource::Memory {
-            weights: &big,
+            weights: big,
             scales: &[],
         },
     ];
@@ -422,7 +448,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     );
     let short = vec![
         good[0].clone(),
-        ExpertSource::from_file(&file, &[(4096, 100), (8190, 10)], &[]),
+        ExpertSource::from_file(file, &[(4096, 100), (8190, 10)], &[]),
     ];
     match store.pack_layer(0, &spec, &short) {
         Err(Error::InvalidArgument {
@@ -441,6 +467,13 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
         store.pack_layer(0, &spec, &short),
         "piece at file offsets 8190..8200 runs past the end of the file (8192 bytes)",
     );
+}
+
+/// Specs whose sizes overflow or that hold no experts, a layer index past the table:
+/// each an error; nothing is packed.
+fn pack_refuses_bad_specs(store: &PinStore, spec: &LayerSpec, data: &[(Vec<u8>, Vec<u8>)]) {
+    let spec = *spec;
+    let good = memory_sources(data);
     let overflow = LayerSpec {
         experts: usize::MAX / 4096,
         weight_bytes: 4096 * 4,
@@ -479,12 +512,19 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
             ..
         })
     ));
-    assert_eq!(store.stats().unwrap().layers, 0);
+}
 
-    // Still usable: pack, then the errors that need a packed layer.
-    store.pack_layer(0, &spec, &good).unwrap();
+/// With layer 0 packed: packing it again, indices past it, a released slot, an ensure
+/// that does not fit (the slot stays released), then one that does.
+fn a_packed_layer_refuses_bad_requests(
+    store: &mut PinStore,
+    spec: &LayerSpec,
+    data: &[(Vec<u8>, Vec<u8>)],
+    big: &[u8],
+) {
+    let good = memory_sources(data);
     assert!(matches!(
-        store.pack_layer(0, &spec, &good),
+        store.pack_layer(0, spec, &good),
         Err(Error::AlreadyPacked {
             layer: 0,
             in_progress: false,
@@ -530,7 +570,7 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
         })
     ));
     let bad_ensure = ExpertSource::Memory {
-        weights: &big,
+        weights: big,
         scales: &[],
     };
     assert!(store.ensure(0, 1, &bad_ensure).is_err());
@@ -540,9 +580,6 @@ fn bad_input_is_an_error_and_the_store_stays_usable() {
     );
     store.ensure(0, 1, &good[1]).unwrap();
     assert_eq!(store.weights(0, 1).unwrap(), &data[1].0[..]);
-    assert!(PinStore::new(Layout::Interleave(NodeSet::new()), StoreOptions::default()).is_err());
-    assert!(PinStore::new(interleave(), StoreOptions::default().loader_threads(0)).is_err());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use numapin::store::{Kind, Layout, PinStore, ReadMode, StoreOptions};
+use numapin::store::{Kind, LayerSpec, Layout, PinStore, ReadMode, StoreOptions};
 use numapin::{Advice, NodeSet, Region, diag, policy};
 
 use numapin::policy::{MbindFlags, MemPolicy};
@@ -73,159 +73,214 @@ fn aligned(len: usize) -> (Vec<u8>, usize) {
     (buf, start)
 }
 
+/// What every row's load reads: the model, its file and length, the nodes.
+struct Load<'a> {
+    model: &'a SyntheticModel,
+    path: &'a Path,
+    file: File,
+    len: usize,
+    nodes: NodeSet,
+    interleave: MemPolicy,
+    spec: LayerSpec,
+}
+
+/// Memory a row keeps alive until RSS is read.
+type Keep = Vec<Box<dyn std::any::Any>>;
+
 /// One row's load in this process; returns what `REPORT` prints. Memory that must stay
 /// alive until RSS is read is kept in `keep`.
-fn load(
-    mode: &str,
-    model: &SyntheticModel,
-    path: &Path,
-    keep: &mut Vec<Box<dyn std::any::Any>>,
-) -> Result<u64, String> {
+fn load(mode: &str, model: &SyntheticModel, path: &Path, keep: &mut Keep) -> Result<u64, String> {
     let file = File::open(path).map_err(|e| e.to_string())?;
     let len = model.total_bytes().map_err(|e| e.to_string())? as usize;
     let nodes = nodes()?;
-    let interleave = MemPolicy::Interleave(nodes);
-    let spec = model.spec();
+    let l = Load {
+        model,
+        path,
+        file,
+        len,
+        nodes,
+        interleave: MemPolicy::Interleave(nodes),
+        spec: model.spec(),
+    };
     match mode {
-        "slabs" => {
-            let mut slabs = SlabPerExpert::new();
-            for layer in 0..model.layers {
-                slabs
-                    .load_layer(
-                        layer,
-                        &spec,
-                        &model.sources(&file, layer),
-                        Some(&interleave),
-                    )
-                    .map_err(|e| e.to_string())?;
-            }
-            keep.push(Box::new(slabs));
-        }
-        "mmap" => {
-            // SAFETY: the benchmark's own file; nothing writes or truncates it meanwhile.
-            let region = unsafe { Region::map_file(&file, 0, len) }.map_err(|e| e.to_string())?;
-            let sum = region
-                .as_slice()
-                .iter()
-                .step_by(numapin::page_size())
-                .fold(0u64, |a, &b| a.wrapping_add(u64::from(b)));
-            std::hint::black_box(sum);
-            keep.push(Box::new(region));
-        }
-        "read-all" => {
-            let _guard = policy::scoped(&interleave).map_err(|e| e.to_string())?;
-            let mut buf = vec![0u8; len];
-            file.read_exact_at(&mut buf, 0).map_err(|e| e.to_string())?;
-            keep.push(Box::new(buf));
-        }
-        "per-layer" => {
-            let mut regions = Vec::new();
-            for layer in 0..model.layers {
-                for kind in Kind::ALL {
-                    let size = spec.bytes(kind);
-                    let r = Region::anonymous(size * model.experts).map_err(|e| e.to_string())?;
-                    let _placement = r
-                        .bind(&interleave, MbindFlags::empty())
-                        .map_err(|e| e.to_string())?;
-                    regions.push((layer, kind, size, r));
-                }
-            }
-            for (layer, kind, size, r) in &mut regions {
-                let slots = r.as_mut_slice().map_err(|e| e.to_string())?;
-                for (e, slot) in slots.chunks_mut(*size).enumerate() {
-                    file.read_exact_at(slot, model.offset(*layer, e, *kind))
-                        .map_err(|e| e.to_string())?;
-                }
-            }
-            keep.push(Box::new(regions));
-        }
+        "slabs" => load_slabs(&l, keep)?,
+        "mmap" => load_mmap_touch(&l, keep)?,
+        "read-all" => load_read_all(&l, keep)?,
+        "per-layer" => load_per_layer(&l, keep)?,
         "pin-buffered" | "pin-direct" | "pin-drop-behind" | "pin-direct-threads" => {
-            let threads = mode.ends_with("-threads");
-            let read_mode: ReadMode = mode["pin-".len()..]
-                .trim_end_matches("-threads")
-                .parse()
-                .map_err(|e: numapin::Error| e.to_string())?;
-            let options = StoreOptions::default()
-                .loader_threads(2)
-                .read_mode(read_mode)
-                .io_uring(!threads);
-            let store =
-                PinStore::new(Layout::Interleave(nodes), options).map_err(|e| e.to_string())?;
-            for layer in 0..model.layers {
-                let report = store
-                    .pack_layer(layer, &spec, &model.sources(&file, layer))
-                    .map_err(|e| e.to_string())?;
-                if report.read_mode != read_mode {
-                    return Err(format!(
-                        "{mode}: ran {} ({:?})",
-                        report.read_mode, report.read_fallback
-                    ));
-                }
-            }
-            keep.push(Box::new(store));
+            load_pin_store(&l, mode, keep)?;
         }
-        "o-direct-fresh" => {
-            // Into fresh memory as a load writes it (bound, huge pages), one thread, 8 MiB
-            // reads one after the other: each read faults and zeroes its pages, then waits
-            // for the device.
-            let direct = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
-                .map_err(|e| e.to_string())?;
-            let mut dest = fresh(len.next_multiple_of(HUGE), &interleave)?;
-            let slice = dest.as_mut_slice().map_err(|e| e.to_string())?;
-            let mut offset = 0usize;
-            while offset < len {
-                let end = (offset + WINDOW).min(slice.len());
-                let n = direct
-                    .read_at(&mut slice[offset..end], offset as u64)
-                    .map_err(|e| e.to_string())?;
-                if n == 0 {
-                    break;
-                }
-                offset += n;
-            }
-            if offset != len {
-                return Err(format!("O_DIRECT read {offset} of {len} bytes"));
-            }
-            keep.push(Box::new(dest));
-        }
-        "buffered-read" => {
-            // `cat file > /dev/null`: buffered 128 KiB reads into one buffer.
-            let mut buf = vec![0u8; 128 << 10];
-            let mut offset = 0u64;
-            loop {
-                let n = file.read_at(&mut buf, offset).map_err(|e| e.to_string())?;
-                if n == 0 {
-                    break;
-                }
-                offset += n as u64;
-            }
-        }
-        "o-direct" => {
-            let direct = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
-                .map_err(|e| e.to_string())?;
-            let (mut buf, start) = aligned(WINDOW);
-            let window = &mut buf[start..start + WINDOW];
-            let mut offset = 0u64;
-            loop {
-                let n = direct.read_at(window, offset).map_err(|e| e.to_string())?;
-                if n == 0 {
-                    break;
-                }
-                offset += n as u64;
-            }
-            if offset != len as u64 {
-                return Err(format!("O_DIRECT read {offset} of {len} bytes"));
-            }
-        }
+        "o-direct-fresh" => load_o_direct_fresh(&l, keep)?,
+        "buffered-read" => read_buffered(&l)?,
+        "o-direct" => read_o_direct(&l)?,
         other => return Err(format!("unknown peer row {other}")),
     }
-    Ok(len as u64)
+    Ok(l.len as u64)
+}
+
+/// One slab per expert, each bound.
+fn load_slabs(l: &Load<'_>, keep: &mut Keep) -> Result<(), String> {
+    let mut slabs = SlabPerExpert::new();
+    for layer in 0..l.model.layers {
+        slabs
+            .load_layer(
+                layer,
+                &l.spec,
+                &l.model.sources(&l.file, layer),
+                Some(&l.interleave),
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    keep.push(Box::new(slabs));
+    Ok(())
+}
+
+/// The file mapped, one byte of each page touched (llama.cpp's default).
+fn load_mmap_touch(l: &Load<'_>, keep: &mut Keep) -> Result<(), String> {
+    // SAFETY: the benchmark's own file; nothing writes or truncates it meanwhile.
+    let region = unsafe { Region::map_file(&l.file, 0, l.len) }.map_err(|e| e.to_string())?;
+    let sum = region
+        .as_slice()
+        .iter()
+        .step_by(numapin::page_size())
+        .fold(0u64, |a, &b| a.wrapping_add(u64::from(b)));
+    std::hint::black_box(sum);
+    keep.push(Box::new(region));
+    Ok(())
+}
+
+/// The whole file read into one buffer under an interleave policy.
+fn load_read_all(l: &Load<'_>, keep: &mut Keep) -> Result<(), String> {
+    let _guard = policy::scoped(&l.interleave).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; l.len];
+    l.file
+        .read_exact_at(&mut buf, 0)
+        .map_err(|e| e.to_string())?;
+    keep.push(Box::new(buf));
+    Ok(())
+}
+
+/// One region per layer and kind, mapped and bound, then each expert `pread` into its slot.
+fn load_per_layer(l: &Load<'_>, keep: &mut Keep) -> Result<(), String> {
+    let mut regions = Vec::new();
+    for layer in 0..l.model.layers {
+        for kind in Kind::ALL {
+            let size = l.spec.bytes(kind);
+            let r = Region::anonymous(size * l.model.experts).map_err(|e| e.to_string())?;
+            let _placement = r
+                .bind(&l.interleave, MbindFlags::empty())
+                .map_err(|e| e.to_string())?;
+            regions.push((layer, kind, size, r));
+        }
+    }
+    for (layer, kind, size, r) in &mut regions {
+        let slots = r.as_mut_slice().map_err(|e| e.to_string())?;
+        for (e, slot) in slots.chunks_mut(*size).enumerate() {
+            l.file
+                .read_exact_at(slot, l.model.offset(*layer, e, *kind))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    keep.push(Box::new(regions));
+    Ok(())
+}
+
+/// PinStore in the read mode the row names (`pin-<mode>`, `-threads` without io_uring);
+/// an error where it ran another mode.
+fn load_pin_store(l: &Load<'_>, mode: &str, keep: &mut Keep) -> Result<(), String> {
+    let threads = mode.ends_with("-threads");
+    let read_mode: ReadMode = mode["pin-".len()..]
+        .trim_end_matches("-threads")
+        .parse()
+        .map_err(|e: numapin::Error| e.to_string())?;
+    let options = StoreOptions::default()
+        .loader_threads(2)
+        .read_mode(read_mode)
+        .io_uring(!threads);
+    let store = PinStore::new(Layout::Interleave(l.nodes), options).map_err(|e| e.to_string())?;
+    for layer in 0..l.model.layers {
+        let report = store
+            .pack_layer(layer, &l.spec, &l.model.sources(&l.file, layer))
+            .map_err(|e| e.to_string())?;
+        if report.read_mode != read_mode {
+            return Err(format!(
+                "{mode}: ran {} ({:?})",
+                report.read_mode, report.read_fallback
+            ));
+        }
+    }
+    keep.push(Box::new(store));
+    Ok(())
+}
+
+/// `O_DIRECT` into fresh memory as a load writes it (bound, huge pages).
+fn load_o_direct_fresh(l: &Load<'_>, keep: &mut Keep) -> Result<(), String> {
+    // One thread, 8 MiB reads one after the other: each read faults and zeroes its
+    // pages, then waits for the device.
+    let direct = open_direct(l.path)?;
+    let mut dest = fresh(l.len.next_multiple_of(HUGE), &l.interleave)?;
+    let slice = dest.as_mut_slice().map_err(|e| e.to_string())?;
+    let mut offset = 0usize;
+    while offset < l.len {
+        let end = (offset + WINDOW).min(slice.len());
+        let n = direct
+            .read_at(&mut slice[offset..end], offset as u64)
+            .map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        offset += n;
+    }
+    if offset != l.len {
+        return Err(format!("O_DIRECT read {offset} of {} bytes", l.len));
+    }
+    keep.push(Box::new(dest));
+    Ok(())
+}
+
+/// `cat file > /dev/null`: buffered 128 KiB reads into one buffer.
+fn read_buffered(l: &Load<'_>) -> Result<(), String> {
+    let mut buf = vec![0u8; 128 << 10];
+    let mut offset = 0u64;
+    loop {
+        let n = l
+            .file
+            .read_at(&mut buf, offset)
+            .map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// The plain sequential `O_DIRECT` read of the file through one aligned window.
+fn read_o_direct(l: &Load<'_>) -> Result<(), String> {
+    let direct = open_direct(l.path)?;
+    let (mut buf, start) = aligned(WINDOW);
+    let window = &mut buf[start..start + WINDOW];
+    let mut offset = 0u64;
+    loop {
+        let n = direct.read_at(window, offset).map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        offset += n as u64;
+    }
+    if offset != l.len as u64 {
+        return Err(format!("O_DIRECT read {offset} of {} bytes", l.len));
+    }
+    Ok(())
+}
+
+/// `path` opened for reading with `O_DIRECT`.
+fn open_direct(path: &Path) -> Result<File, String> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(|e| e.to_string())
 }
 
 /// The ceilings: the source is read into memory first (not timed, not counted in RSS).

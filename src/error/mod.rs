@@ -3,6 +3,7 @@
 mod build;
 mod errno;
 mod invalid;
+mod number;
 mod quote;
 
 use std::fmt;
@@ -10,6 +11,7 @@ use std::fmt;
 use errno::{errno_meaning, errno_name};
 pub use invalid::Invalid;
 use invalid::wide;
+pub(crate) use number::decimal;
 pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list};
 
 use crate::nodeset::{Node, NodeSet};

@@ -209,10 +209,10 @@ impl ExpertShare {
             part: crate::error::clip_owned(part.to_owned(), 64),
             reason: reason.to_owned(),
         };
+        // Whitespace around a piece is allowed; a sign is not (`+1` is no expert id).
         let number = |part: &str| -> Result<usize> {
-            part.trim()
-                .parse::<usize>()
-                .map_err(|_| parse_error(part, "not an expert number"))
+            crate::error::decimal(part.trim())
+                .ok_or_else(|| parse_error(part, "not an expert number"))
         };
         if let Some((k, n)) = text.split_once('/') {
             return ExpertShare::part(number(k)?, number(n)?);

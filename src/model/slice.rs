@@ -147,8 +147,7 @@ impl TensorSlice {
             _ => return Err(parse_error(axis, "the axis is rows or columns")),
         };
         let number = |part: &str| -> Result<u64> {
-            part.parse::<u64>()
-                .map_err(|_| parse_error(part, "not a number"))
+            crate::error::decimal(part).ok_or_else(|| parse_error(part, "not a number"))
         };
         if let Some((k, n)) = rest.split_once('/') {
             return TensorSlice::part(axis, number(k)?, number(n)?);

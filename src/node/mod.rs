@@ -285,25 +285,33 @@ pub fn possible_node_count() -> usize {
 
 /// Parses a kernel list (`0-3,5`, as in sysfs and `Mems_allowed_list`), no context.
 pub(crate) fn parse_kernel_list(text: &str) -> Option<NodeSet> {
-    let text = text.trim();
     let mut set = NodeSet::new();
-    if text.is_empty() {
-        return Some(set);
-    }
-    for item in text.split(',') {
-        let (lo, hi) = match item.split_once('-') {
-            Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
-            None => {
-                let id = item.parse::<usize>().ok()?;
-                (id, id)
-            }
-        };
-        if hi >= MAX_NODES || lo > hi {
-            return None;
-        }
+    for (lo, hi) in parse_kernel_ranges(text, MAX_NODES)? {
         set.insert_range(lo, hi);
     }
     Some(set)
+}
+
+/// The inclusive ranges `(lo, hi)` of a kernel list (`0-3,8,10-11`: node lists, CPU
+/// lists), each id below `limit` (so a corrupt file cannot ask for a huge table); `None`
+/// if malformed. Whitespace around the list is ignored; an empty list has no ranges.
+pub(crate) fn parse_kernel_ranges(text: &str, limit: usize) -> Option<Vec<(usize, usize)>> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(',')
+        .map(|item| {
+            let (lo, hi) = match item.split_once('-') {
+                Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
+                None => {
+                    let id = item.parse::<usize>().ok()?;
+                    (id, id)
+                }
+            };
+            (lo <= hi && hi < limit).then_some((lo, hi))
+        })
+        .collect()
 }
 
 /// Reads a sysfs node list; `Ok(None)` when the file does not exist (no NUMA sysfs).

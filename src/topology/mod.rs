@@ -263,25 +263,8 @@ fn read_optional(path: impl AsRef<Path>) -> Result<String> {
 /// past 1 << 20 is refused) so a corrupt file cannot ask for a huge table.
 fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
     const MAX_CPU: usize = 1 << 20;
-    let text = text.trim();
-    let mut cpus = Vec::new();
-    if text.is_empty() {
-        return Some(cpus);
-    }
-    for item in text.split(',') {
-        let (lo, hi) = match item.split_once('-') {
-            Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
-            None => {
-                let id = item.parse::<usize>().ok()?;
-                (id, id)
-            }
-        };
-        if lo > hi || hi >= MAX_CPU {
-            return None;
-        }
-        cpus.extend(lo..=hi);
-    }
-    Some(cpus)
+    let ranges = node::parse_kernel_ranges(text, MAX_CPU)?;
+    Some(ranges.into_iter().flat_map(|(lo, hi)| lo..=hi).collect())
 }
 
 #[cfg(test)]

@@ -219,35 +219,20 @@ impl Naming {
                 &["gate_proj", "up_proj", "down_proj"],
             ),
             Naming::Mixtral => per_expert(name, ".block_sparse_moe.experts.", &["w1", "w3", "w2"]),
-            Naming::Fused => {
-                let (layer, rest) = layer_of(name, "model.layers.")?;
-                let piece = match rest.strip_prefix(".mlp.experts.")? {
-                    "gate_up_proj" => 0,
-                    "down_proj" => 1,
-                    _ => return None,
-                };
-                Some(TensorRef {
-                    layer,
-                    expert: None,
-                    piece,
-                    scale: false,
-                })
-            }
-            Naming::GgufMerged => {
-                let (layer, rest) = layer_of(name, "blk.")?;
-                let piece = match rest {
-                    ".ffn_gate_exps.weight" => 0,
-                    ".ffn_up_exps.weight" => 1,
-                    ".ffn_down_exps.weight" => 2,
-                    _ => return None,
-                };
-                Some(TensorRef {
-                    layer,
-                    expert: None,
-                    piece,
-                    scale: false,
-                })
-            }
+            Naming::Fused => merged(
+                name,
+                "model.layers.",
+                &[".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"],
+            ),
+            Naming::GgufMerged => merged(
+                name,
+                "blk.",
+                &[
+                    ".ffn_gate_exps.weight",
+                    ".ffn_up_exps.weight",
+                    ".ffn_down_exps.weight",
+                ],
+            ),
             Naming::Custom(c) => (c.classify)(name),
             Naming::Generic => Self::GENERIC_VOCABULARY.classify(name).map(|(r, _)| r),
         }
@@ -371,6 +356,19 @@ fn per_expert(name: &str, middle: &str, pieces: &[&str; 3]) -> Option<TensorRef>
         expert: Some(expert),
         piece,
         scale,
+    })
+}
+
+/// A merged tensor (every expert of a layer in one): `{prefix}{layer}{piece}`, its
+/// piece the index of that ending in `pieces`.
+fn merged(name: &str, prefix: &str, pieces: &[&str]) -> Option<TensorRef> {
+    let (layer, rest) = layer_of(name, prefix)?;
+    let piece = pieces.iter().position(|p| *p == rest)? as u8;
+    Some(TensorRef {
+        layer,
+        expert: None,
+        piece,
+        scale: false,
     })
 }
 

@@ -58,9 +58,9 @@ impl DenseLayout {
         Ok(match kind {
             "replicate" => DenseLayout::Replicate(set()?),
             "interleave" => DenseLayout::Interleave(set()?),
-            "bind" => DenseLayout::Bind(Node(nodes.parse::<u16>().map_err(|_| {
-                Error::bad_value("PlacementPlan", "bind node", nodes, "not a node number")
-            })?)),
+            "bind" => DenseLayout::Bind(Node(crate::error::decimal::<u16>(nodes).ok_or_else(
+                || Error::bad_value("PlacementPlan", "bind node", nodes, "not a node number"),
+            )?)),
             "unplaced" if nodes.is_empty() => DenseLayout::Unplaced,
             _ => {
                 return Err(Error::bad_value(

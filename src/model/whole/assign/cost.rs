@@ -1,0 +1,293 @@
+//! What an assignment costs ([`PlacementCost`]), counted from the layouts alone.
+
+use std::collections::BTreeMap;
+
+use super::Assigned;
+use crate::model::whole::classes::TensorClass;
+use crate::model::whole::plan::{DenseLayout, PlacementPlan, expert_layout_text};
+use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, TensorPiece};
+use crate::node::{Node, NodeSet};
+use crate::store::{Layout, PieceLayout};
+
+/// What a plan costs, counted from the layouts before anything is reserved: the whole
+/// checkpoint and each class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct PlacementCost {
+    /// Per class with tensors, in [`TensorClass::ALL`] order.
+    pub classes: Vec<ClassCost>,
+    /// Mappings of every region of every copy (the map budget checks this).
+    pub mappings: usize,
+    /// `mbind` calls the plan makes where placement works.
+    pub mbind_calls: usize,
+    /// The mappings of one allocation per tensor per copy (an expert's piece of a merged
+    /// tensor counts as a tensor, as engines that allocate per expert do).
+    pub per_tensor_mappings: usize,
+    /// Bytes each node is asked to hold (replicas, bound groups, split blocks, interleaved
+    /// shares rounded up), padding included.
+    pub node_bytes: BTreeMap<Node, u64>,
+    /// Bytes placed on no node (unplaced layouts), padding included.
+    pub unbound_bytes: u64,
+    /// One copy of everything, padding included: what placement needs where it degrades
+    /// (one unplaced copy is built then).
+    pub one_copy_bytes: u64,
+}
+
+/// One class's share of a [`PlacementCost`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClassCost {
+    /// The class.
+    pub class: TensorClass,
+    /// Its layout(s) in the text form of plans; several joined by `+` where patterns
+    /// moved some of its tensors.
+    pub layout: String,
+    /// Why it has that layout (the default plan's branch, or "chosen by the caller").
+    pub why: String,
+    /// Tensors.
+    pub tensors: usize,
+    /// Their bytes this rank holds (as in the files; a share's under a slice or an
+    /// expert share).
+    pub bytes: u64,
+    /// Store layers: dense groups, or MoE layers for the routed experts.
+    pub groups: usize,
+    /// Mappings of all its copies.
+    pub mappings: usize,
+    /// `mbind` calls.
+    pub mbind_calls: usize,
+    /// One mapping per tensor per copy instead.
+    pub per_tensor_mappings: usize,
+    /// Bytes per node, padding included.
+    pub node_bytes: BTreeMap<Node, u64>,
+}
+
+fn align_up(n: u64, a: u64) -> u64 {
+    n.div_ceil(a.max(1)).saturating_mul(a.max(1))
+}
+
+/// The slot extent of the non-empty pieces `(file offset, len)` laid out as the store
+/// lays them out ([`PieceLayout::offset`]), rounded to the slot alignment `slot`
+/// (`u64::MAX` where that overflows: no node has room for it).
+pub(crate) fn slot_bytes(
+    pieces: impl Iterator<Item = (u64, u64)>,
+    layout: PieceLayout,
+    slot: u64,
+) -> u64 {
+    let end = pieces
+        .filter(|&(_, n)| n > 0)
+        .try_fold(0usize, |at, (offset, n)| {
+            let n = usize::try_from(n).ok()?;
+            layout.offset(at, offset)?.checked_add(n)
+        });
+    end.map_or(u64::MAX, |end| align_up(end as u64, slot))
+}
+
+/// Adds `bytes` to `node`'s, saturating.
+fn add(into: &mut BTreeMap<Node, u64>, node: Node, bytes: u64) {
+    let at = into.entry(node).or_default();
+    *at = at.saturating_add(bytes);
+}
+
+/// Adds `bytes` spread over `set` page by page (rounded up per node).
+fn spread(into: &mut BTreeMap<Node, u64>, set: NodeSet, bytes: u64) {
+    let n = set.len().max(1) as u64;
+    for node in set.iter() {
+        add(into, node, bytes.div_ceil(n));
+    }
+}
+
+impl Assigned {
+    /// The cost of the assignment under `plan`; `slot` is the store's slot alignment.
+    pub(crate) fn cost(
+        &self,
+        checkpoint: &Checkpoint,
+        plan: &PlacementPlan,
+        slot: u64,
+    ) -> PlacementCost {
+        let mut classes: BTreeMap<TensorClass, ClassCost> = BTreeMap::new();
+        let mut unbound = 0u64;
+        let mut one_copy = 0u64;
+        let entry = |class: TensorClass| -> ClassCost {
+            ClassCost {
+                class,
+                layout: String::new(),
+                why: plan.why(class).to_owned(),
+                tensors: 0,
+                bytes: 0,
+                groups: 0,
+                mappings: 0,
+                mbind_calls: 0,
+                per_tensor_mappings: 0,
+                node_bytes: BTreeMap::new(),
+            }
+        };
+        for g in &self.groups {
+            let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
+            let copy = slot_bytes(
+                g.tensors.iter().map(|&i| {
+                    (
+                        self.held_offset(checkpoint, i),
+                        self.held_len(checkpoint, i),
+                    )
+                }),
+                self.layout,
+                slot,
+            );
+            one_copy = one_copy.saturating_add(copy);
+            let text = g.layout.to_string();
+            if !c.layout.split('+').any(|l| l == text) {
+                if !c.layout.is_empty() {
+                    c.layout.push('+');
+                }
+                c.layout.push_str(&text);
+            }
+            c.tensors += g.tensors.len();
+            c.bytes += g
+                .tensors
+                .iter()
+                .map(|&i| self.held_len(checkpoint, i))
+                .sum::<u64>();
+            c.groups += 1;
+            c.mappings += g.layout.copies();
+            c.mbind_calls += g.layout.mbind_calls();
+            c.per_tensor_mappings += g.tensors.len() * g.layout.copies();
+            match g.layout {
+                // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
+                DenseLayout::Replicate(set) => {
+                    for node in set.iter() {
+                        add(&mut c.node_bytes, node, copy);
+                    }
+                }
+                DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
+                DenseLayout::Bind(node) => add(&mut c.node_bytes, node, copy),
+                DenseLayout::Unplaced => unbound = unbound.saturating_add(copy),
+            }
+        }
+        if let Some(experts) = &self.experts {
+            let mut c = entry(TensorClass::RoutedExperts);
+            c.layout = expert_layout_text(&plan.experts);
+            let layout = PieceLayout {
+                align: self.layout.align,
+                modulus: self.expert_modulus,
+            };
+            let (u, o) = expert_cost(&mut c, experts, plan.experts, layout, slot);
+            unbound = unbound.saturating_add(u);
+            one_copy = one_copy.saturating_add(o);
+            classes.insert(TensorClass::RoutedExperts, c);
+        }
+        let classes: Vec<ClassCost> = classes.into_values().collect();
+        let mut node_bytes = BTreeMap::new();
+        for c in &classes {
+            for (&n, &b) in &c.node_bytes {
+                add(&mut node_bytes, n, b);
+            }
+        }
+        PlacementCost {
+            mappings: classes.iter().map(|c| c.mappings).sum(),
+            mbind_calls: classes.iter().map(|c| c.mbind_calls).sum(),
+            per_tensor_mappings: classes.iter().map(|c| c.per_tensor_mappings).sum(),
+            classes,
+            node_bytes,
+            unbound_bytes: unbound,
+            one_copy_bytes: one_copy,
+        }
+    }
+}
+
+/// The routed experts' share: per MoE layer and tensor kind (weights, scales) one region
+/// per copy, split in one block per node for [`Layout::SplitExperts`]. Returns the
+/// unbound bytes and one copy's bytes.
+fn expert_cost(
+    c: &mut ClassCost,
+    experts: &ExpertPlan,
+    layout: Layout,
+    pieces_layout: PieceLayout,
+    slot: u64,
+) -> (u64, u64) {
+    let (mut unbound, mut one_copy) = (0u64, 0u64);
+    for layer in experts.layers() {
+        let count = layer.experts().len();
+        let Some(first) = layer.experts().first() else {
+            continue;
+        };
+        c.groups += 1;
+        c.tensors += count * (first.weights().len() + first.scales().len());
+        c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
+        let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
+            [ExpertPieces::weights, ExpertPieces::scales];
+        for of in kinds {
+            let pieces = of(first);
+            if pieces.is_empty() {
+                continue;
+            }
+            let extent = |e: &ExpertPieces| {
+                slot_bytes(
+                    of(e).iter().map(|p| (p.offset(), p.len())),
+                    pieces_layout,
+                    slot,
+                )
+            };
+            // Under a congruence each expert's padding follows its own file offsets: the
+            // slot is the largest; without one every expert of a layer has `first`'s.
+            let stride = if pieces_layout.modulus > 1 {
+                layer.experts().iter().map(extent).max().unwrap_or(0)
+            } else {
+                extent(first)
+            };
+            let bytes = stride.saturating_mul(count as u64);
+            one_copy = one_copy.saturating_add(bytes);
+            let per_copy_tensors = count * pieces.len();
+            let (maps, calls, copies) = match layout {
+                Layout::Interleave(set) => {
+                    spread(&mut c.node_bytes, set, bytes);
+                    (1, 1, 1)
+                }
+                Layout::LayerPerNode(set) => {
+                    if let Some(node) = set.nth(layer.layer() % set.len().max(1)) {
+                        add(&mut c.node_bytes, node, bytes);
+                    }
+                    (1, 1, 1)
+                }
+                Layout::Replicate(set) => {
+                    for node in set.iter() {
+                        add(&mut c.node_bytes, node, bytes);
+                    }
+                    (set.len(), set.len(), set.len())
+                }
+                Layout::ReplicateDomains(set) => {
+                    // One copy per domain of the live machine, interleaved over its nodes.
+                    let groups = crate::topology::Topology::get()
+                        .map(|t| t.domains_within(&set))
+                        .unwrap_or_else(|_| {
+                            set.iter().map(|n| std::iter::once(n).collect()).collect()
+                        });
+                    for group in &groups {
+                        spread(&mut c.node_bytes, *group, bytes);
+                    }
+                    (groups.len(), groups.len(), groups.len())
+                }
+                Layout::SplitExperts(set) => {
+                    let n = set.len().max(1);
+                    let mut blocks = 0;
+                    for (i, node) in set.iter().enumerate() {
+                        let start = |i: usize| (i * count).div_ceil(n);
+                        let len = start(i + 1) - start(i);
+                        if len > 0 {
+                            blocks += 1;
+                            add(&mut c.node_bytes, node, stride.saturating_mul(len as u64));
+                        }
+                    }
+                    (blocks.max(1), blocks, 1)
+                }
+                Layout::Unplaced => {
+                    unbound = unbound.saturating_add(bytes);
+                    (1, 0, 1)
+                }
+            };
+            c.mappings += maps;
+            c.mbind_calls += calls;
+            c.per_tensor_mappings += per_copy_tensors * copies;
+        }
+    }
+    (unbound, one_copy)
+}

@@ -1,0 +1,309 @@
+//! A plan applied to a checkpoint, nothing reserved: every tensor's class, layer and
+//! layout; the dense tensors grouped (one group per class, layer and layout: a store
+//! layer of one slot); and what it would cost ([`PlacementCost`]), counted from the
+//! layouts alone, so that ~700 GB of DeepSeek-V3 can be priced on a laptop.
+//!
+//! `cut` holds a dense slice's rows per tensor, `cost` the pricing.
+
+mod cost;
+mod cut;
+
+pub use cost::{ClassCost, PlacementCost};
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::classes::TensorClass;
+use super::plan::{DenseLayout, PlacementPlan};
+use crate::error::{CheckpointFault, Error, Result};
+use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, TensorInfo};
+use crate::store::PieceLayout;
+use cut::{dense_cut, scale_cut, scale_of};
+
+/// Dense tensors start at multiples of this inside their group's slot at least: GGUF's
+/// default alignment is 32 and AVX-512 loads want 64.
+pub const DENSE_ALIGN: usize = 64;
+
+/// One dense group: the tensors of one class and layer under one layout, packed as the
+/// single slot of one layer of that class's store.
+#[derive(Debug, Clone)]
+pub(crate) struct Group {
+    pub(crate) class: TensorClass,
+    pub(crate) layout: DenseLayout,
+    /// Checkpoint tensor indices, in file then offset order (the read order).
+    pub(crate) tensors: Vec<usize>,
+    /// Index of its store in [`Assigned::stores`], and its layer in that store.
+    pub(crate) store: usize,
+    pub(crate) slot_layer: usize,
+}
+
+/// A plan applied to a checkpoint.
+pub(crate) struct Assigned {
+    pub(crate) naming: Option<Naming>,
+    pub(crate) experts: Option<ExpertPlan>,
+    /// Per checkpoint tensor: its class and model layer.
+    pub(crate) class_of: Vec<(TensorClass, Option<usize>)>,
+    pub(crate) groups: Vec<Group>,
+    /// The dense stores: one per (class, layout) that has a group.
+    pub(crate) stores: Vec<(TensorClass, DenseLayout)>,
+    /// How dense tensors are laid out in their group's slot.
+    pub(crate) layout: PieceLayout,
+    /// The experts' congruence modulus (their store's `piece_congruence`).
+    pub(crate) expert_modulus: usize,
+    /// Per checkpoint tensor: the part of it this rank holds under a dense slice.
+    pub(crate) cuts: Vec<Option<DenseCut>>,
+}
+
+/// The rows of a dense tensor a rank holds, as placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DenseCut {
+    /// Bytes from the tensor's start, and bytes held.
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    /// The slice along the axis, as a view reports it.
+    pub(crate) slice: super::views::DenseSlice,
+}
+
+impl Assigned {
+    /// The file offset of the bytes of tensor `index` this rank holds.
+    pub(crate) fn held_offset(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
+        let start = checkpoint.tensors()[index].offset();
+        match self.cuts.get(index).copied().flatten() {
+            Some(cut) => start.saturating_add(cut.offset),
+            None => start,
+        }
+    }
+
+    /// The bytes of tensor `index` this rank holds.
+    pub(crate) fn held_len(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
+        match self.cuts.get(index).copied().flatten() {
+            Some(cut) => cut.len,
+            None => checkpoint.tensors()[index].len(),
+        }
+    }
+}
+
+/// The routed experts' naming and plan, or none for a checkpoint without experts.
+fn experts_of(checkpoint: &Checkpoint) -> Result<Option<(Naming, ExpertPlan)>> {
+    let naming = match Naming::detect(checkpoint) {
+        Ok(n) => n,
+        Err(Error::Checkpoint {
+            kind: CheckpointFault::NoExperts,
+            ..
+        }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let plan = naming.plan(checkpoint)?;
+    Ok(Some((naming, plan)))
+}
+
+/// Every tensor's bytes against its dtype and shape (the parsers check this at open; a
+/// checkpoint built otherwise is checked again here, as a view trusts it).
+fn check_size(checkpoint: &Checkpoint, t: &TensorInfo) -> Result<()> {
+    let expected = match t.dtype() {
+        Dtype::Ggml(g) => g.tensor_bytes(t.shape()),
+        Dtype::Safetensors(d) => {
+            let bits = t
+                .shape()
+                .iter()
+                .try_fold(d.bits(), |acc, &n| acc.checked_mul(n))
+                .ok_or_else(|| "the element count overflows 64 bits".to_owned());
+            bits.and_then(|b| {
+                if b % 8 == 0 {
+                    Ok(b / 8)
+                } else {
+                    Err(format!("{b} bits are not whole bytes"))
+                }
+            })
+        }
+    };
+    match expected {
+        Ok(n) if n == t.len() => Ok(()),
+        Ok(n) => Err(size_fault(
+            checkpoint,
+            t,
+            format!("{} bytes, but its dtype and shape say {n}", t.len()),
+        )),
+        Err(why) => Err(size_fault(checkpoint, t, why)),
+    }
+}
+
+fn size_fault(checkpoint: &Checkpoint, t: &TensorInfo, why: String) -> Error {
+    let file = checkpoint
+        .files()
+        .get(t.file())
+        .map(|f| f.path().display().to_string())
+        .unwrap_or_default();
+    Error::checkpoint(file, Some(t.name()), CheckpointFault::Size, why)
+}
+
+/// The checkpoint tensors that are pieces of routed experts (weights and scales).
+fn expert_tensor_indices(experts: Option<&(Naming, ExpertPlan)>) -> BTreeSet<usize> {
+    experts
+        .iter()
+        .flat_map(|(_, p)| p.layers())
+        .flat_map(|l| l.experts())
+        .flat_map(|e| e.weights().iter().chain(e.scales()))
+        .map(|p| p.tensor())
+        .collect()
+}
+
+/// The dense tensors keyed by (class, index in `layouts`, model layer), before grouping.
+type Keyed = BTreeMap<(TensorClass, usize, Option<usize>), Vec<usize>>;
+
+/// Every tensor classified under the plan: its class and layer, its dense cut, its
+/// layout; which patterns matched a tensor.
+struct Classified {
+    class_of: Vec<(TensorClass, Option<usize>)>,
+    cuts: Vec<Option<DenseCut>>,
+    /// Per pattern of the plan: whether it matched a dense tensor.
+    used: Vec<bool>,
+    keyed: Keyed,
+    /// The distinct dense layouts, in first-seen order.
+    layouts: Vec<DenseLayout>,
+}
+
+/// Checks each tensor's size, then gives it its class and layer; a dense tensor also
+/// gets its cut (under a dense slice of its class) and its layout (the plan's patterns).
+fn classify_tensors(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    expert_tensors: &BTreeSet<usize>,
+) -> Result<Classified> {
+    let mut out = Classified {
+        class_of: Vec::with_capacity(checkpoint.tensors().len()),
+        cuts: vec![None; checkpoint.tensors().len()],
+        used: vec![false; plan.patterns().len()],
+        keyed: BTreeMap::new(),
+        layouts: Vec::new(),
+    };
+    for (index, t) in checkpoint.tensors().iter().enumerate() {
+        check_size(checkpoint, t)?;
+        if expert_tensors.contains(&index) {
+            let layer = TensorClass::of(t.name()).1;
+            out.class_of.push((TensorClass::RoutedExperts, layer));
+            continue;
+        }
+        let (class, layer) = TensorClass::of(t.name());
+        out.class_of.push((class, layer));
+        if let Some(slice) = plan.dense_slice.filter(|_| plan.is_sliced(class)) {
+            out.cuts[index] = match scale_of(checkpoint, t) {
+                Some(weight) => scale_cut(t, weight, &slice)?,
+                None => dense_cut(t, &slice)?,
+            };
+        }
+        let (layout, pattern) = plan.dense_layout(class, t.name());
+        if let Some(i) = pattern {
+            out.used[i] = true;
+        }
+        let l = match out.layouts.iter().position(|&x| x == layout) {
+            Some(l) => l,
+            None => {
+                out.layouts.push(layout);
+                out.layouts.len() - 1
+            }
+        };
+        out.keyed.entry((class, l, layer)).or_default().push(index);
+    }
+    Ok(out)
+}
+
+/// Refuses a pattern the plan's text form cannot carry and a pattern that matched no
+/// dense tensor (`used`, per pattern).
+fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) -> Result<()> {
+    // The text form separates items by ',' and ';' and keys from values by '=': a
+    // pattern holding one would print a plan that reads back as another (no tensor name
+    // holds them).
+    if let Some((pattern, _)) = plan
+        .patterns()
+        .iter()
+        .find(|(p, _)| p.contains([',', ';', '=']))
+    {
+        return Err(Error::bad_value(
+            "PlacementPlan",
+            "name pattern",
+            pattern,
+            "holds ',', ';' or '=', which separate the plan's text form (patterns have `*` \
+             and `?` only)",
+        ));
+    }
+    if let Some(i) = used.iter().position(|u| !u) {
+        let (pattern, _) = &plan.patterns()[i];
+        return Err(Error::bad_value(
+            "PlacementPlan",
+            "name pattern",
+            pattern,
+            format!(
+                "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
+                 placed by the experts' layout, not by patterns)",
+                checkpoint.tensors().len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The dense groups, one per (class, layout, layer), each the next layer of its
+/// (class, layout) store, with its tensors in read order; and those stores.
+fn group_dense(
+    checkpoint: &Checkpoint,
+    keyed: Keyed,
+    layouts: &[DenseLayout],
+) -> (Vec<Group>, Vec<(TensorClass, DenseLayout)>) {
+    let mut stores: Vec<(TensorClass, DenseLayout)> = Vec::new();
+    let mut per_store: Vec<usize> = Vec::new();
+    let mut groups = Vec::with_capacity(keyed.len());
+    for ((class, l, _layer), mut tensors) in keyed {
+        let layout = layouts[l];
+        let store = match stores.iter().position(|&s| s == (class, layout)) {
+            Some(s) => s,
+            None => {
+                stores.push((class, layout));
+                per_store.push(0);
+                stores.len() - 1
+            }
+        };
+        let t = checkpoint.tensors();
+        tensors.sort_by_key(|&i| (t[i].file(), t[i].offset()));
+        groups.push(Group {
+            class,
+            layout,
+            tensors,
+            store,
+            slot_layer: per_store[store],
+        });
+        per_store[store] += 1;
+    }
+    (groups, stores)
+}
+
+/// Applies `plan` to `checkpoint`: classes, layouts, groups; errors for a pattern that
+/// matches no dense tensor and for a tensor whose bytes are not its dtype × shape.
+pub(crate) fn assign(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    (layout, expert_modulus): (PieceLayout, usize),
+) -> Result<Assigned> {
+    let mut experts = experts_of(checkpoint)?;
+    let expert_tensors = expert_tensor_indices(experts.as_ref());
+    let classified = classify_tensors(checkpoint, plan, &expert_tensors)?;
+    check_patterns(checkpoint, plan, &classified.used)?;
+    // Routed experts are recognised on the whole plan (above), then cut to the share.
+    if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
+        *expert_plan = expert_plan.share(checkpoint, share)?;
+    }
+    let (groups, stores) = group_dense(checkpoint, classified.keyed, &classified.layouts);
+    let (naming, experts) = match experts {
+        Some((n, p)) => (Some(n), Some(p)),
+        None => (None, None),
+    };
+    Ok(Assigned {
+        naming,
+        experts,
+        class_of: classified.class_of,
+        groups,
+        stores,
+        layout,
+        expert_modulus,
+        cuts: classified.cuts,
+    })
+}
