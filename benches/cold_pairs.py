@@ -78,5 +78,7 @@ for v, xs in res.items():
     line = (f"  {v}: GB/s {statistics.median(gb):.2f} ({min(gb):.2f}-{max(gb):.2f})"
             f"  x cat {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})")
     if v != "cat":
-        line += f"  peak {max(x[2] for x in xs):.1f}% of the file"
+        peaks = [x[2] for x in xs]
+        line += (f"  peak {statistics.median(peaks):.1f}% of the file"
+                 f" ({min(peaks):.1f}-{max(peaks):.1f})")
     print(line)

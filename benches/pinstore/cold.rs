@@ -10,7 +10,10 @@
 //! (child modes, comma-separated) runs some rows only, with their yardsticks. "O_DIRECT into fresh memory" is the same
 //! plain read into memory a load would fill (bound, huge pages, faulted and zeroed as it
 //! is read): what a loader that does not overlap its page faults with the device's
-//! transfers reaches.
+//! transfers reaches. "zero+copy 2 thr" is the CPU's ceiling for any buffered
+//! load into fresh memory (drop-behind's included): the file's bytes, already in memory,
+//! copied into fresh bound huge pages by two threads, each page zeroed by the kernel at
+//! its first touch, then overwritten; `cat` does neither.
 
 use std::path::Path;
 
@@ -29,6 +32,11 @@ const ROWS: &[(&str, &str, &str)] = &[
     ("buffered read (cat)", "buffered-read", "buffered-read"),
     ("PinStore drop-behind", "pin-drop-behind", "buffered-read"),
     ("PinStore buffered", "pin-buffered", "buffered-read"),
+    (
+        "zero+copy 2 thr (CPU ceiling)",
+        "memcpy-fresh",
+        "buffered-read",
+    ),
 ];
 
 fn median(mut values: Vec<f64>) -> f64 {
