@@ -439,16 +439,7 @@ impl PlacedModel {
         let (elem, inner) = self.joined_layout(py, plan, kind, index, last)?;
         let pin = self.cell.pin(layer);
         let (_, stride, experts) = self.cell.layer_geometry(py, layer, kind)?;
-        let mut shape = vec![experts as isize];
-        shape.extend(inner.iter().map(|&n| n as isize));
-        let mut strides = vec![stride as isize];
-        let mut step = elem.size as isize;
-        let mut inner_strides = vec![0isize; inner.len()];
-        for (s, &n) in inner_strides.iter_mut().zip(&inner).rev() {
-            *s = step;
-            step *= n as isize;
-        }
-        strides.extend(inner_strides);
+        let (shape, strides) = crate::view::experts_layout(elem, experts, stride, &inner);
         // SAFETY: expert e's pieces `index..=last` start at `first + e × stride` (every
         // slot at one stride, one piece layout for all, the pieces back to back: checked
         // by `layer_geometry` and `joined_layout`) and lie inside its slot, in the layer's

@@ -383,3 +383,23 @@ impl View {
         // Nothing was allocated per export: shape, strides and format live in the view.
     }
 }
+
+/// The shape and byte strides of `experts` slots at `stride`, each holding a C-contiguous
+/// `inner`-shaped array of `elem`: `[experts, inner...]`, the slot stride outermost.
+pub fn experts_layout(
+    elem: Elem,
+    experts: usize,
+    stride: usize,
+    inner: &[u64],
+) -> (Vec<isize>, Vec<isize>) {
+    let mut shape = vec![experts as isize];
+    shape.extend(inner.iter().map(|&n| n as isize));
+    let mut strides = vec![0isize; shape.len()];
+    strides[0] = stride as isize;
+    let mut step = elem.size as isize;
+    for (s, &n) in strides[1..].iter_mut().zip(inner).rev() {
+        *s = step;
+        step *= n as isize;
+    }
+    (shape, strides)
+}

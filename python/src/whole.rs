@@ -275,16 +275,7 @@ impl WholeModel {
                  expert(layer, e)"
             )));
         }
-        let mut shape = vec![ids.len() as isize];
-        shape.extend(inner.iter().map(|&n| n as isize));
-        let mut strides = vec![stride as isize];
-        let mut step = elem.size as isize;
-        let mut inner_strides = vec![0isize; inner.len()];
-        for (s, &n) in inner_strides.iter_mut().zip(&inner).rev() {
-            *s = step;
-            step *= n as isize;
-        }
-        strides.extend(inner_strides);
+        let (shape, strides) = crate::view::experts_layout(elem, ids.len(), stride, &inner);
         // SAFETY: expert i's joined pieces are `len` bytes at `firsts[0] + i × stride`
         // (checked above for every held expert, `stride ≥ len`), each inside its slot in
         // the expert store, which the placed model never releases and `self.inner` keeps
