@@ -20,7 +20,7 @@
 //! 0.8–1.6% of a 1.03 GiB model instead of 2.1%, but the load ran at 0.47–0.52× a cold
 //! `cat` instead of 1.07× (9 alternating rounds).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
@@ -213,6 +213,33 @@ fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
         if e > end {
             set.insert(end, e);
         }
+    }
+}
+
+/// How far earlier fills advised each file away (by device and inode), for the fills of
+/// one store. A fill ends by advising its file from 0 to the end of what it read
+/// ([`Reader::finish`](super::read::Reader::finish)), keeping what the kernel read ahead
+/// past that end for the next fill. When the fills go backwards through a file (layers
+/// loaded last first), the kernel reads ahead into the layer loaded before, which no
+/// later fill reads or advises again: each fill left one readahead window cached, and a
+/// 24-layer load left almost the whole file (tests/hostile6.rs). The end of a fill is
+/// therefore advised up to the furthest end any earlier fill of the store reached: past
+/// that, nothing was read yet and the readahead is kept.
+#[derive(Debug, Default)]
+pub(crate) struct Advised(Mutex<HashMap<(u64, u64), u64>>);
+
+impl Advised {
+    /// Notes that a fill of `file` ends at `end`; returns how far its end-of-fill advice
+    /// goes: `end`, or the furthest end an earlier fill of the same file reached.
+    /// A file whose identity cannot be read (`fstat` fails) is advised to `end` only.
+    pub(crate) fn reach(&self, file: &File, end: u64) -> u64 {
+        let Ok(stat) = rustix::fs::fstat(file) else {
+            return end;
+        };
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let furthest = map.entry((stat.st_dev, stat.st_ino)).or_insert(0);
+        *furthest = (*furthest).max(end);
+        *furthest
     }
 }
 
