@@ -218,3 +218,74 @@ fn text_numbers_are_ascii_decimal_digits_only() {
         plan().apply("dense=bind:0").unwrap()
     );
 }
+
+#[cfg(feature = "model")]
+#[path = "common/mod.rs"]
+mod common;
+
+/// `PlacedModel::expert_ids` under a per-layer expert share that holds other ids in each
+/// layer (odd ids in even layers, even ids in odd ones, at least one), on every fixture:
+/// the ids are the ones worked out here from `fixture.json`'s expert counts (the fixture
+/// script's), increasing; each is an expert the model reads back, the others are not
+/// held; layers that are not MoE layers, and absurd ones, are errors, never a panic.
+#[cfg(feature = "model")]
+#[test]
+fn expert_ids_are_each_layers_share_on_every_fixture() {
+    use numapin::model::{DenseLayout, ExpertShare, PlacementPlan, Share};
+    let Some(dir) = common::fixtures("expert_ids_are_each_layers_share_on_every_fixture") else {
+        return;
+    };
+    let held = |layer: usize, experts: usize| -> Vec<usize> {
+        let ids: Vec<usize> = (0..experts).filter(|e| (e + layer) % 2 == 1).collect();
+        if ids.is_empty() { vec![0] } else { ids }
+    };
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("fixture.json").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(!names.is_empty(), "no fixtures in {}", dir.display());
+    for name in names {
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(&name).join("fixture.json")).unwrap())
+                .unwrap();
+        let layers: Vec<(usize, usize)> = meta["layers"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap() as usize))
+            .collect();
+        let checkpoint = common::open_fixture(&dir, &name);
+        let share =
+            ExpertShare::per_layer(move |layer, experts| ExpertShare::list(held(layer, experts)));
+        let plan = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced)
+            .share(Share::default().experts(share));
+        let model = checkpoint
+            .place(&plan, StoreOptions::default().loader_threads(2))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for &(layer, experts) in &layers {
+            let want = held(layer, experts);
+            assert_eq!(
+                model.expert_ids(layer).unwrap(),
+                want,
+                "{name} layer {layer}"
+            );
+            for e in 0..experts {
+                let got = model.expert(layer, e);
+                assert_eq!(
+                    got.is_ok(),
+                    want.contains(&e),
+                    "{name} layer {layer} expert {e}"
+                );
+            }
+        }
+        let moe: Vec<usize> = layers.iter().map(|&(l, _)| l).collect();
+        for layer in [0, 1, 2, 3, 1000, usize::MAX] {
+            if !moe.contains(&layer) {
+                assert!(model.expert_ids(layer).is_err(), "{name}: layer {layer}");
+            }
+        }
+    }
+}
