@@ -289,3 +289,53 @@ fn expert_ids_are_each_layers_share_on_every_fixture() {
         }
     }
 }
+
+/// A drop-behind layer whose piece lies at the top of the `u64` offsets (past what
+/// `posix_fadvise` takes, an `i64` length) or far past the end of the file fails with a
+/// named error before any read; the store's next layer, of good pieces of the same file,
+/// still loads byte-exact (no end-of-fill advice of the failed layers is remembered).
+#[test]
+fn a_drop_behind_layer_at_the_top_of_the_offsets_fails_alone() {
+    let d = dir("top-offsets");
+    let path = d.join("data.bin");
+    let bytes = write_file(&path, 3 << 20, 67);
+    let file = File::open(&path).unwrap();
+    let store = PinStore::new(
+        Layout::Unplaced,
+        StoreOptions::default()
+            .huge_pages(false)
+            .loader_threads(2)
+            .read_mode(ReadMode::DropBehind),
+    )
+    .unwrap();
+    let pack = |layer: usize, pieces: &[Vec<(u64, usize)>]| {
+        let sources: Vec<ExpertSource<'_>> = pieces
+            .iter()
+            .map(|w| ExpertSource::from_file(&file, w, &[]))
+            .collect();
+        let spec = LayerSpec::fitting(&sources)?;
+        store.pack_layer(layer, &spec, &sources).map(|_| ())
+    };
+    for (layer, at) in [
+        (0, u64::MAX - 4096),
+        (1, u64::MAX - (3 << 20)),
+        (2, 1 << 62),
+    ] {
+        let err = pack(layer, &[vec![(0, 4096)], vec![(at, 4096)]]).unwrap_err();
+        assert!(
+            err.to_string().contains("past the end of the file"),
+            "layer {layer}: refused, named: {err}"
+        );
+    }
+    let good: Vec<Vec<(u64, usize)>> = (0..3).map(|e| vec![(e << 20, 1 << 20)]).collect();
+    pack(3, &good).unwrap_or_else(|e| panic!("a good layer after the failed ones: {e}"));
+    for e in 0..3 {
+        let at = e << 20;
+        assert!(
+            store.weights(3, e).unwrap()[..1 << 20] == bytes[at..at + (1 << 20)],
+            "expert {e}"
+        );
+    }
+    drop(file);
+    std::fs::remove_dir_all(&d).unwrap();
+}
