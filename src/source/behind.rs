@@ -324,6 +324,29 @@ mod tests {
     }
 
     #[test]
+    fn the_furthest_end_is_kept_per_file_not_per_descriptor() {
+        let dir = std::env::temp_dir().join(format!("numapin-advised-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a"), dir.join("b"));
+        std::fs::write(&a, b"a").unwrap();
+        std::fs::write(&b, b"b").unwrap();
+        let advised = Advised::default();
+        let (a1, a2, b1) = (
+            File::open(&a).unwrap(),
+            File::open(&a).unwrap(),
+            File::open(&b).unwrap(),
+        );
+        // Backwards through `a`: the later, lower ends reach the first one's.
+        assert_eq!(advised.reach(&a1, 64 * MIB), 64 * MIB);
+        assert_eq!(advised.reach(&a2, 60 * MIB), 64 * MIB);
+        // Forwards: each end its own.
+        assert_eq!(advised.reach(&a1, 68 * MIB), 68 * MIB);
+        // Another file keeps its own.
+        assert_eq!(advised.reach(&b1, 4 * MIB), 4 * MIB);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn range_sets_split_and_complement_exactly() {
         let mut set: BTreeMap<u64, u64> = [(0, 10), (20, 30)].into_iter().collect();
         assert_eq!(outside(&set, (5, 35)), vec![(10, 20), (30, 35)]);
