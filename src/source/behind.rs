@@ -20,7 +20,7 @@
 //! 0.8–1.6% of a 1.03 GiB model instead of 2.1%, but the load ran at 0.47–0.52× a cold
 //! `cat` instead of 1.07× (9 alternating rounds).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
@@ -216,6 +216,33 @@ fn remove(set: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
     }
 }
 
+/// How far earlier fills advised each file away (by device and inode), for the fills of
+/// one store. A fill ends by advising its file from 0 to the end of what it read
+/// ([`Reader::finish`](super::read::Reader::finish)), keeping what the kernel read ahead
+/// past that end for the next fill. When the fills go backwards through a file (layers
+/// loaded last first), the kernel reads ahead into the layer loaded before, which no
+/// later fill reads or advises again: each fill left one readahead window cached, and a
+/// 24-layer load left almost the whole file (tests/hostile6.rs). The end of a fill is
+/// therefore advised up to the furthest end any earlier fill of the store reached: past
+/// that, nothing was read yet and the readahead is kept.
+#[derive(Debug, Default)]
+pub(crate) struct Advised(Mutex<HashMap<(u64, u64), u64>>);
+
+impl Advised {
+    /// Notes that a fill of `file` ends at `end`; returns how far its end-of-fill advice
+    /// goes: `end`, or the furthest end an earlier fill of the same file reached.
+    /// A file whose identity cannot be read (`fstat` fails) is advised to `end` only.
+    pub(crate) fn reach(&self, file: &File, end: u64) -> u64 {
+        let Ok(stat) = rustix::fs::fstat(file) else {
+            return end;
+        };
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let furthest = map.entry((stat.st_dev, stat.st_ino)).or_insert(0);
+        *furthest = (*furthest).max(end);
+        *furthest
+    }
+}
+
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` over `len` bytes at `offset` (0: to the end).
 pub(crate) fn dont_need(file: &File, offset: u64, len: u64) -> Result<()> {
     rustix::fs::fadvise(file, offset, NonZeroU64::new(len), Advice::DontNeed).map_err(|errno| {
@@ -294,6 +321,29 @@ mod tests {
         assert_eq!(none.after_read(0, 10), vec![(0, 10)]);
         assert_eq!(none.after_read(0, 10), vec![(0, 10 + FOLIO_MAX)]);
         assert_eq!(none.end(), 10);
+    }
+
+    #[test]
+    fn the_furthest_end_is_kept_per_file_not_per_descriptor() {
+        let dir = std::env::temp_dir().join(format!("numapin-advised-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a"), dir.join("b"));
+        std::fs::write(&a, b"a").unwrap();
+        std::fs::write(&b, b"b").unwrap();
+        let advised = Advised::default();
+        let (a1, a2, b1) = (
+            File::open(&a).unwrap(),
+            File::open(&a).unwrap(),
+            File::open(&b).unwrap(),
+        );
+        // Backwards through `a`: the later, lower ends reach the first one's.
+        assert_eq!(advised.reach(&a1, 64 * MIB), 64 * MIB);
+        assert_eq!(advised.reach(&a2, 60 * MIB), 64 * MIB);
+        // Forwards: each end its own.
+        assert_eq!(advised.reach(&a1, 68 * MIB), 68 * MIB);
+        // Another file keeps its own.
+        assert_eq!(advised.reach(&b1, 4 * MIB), 4 * MIB);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

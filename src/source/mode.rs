@@ -45,11 +45,13 @@ pub enum ReadMode {
     Direct,
     /// `pread` through the page cache, then `POSIX_FADV_DONTNEED` on what no loader still
     /// has to read, every [`DROP_BEHIND_EVERY`] bytes read from a file, and at the end
-    /// of each layer on the file up to the end of what the layer read (what the kernel
-    /// read ahead past it stays for the next layer, which reads it: the file is read from
-    /// the device once). The cache holds about that much of the file at a time, with the
-    /// reads in flight and the kernel's readahead past them (twice `read_ahead_kb` at
-    /// most; a layer's leftover readahead stays cached when no later layer reads it). The
+    /// of each layer on the file up to the end of what the layer read, or of what an
+    /// earlier layer of the same store read when that is further (what the kernel read
+    /// ahead past it stays for the next layer, which reads it: the file is read from the
+    /// device once; layers loaded backwards leave nothing behind them). The cache holds
+    /// about that much of the file at a time, with the reads in flight and the kernel's
+    /// readahead past them (twice `read_ahead_kb` at most); after a load, at most that
+    /// readahead past the furthest byte a store's layers read stays cached. The
     /// advice evicts the file's clean pages whoever cached them: a file that was cached
     /// before the load is not cached after it (use [`ReadMode::Direct`] to leave the
     /// cache as it was).

@@ -82,6 +82,8 @@ pub struct PinStore {
     number: u64,
     /// Regions named so far: each name is unique, or same-named neighbours would merge.
     regions_named: AtomicUsize,
+    /// How far the drop-behind fills of this store advised each file away.
+    advised: crate::source::load::Advised,
 }
 
 impl std::fmt::Debug for PinStore {
@@ -153,6 +155,7 @@ impl PinStore {
             options,
             number: NEXT_STORE_NUMBER.fetch_add(1, Ordering::Relaxed),
             regions_named: AtomicUsize::new(0),
+            advised: Default::default(),
         })
     }
 

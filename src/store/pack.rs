@@ -338,7 +338,7 @@ impl PinStore {
         Ok(())
     }
 
-    fn reader<'a>(&self, sources: &'a [ExpertSource<'a>]) -> Result<load::Reader<'a>> {
+    fn reader<'a>(&'a self, sources: &'a [ExpertSource<'a>]) -> Result<load::Reader<'a>> {
         let reader = load::Reader::new(
             self.options.read_mode,
             sources
@@ -352,7 +352,8 @@ impl PinStore {
                 .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).pieces()))
                 .flatten()
                 .map(|p| (p.file, p.offset, p.len)),
-        );
+        )
+        .advised(&self.advised);
         Ok(if self.options.io_uring {
             reader
         } else {
