@@ -46,10 +46,12 @@ fn every_tensor_of_every_fixture_equals_numpys() {
         assert_eq!(numpy.len(), checkpoint.tensors().len(), "{name}");
         assert_eq!(model.len(), numpy.len(), "{name}: every tensor placed");
         let mut classes = std::collections::BTreeSet::new();
+        let mut per_class = std::collections::BTreeMap::new();
         let mut copies = 0;
         for (tensor, shape, bytes) in &numpy {
             let view = model.tensor(tensor).unwrap();
             classes.insert(view.class());
+            *per_class.entry(view.class()).or_insert(0usize) += 1;
             if view.bytes().is_some() {
                 copies += match view.class() {
                     TensorClass::RoutedExperts => 1,
@@ -102,6 +104,15 @@ fn every_tensor_of_every_fixture_equals_numpys() {
         if name != "st-sharded" {
             assert!(classes.contains(&TensorClass::SharedExperts), "{name}");
         }
+        // The report counts tensors as numpy wrote them: a tensor holding every expert of
+        // a layer once, not once per expert.
+        let reported: std::collections::BTreeMap<TensorClass, usize> = (model.report().unwrap())
+            .cost
+            .classes
+            .iter()
+            .map(|c| (c.class, c.tensors))
+            .collect();
+        assert_eq!(reported, per_class, "{name}: tensors per class");
         let verify = model.verify(&checkpoint).unwrap();
         assert!(verify.verified(), "{name}: {verify}");
         assert_eq!(

@@ -224,20 +224,23 @@ fn whole_model_plans(pin_model: &std::path::Path) -> Result<(), String> {
         eprintln!("xtask: running {cmd:?}");
         let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
-        // The whole model's figures follow its per-class ones in the object: the last
-        // occurrence of a key is the whole model's.
-        let number = |key: &str| -> Option<u64> {
-            let at = text.rfind(&format!("\"{key}\":"))? + key.len() + 3;
-            let digits: String = text[at..]
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
-            digits.parse().ok()
-        };
+        let report: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let number = |key: &str| report.get(key).and_then(serde_json::Value::as_u64);
+        // Every tensor is in one class: the classes' counts add up to the whole's.
+        let in_classes: Option<u64> = report
+            .get("classes")
+            .and_then(serde_json::Value::as_array)
+            .map(|classes| {
+                classes
+                    .iter()
+                    .filter_map(|c| c.get("tensors").and_then(serde_json::Value::as_u64))
+                    .sum()
+            });
         let planned = number("mappings_planned");
         let ok = out.status.success()
-            && text.contains("\"verified\":true")
+            && report.get("verified") == Some(&serde_json::Value::Bool(true))
             && number("tensors").is_some_and(|n| n > 0)
+            && in_classes == number("tensors")
             && planned.is_some()
             && number("mappings") == planned;
         if !ok {

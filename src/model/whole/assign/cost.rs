@@ -1,6 +1,6 @@
 //! What an assignment costs ([`PlacementCost`]), counted from the layouts alone.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::Assigned;
 use crate::model::whole::classes::TensorClass;
@@ -44,7 +44,8 @@ pub struct ClassCost {
     pub layout: String,
     /// Why it has that layout (the default plan's branch, or "chosen by the caller").
     pub why: String,
-    /// Tensors.
+    /// Tensors of the checkpoint in the class: a tensor that holds every expert of a
+    /// layer (GGUF's `ffn_*_exps`, fused safetensors) counts once.
     pub tensors: usize,
     /// Their bytes this rank holds (as in the files; a share's under a slice or an
     /// expert share).
@@ -211,7 +212,15 @@ fn expert_cost(
             continue;
         };
         c.groups += 1;
-        c.tensors += count * (first.weights().len() + first.scales().len());
+        // Tensors, not pieces: a tensor holding every expert of the layer (GGUF's
+        // `ffn_*_exps`, fused safetensors) counts once, as in the checkpoint's count.
+        let tensors: BTreeSet<usize> = layer
+            .experts()
+            .iter()
+            .flat_map(|e| e.weights().iter().chain(e.scales()))
+            .map(TensorPiece::tensor)
+            .collect();
+        c.tensors += tensors.len();
         c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
         let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
             [ExpertPieces::weights, ExpertPieces::scales];
