@@ -8,7 +8,8 @@ use super::classes::TensorClass;
 use super::report::WholeReport;
 use crate::error::{Error, Result};
 use crate::model::{
-    Checkpoint, Dtype, ExpertPlan, Naming, PieceRole, RoleSlice, SliceAxis, TensorInfo, TensorPiece,
+    Checkpoint, Dtype, ExpertPlan, LayerPlan, Naming, PieceRole, RoleSlice, SliceAxis, TensorInfo,
+    TensorPiece,
 };
 use crate::store::{Kind, PinStore, SlotPiece};
 
@@ -298,14 +299,7 @@ impl PlacedModel {
     /// The model has no experts, or not that layer or expert.
     pub fn expert(&self, layer: usize, expert: usize) -> Result<Vec<ExpertPieceView<'_>>> {
         let store = self.expert_store()?;
-        let plan = self
-            .expert_plan
-            .as_ref()
-            .and_then(|p| p.layer(layer))
-            .ok_or(Error::NotPacked {
-                op: "PlacedModel::expert",
-                layer,
-            })?;
+        let plan = self.layer_plan("PlacedModel::expert", layer)?;
         // `expert` is a global id: a share's slots are looked up by it (store and map).
         let experts = plan.share().map_or(plan.experts().len(), |s| s.of());
         let pieces = match plan.share() {
@@ -361,17 +355,18 @@ impl PlacedModel {
     /// The model has no experts, or not that layer.
     pub fn expert_ids(&self, layer: usize) -> Result<Vec<usize>> {
         self.expert_store()?;
-        let plan = self
-            .expert_plan
-            .as_ref()
-            .and_then(|p| p.layer(layer))
-            .ok_or(Error::NotPacked {
-                op: "PlacedModel::expert_ids",
-                layer,
-            })?;
+        let plan = self.layer_plan("PlacedModel::expert_ids", layer)?;
         Ok((0..plan.experts().len())
             .map(|slot| plan.expert_id(slot))
             .collect())
+    }
+
+    /// MoE layer `layer`'s plan; [`Error::NotPacked`] naming `op` where there is none.
+    fn layer_plan(&self, op: &'static str, layer: usize) -> Result<&LayerPlan> {
+        self.expert_plan
+            .as_ref()
+            .and_then(|p| p.layer(layer))
+            .ok_or(Error::NotPacked { op, layer })
     }
 
     /// The views of one slot's roles under a tensor slice: a role cut by columns is one
