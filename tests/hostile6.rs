@@ -75,15 +75,6 @@ fn read_ahead_bytes(file: &File) -> Option<u64> {
     .map(|kb| kb << 10)
 }
 
-/// Bytes this process caused to be read from storage (`/proc/self/io`'s `read_bytes`),
-/// or `None` where the kernel does not count them.
-fn storage_read_bytes() -> Option<u64> {
-    let io = std::fs::read_to_string("/proc/self/io").ok()?;
-    io.lines()
-        .find_map(|l| l.strip_prefix("read_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 /// Layers of one file loaded last layer first, each by its own fill, with drop-behind
 /// and the kernel's readahead left on: each fill's sequential reads make the kernel read
 /// ahead past the end of its layer, into the layer loaded just before, which no later
@@ -112,7 +103,7 @@ fn drop_behind_over_layers_loaded_backwards_leaves_one_readahead_window() {
             .read_mode(ReadMode::DropBehind),
     )
     .unwrap();
-    let io_before = storage_read_bytes();
+    let io_before = common::storage_read_bytes();
     for layer in (0..layers).rev() {
         let pieces: Vec<Vec<(u64, usize)>> = (0..experts)
             .map(|e| vec![((layer * layer_bytes + e * expert) as u64, expert)])
@@ -135,7 +126,7 @@ fn drop_behind_over_layers_loaded_backwards_leaves_one_readahead_window() {
     let (cached, total) = cached_pages(&file).unwrap();
     // Printed, not asserted: the kernel's readahead into the layer loaded before is read
     // from the device again (the advice drops it after), and other tests' reads count.
-    if let (Some(a), Some(b)) = (io_before, storage_read_bytes()) {
+    if let (Some(a), Some(b)) = (io_before, common::storage_read_bytes()) {
         println!(
             "{} bytes read from the device for {} bytes of layers",
             b - a,

@@ -344,15 +344,6 @@ fn consecutive_slots_load_byte_exact_in_every_mode() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Bytes this process caused to be read from storage (`/proc/self/io`'s `read_bytes`:
-/// the kernel's readahead included), or `None` where the kernel does not count them.
-fn storage_read_bytes() -> Option<u64> {
-    let io = std::fs::read_to_string("/proc/self/io").ok()?;
-    io.lines()
-        .find_map(|l| l.strip_prefix("read_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 /// A cold drop-behind load, one fill per layer with the kernel's readahead on, reads the
 /// file from the device once: each fill leaves what the kernel read ahead past its last
 /// byte for the next fill. Advising the whole file at the end of each fill threw that
@@ -392,7 +383,7 @@ fn a_drop_behind_load_reads_the_file_from_the_device_once() {
     let len = file.metadata().unwrap().len();
     evict(&file).unwrap();
     let (cached, _) = cached_pages(&file).unwrap();
-    let before = storage_read_bytes();
+    let before = common::storage_read_bytes();
     if cached != 0 || before.is_none() {
         println!(
             "NOT RUN: {TEST} needs a file the page cache can drop ({cached} pages of {} stayed \
@@ -414,7 +405,7 @@ fn a_drop_behind_load_reads_the_file_from_the_device_once() {
             .unwrap();
         assert_eq!(report.read_mode, ReadMode::DropBehind);
     }
-    let read = storage_read_bytes().unwrap() - before.unwrap();
+    let read = common::storage_read_bytes().unwrap() - before.unwrap();
     for layer in 0..model.layers {
         for e in 0..model.experts {
             assert!(model.verify(layer, e, Kind::Weights, store.weights(layer, e).unwrap()));

@@ -285,3 +285,12 @@ pub fn open_fixture(dir: &std::path::Path, name: &str) -> numapin::model::Checkp
         serde_json::from_slice(&std::fs::read(root.join("fixture.json")).unwrap()).unwrap();
     numapin::model::Checkpoint::open(root.join(json["path"].as_str().unwrap())).unwrap()
 }
+
+/// Bytes this process caused to be read from storage (`/proc/self/io`'s `read_bytes`:
+/// the kernel's readahead included), or `None` where the kernel does not count them.
+pub fn storage_read_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}

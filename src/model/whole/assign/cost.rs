@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::Assigned;
 use crate::model::whole::classes::TensorClass;
 use crate::model::whole::plan::{DenseLayout, PlacementPlan, expert_layout_text};
-use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, TensorPiece};
+use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, LayerPlan, TensorPiece};
 use crate::node::{Node, NodeSet};
 use crate::store::{Layout, PieceLayout};
 
@@ -195,6 +195,19 @@ impl Assigned {
     }
 }
 
+/// The checkpoint tensors a MoE layer's experts come from: a tensor holding every expert
+/// of the layer (GGUF's `ffn_*_exps`, fused safetensors) counts once, as in the
+/// checkpoint's count, not once per expert.
+fn tensors_of(layer: &LayerPlan) -> usize {
+    let tensors: BTreeSet<usize> = layer
+        .experts()
+        .iter()
+        .flat_map(|e| e.weights().iter().chain(e.scales()))
+        .map(TensorPiece::tensor)
+        .collect();
+    tensors.len()
+}
+
 /// The routed experts' share: per MoE layer and tensor kind (weights, scales) one region
 /// per copy, split in one block per node for [`Layout::SplitExperts`]. Returns the
 /// unbound bytes and one copy's bytes.
@@ -212,15 +225,7 @@ fn expert_cost(
             continue;
         };
         c.groups += 1;
-        // Tensors, not pieces: a tensor holding every expert of the layer (GGUF's
-        // `ffn_*_exps`, fused safetensors) counts once, as in the checkpoint's count.
-        let tensors: BTreeSet<usize> = layer
-            .experts()
-            .iter()
-            .flat_map(|e| e.weights().iter().chain(e.scales()))
-            .map(TensorPiece::tensor)
-            .collect();
-        c.tensors += tensors.len();
+        c.tensors += tensors_of(layer);
         c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
         let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
             [ExpertPieces::weights, ExpertPieces::scales];
