@@ -106,8 +106,12 @@ fn reports_are_monotonic_bounded_and_end_at_the_total() {
             let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
             let reports = std::mem::take(&mut *seen.lock().unwrap());
             check(&reports, layer, report.bytes, 2 * EXPERTS);
-            // 40 MiB: the step is crossed at least twice before the end.
-            assert!(reports.len() >= 3, "{threads} threads: {reports:?}");
+            // 40 MiB: the step is crossed at least twice before the end. One loader
+            // reports every crossing; several skip a crossing while another one holds the
+            // hook (by design: its next report covers their bytes), so with 4 threads only
+            // the first crossing is sure to be reported (the 4-node VM once saw one).
+            let least = if threads == 1 { 3 } else { 2 };
+            assert!(reports.len() >= least, "{threads} threads: {reports:?}");
         }
     }
 }
