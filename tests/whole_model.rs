@@ -423,8 +423,26 @@ fn deepseek_v3_tensors() -> Vec<(String, &'static str, Vec<u64>, u64)> {
         "BF16",
         vec![129280, 7168],
     );
-    for l in 0..61 {
+    // Layers 0–60 and the multi-token-prediction layer 61: a MoE decoder layer with the
+    // MTP's own embedding, two norms, `eh_proj` (BF16, no scale grid) and head.
+    for l in 0..62 {
         let p = format!("model.layers.{l}");
+        if l == 61 {
+            add(
+                format!("{p}.embed_tokens.weight"),
+                "BF16",
+                vec![129280, 7168],
+            );
+            add(format!("{p}.enorm.weight"), "BF16", vec![7168]);
+            add(format!("{p}.hnorm.weight"), "BF16", vec![7168]);
+            add(format!("{p}.eh_proj.weight"), "BF16", vec![7168, 14336]);
+            add(format!("{p}.shared_head.norm.weight"), "BF16", vec![7168]);
+            add(
+                format!("{p}.shared_head.head.weight"),
+                "BF16",
+                vec![129280, 7168],
+            );
+        }
         add(format!("{p}.input_layernorm.weight"), "BF16", vec![7168]);
         add(
             format!("{p}.post_attention_layernorm.weight"),
@@ -468,20 +486,25 @@ fn deepseek_v3_tensors() -> Vec<(String, &'static str, Vec<u64>, u64)> {
 /// The counted figure of docs/whole-model.md: the mappings and `mbind` calls each plan
 /// costs for DeepSeek-V3's tensor list over 4 nodes, against one mapping per tensor per
 /// copy, by a dry run (nothing reserved). The expected figures are counted here from the
-/// model's shape, not taken from the code: 186 dense groups (attention 61, norms and
-/// routers 61 + the final norm, dense MLP 3, shared experts 58, embeddings 1, head 1),
-/// 58 MoE layers × 2 kinds (weights, scales), 1,339 dense tensors, 89,088 expert tensors.
+/// model's shape, not taken from the code. 62 layers: 0–2 dense, 3–60 MoE, and the MTP
+/// layer 61 (MoE, plus its embedding, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and
+/// `shared_head.head`). 192 dense groups: attention 62, norms and routers 62 + the final
+/// norm, dense MLP 3 + layer 61's `eh_proj`, shared experts 59, embeddings 1 + layer 61's,
+/// head 1 + layer 61's; 59 MoE layers × 2 kinds (weights, scales); dense tensors 1,367
+/// (per MoE layer 22: 2 norms, 12 attention, 2 router, 6 shared; per dense layer 22: 2
+/// norms, 12 attention, 6 MLP; 6 MTP extras; 3 globals); expert tensors 90,624
+/// (59 × 256 × 3 × 2). 91,991 tensors in all.
 #[test]
 fn deepseek_v3_dry_run_counts() {
     let dir = temp("deepseek-v3");
     let path = dir.join("model.safetensors");
     let tensors = deepseek_v3_tensors();
-    assert_eq!(tensors.len(), 90_427);
+    assert_eq!(tensors.len(), 91_991);
     sparse_checkpoint(&path, &tensors);
     let checkpoint = Checkpoint::open(&path).unwrap();
     // Four nodes that need not exist here: a dry run prices a machine it is not on.
     let four = NodeSet::from_nodes(0..4).unwrap();
-    let (dense_groups, moe_kinds, dense_tensors, expert_tensors) = (186, 58 * 2, 1_339, 89_088);
+    let (dense_groups, moe_kinds, dense_tensors, expert_tensors) = (192, 59 * 2, 1_367, 90_624);
     let (split, replicate) = (Layout::SplitExperts(four), DenseLayout::Replicate(four));
     let interleave = DenseLayout::Interleave(four);
     let plans = [
@@ -494,8 +517,9 @@ fn deepseek_v3_dry_run_counts() {
         (
             "experts=split:0-3;dense=replicate:0-3;embeddings=interleave:0-3",
             PlacementPlan::new(split, replicate).class(TensorClass::Embeddings, interleave),
-            (dense_groups - 1) * 4 + 1 + moe_kinds * 4,
-            (dense_tensors - 1) * 4 + 1 + expert_tensors,
+            // Two embedding groups (the model's and the MTP layer's), one tensor each.
+            (dense_groups - 2) * 4 + 2 + moe_kinds * 4,
+            (dense_tensors - 2) * 4 + 2 + expert_tensors,
         ),
         (
             "experts=split:0-3;dense=interleave:0-3",
