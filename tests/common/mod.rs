@@ -189,6 +189,13 @@ pub fn alone(test: &str) -> bool {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // `--exact` with a name that is not the test's full path (`module::test` in a
+    // directory test) runs nothing and passes: that must fail here.
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("test result: ok. 1 passed"),
+        "{test} alone ran no test:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     false
 }
 

@@ -77,6 +77,12 @@ fn child(test: &str) -> bool {
         String::from_utf8_lossy(&out.stdout),
         &stderr[..stderr.len().min(4000)]
     );
+    // `--exact` with a name that is not the test's full path runs nothing and passes.
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("test result: ok. 1 passed"),
+        "child {test} ran no test:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     false
 }
 
