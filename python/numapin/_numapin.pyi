@@ -40,8 +40,10 @@ def probe() -> dict[str, Any]:
     """What this process may do here: the probe's facts, its verdict and a summary."""
 
 class Progress:
-    """Where one layer's load stands."""
+    """Where one layer's load stands. `store` tells apart the stores of a whole-model
+    placement, which share one callback and each number their layers from 0."""
 
+    store: int
     layer: int
     bytes_done: int
     bytes_total: int

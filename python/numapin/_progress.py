@@ -12,13 +12,16 @@ class _Bar:
 
     def __init__(self, tqdm, total: int) -> None:
         self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="numapin pack")
-        self._done: dict[int, int] = {}
+        # Keyed by (store, layer): a whole-model placement's stores share the bar and
+        # each number their layers from 0.
+        self._done: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 
     def __call__(self, progress) -> None:
         with self._lock:
-            before = self._done.get(progress.layer, 0)
-            self._done[progress.layer] = progress.bytes_done
+            key = (progress.store, progress.layer)
+            before = self._done.get(key, 0)
+            self._done[key] = progress.bytes_done
             self._bar.update(progress.bytes_done - before)
 
     def close(self) -> None:

@@ -17,7 +17,11 @@ use pyo3::prelude::*;
 #[pyclass(frozen, get_all, module = "numapin")]
 #[derive(Debug, Clone, Copy)]
 pub struct Progress {
-    /// The model layer being loaded.
+    /// The reporting store's number in the process: with `layer`, it names one load
+    /// where a whole-model placement's stores (one per class and layout, each numbering
+    /// its layers from 0) share a callback.
+    pub store: u64,
+    /// The model layer being loaded (a dense store's group).
     pub layer: usize,
     /// Bytes copied into its slots so far.
     pub bytes_done: u64,
@@ -33,8 +37,13 @@ pub struct Progress {
 impl Progress {
     fn __repr__(&self) -> String {
         format!(
-            "Progress(layer={}, bytes_done={}, bytes_total={}, slots_done={}, slots_total={})",
-            self.layer, self.bytes_done, self.bytes_total, self.slots_done, self.slots_total
+            "Progress(store={}, layer={}, bytes_done={}, bytes_total={}, slots_done={}, slots_total={})",
+            self.store,
+            self.layer,
+            self.bytes_done,
+            self.bytes_total,
+            self.slots_done,
+            self.slots_total
         )
     }
 }
@@ -80,6 +89,7 @@ impl Callbacks {
             };
         };
         let progress = Progress {
+            store: p.store,
             layer: p.layer,
             bytes_done: p.bytes_done,
             bytes_total: p.bytes_total,

@@ -136,11 +136,18 @@ pub fn place(
 ) -> PyResult<WholeModel> {
     let callbacks = Callbacks::default();
     let store_options: StoreOptions = options.build(&callbacks)?;
-    let total: u64 = checkpoint.tensors().iter().map(|t| t.len()).sum();
     let callback = match progress {
         Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => None,
         Some(p) => Some(p.unbind()),
         None => {
+            // The bytes the stores will read (one copy; a share's part): the plan's cost.
+            let total: u64 = py
+                .detach(|| checkpoint.placement_cost(&plan, &store_options))
+                .py_err()?
+                .classes
+                .iter()
+                .map(|c| c.bytes)
+                .sum();
             let auto = py
                 .import("numapin._progress")?
                 .call_method1("auto_bar", (total,))?;

@@ -24,6 +24,14 @@ pub const PROGRESS_STEP: u64 = 16 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Progress {
+    /// The reporting store's number in this process ([`PinStore::number`], the `<store>`
+    /// of its regions' names). With `layer` it names one load where several stores share
+    /// a hook: [`Checkpoint::place`] packs one store per tensor class and layout, each
+    /// numbering its layers from 0 (a dense store's layers are its groups).
+    ///
+    /// [`PinStore::number`]: crate::store::PinStore::number
+    /// [`Checkpoint::place`]: crate::model::Checkpoint::place
+    pub store: u64,
     /// The layer being packed.
     pub layer: usize,
     /// Bytes copied into slots so far.
@@ -130,6 +138,7 @@ impl Eq for ProgressHook {}
 /// One layer's counters and its hook.
 pub(crate) struct Meter<'h> {
     hook: &'h ProgressHook,
+    store: u64,
     layer: usize,
     bytes_total: u64,
     slots_total: usize,
@@ -145,9 +154,16 @@ pub(crate) struct Meter<'h> {
 }
 
 impl<'h> Meter<'h> {
-    pub(crate) fn new(hook: &'h ProgressHook, layer: usize, bytes: u64, slots: usize) -> Self {
+    /// Counts `store`'s load of `layer`: `bytes` in `slots` slots.
+    pub(crate) fn new(
+        hook: &'h ProgressHook,
+        (store, layer): (u64, usize),
+        bytes: u64,
+        slots: usize,
+    ) -> Self {
         Meter {
             hook,
+            store,
             layer,
             bytes_total: bytes,
             slots_total: slots,
@@ -212,6 +228,7 @@ impl<'h> Meter<'h> {
             return;
         }
         let progress = Progress {
+            store: self.store,
             layer: self.layer,
             bytes_done,
             bytes_total: self.bytes_total,

@@ -159,7 +159,14 @@ impl PinStore {
         })
     }
 
-    /// The layout.
+    /// This store's number in the process: distinct for every store made, the `<store>`
+    /// of its regions' names (`numapin <store> L<layer> …`) and [`Progress::store`] in
+    /// its progress reports.
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The layout every layer of this store takes.
     pub fn layout(&self) -> Layout {
         self.layout
     }

@@ -411,7 +411,7 @@ impl PinStore {
             .options
             .progress
             .as_ref()
-            .map(|hook| load::Meter::new(hook, layer, bytes, jobs.len()));
+            .map(|hook| load::Meter::new(hook, (self.number, layer), bytes, jobs.len()));
         let threads = self.options.loader_threads;
         // Interleaved memory has no single node: spread the loaders over the set instead,
         // so that each node's share of the writes is made from nearby CPUs.

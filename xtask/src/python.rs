@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use crate::{fixtures, root, run};
 
-/// What the Python tests need besides the fixture writers' packages.
-const PACKAGES: &[&str] = &["maturin>=1.9,<2", "pytest"];
+/// What the Python tests need besides the fixture writers' packages (tqdm: the default
+/// progress bar is tested on a pseudo-terminal).
+const PACKAGES: &[&str] = &["maturin>=1.9,<2", "pytest", "tqdm"];
 
 fn venv() -> PathBuf {
     fixtures::venv()
