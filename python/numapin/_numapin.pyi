@@ -27,6 +27,9 @@ class InvalidArgument(NumapinError):
 class NotPacked(NumapinError):
     """A layer that is not packed, or a released slot, was asked for."""
 
+class NotHeld(NumapinError):
+    """An expert this rank's share does not hold (the message names the id and those held)."""
+
 class MapBudget(NumapinError):
     """The mappings would cross vm.max_map_count."""
 
@@ -153,6 +156,10 @@ class Checkpoint:
         dense: str = "replicate:all",
         *,
         plan: str | None = None,
+        experts_held: str | None = None,
+        expert_slice: str | None = None,
+        dense_slice: str | None = None,
+        whole: list[str] | None = None,
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
@@ -167,7 +174,13 @@ class Checkpoint:
         overriding experts/dense; keywords named after a class (shared, attention,
         dense_mlp, norms, embeddings, head, global) override last. Map budget and node
         memory are checked before anything is reserved. A bad plan (unknown layout,
-        class, or a pattern matching no dense tensor) raises InvalidArgument."""
+        class, or a pattern matching no dense tensor) raises InvalidArgument.
+
+        A rank's share: `experts_held` the routed experts held ("0-63", "0-3,8", "1/4"),
+        looked up by global id (another id raises NotHeld); `expert_slice` a slice of
+        each held expert's tensors ("rows:0/2", "columns:128:256"); `dense_slice` the
+        rows of every sliceable dense tensor ("rows:1/2"; norms and 1-D tensors stay
+        whole); `whole` classes kept whole under `dense_slice` (["embeddings"])."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""
@@ -201,6 +214,9 @@ class WholeModel:
     @property
     def plan(self) -> str | None:
         """The plan's text form (node sets spelled out)."""
+    @property
+    def share(self) -> str | None:
+        """The share placed, in words ("experts 0-63; dense rows:0/2"), or None."""
     def tensor(self, name: str) -> View:
         """Tensor `name`: dtype, shape in numpy's order (GGUF's ne reversed), raw uint8
         for GGML quant blocks; this thread's node's copy where the class is replicated.

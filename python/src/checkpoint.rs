@@ -174,11 +174,19 @@ impl Checkpoint {
     /// (`"experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"`), whose
     /// items override `experts`/`dense`; keyword arguments named after a class
     /// (`embeddings="interleave:all"`, `attention=...`, `head=...`; also `shared`, `dense_mlp`, `norms`, `global`) override last.
+    /// A rank's share (docs/distributed.md): `experts_held` the routed experts this rank
+    /// holds (`"0-63"`, `"0-3,8"`, `"1/4"`: the second of four equal parts), looked up by
+    /// their global ids; `expert_slice` a slice of each held expert's tensors
+    /// (`"rows:0/2"`, `"columns:128:256"`); `dense_slice` the rows of every sliceable
+    /// dense tensor (`"rows:1/2"`: tensor parallelism; norms and 1-D tensors stay whole);
+    /// `whole` classes every rank keeps whole under `dense_slice` (`["embeddings"]`).
     /// Map budget and node memory are checked before anything is reserved. The GIL is
     /// released while loading; `progress` as in `pack`. Returns a `WholeModel`.
     #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
-                        huge_pages = true, populate = true, loader_threads = None,
-                        read_mode = "buffered", progress = None, **classes))]
+                        experts_held = None, expert_slice = None, dense_slice = None,
+                        whole = None, huge_pages = true, populate = true,
+                        loader_threads = None, read_mode = "buffered", progress = None,
+                        **classes))]
     #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
@@ -186,6 +194,10 @@ impl Checkpoint {
         experts: &str,
         dense: &str,
         plan: Option<&str>,
+        experts_held: Option<&str>,
+        expert_slice: Option<&str>,
+        dense_slice: Option<&str>,
+        whole: Option<Vec<String>>,
         huge_pages: bool,
         populate: bool,
         loader_threads: Option<usize>,
@@ -200,6 +212,13 @@ impl Checkpoint {
             }
         }
         let plan = crate::whole::build_plan(experts, dense, plan, &overrides)?;
+        let share = crate::whole::RankShare {
+            experts_held,
+            expert_slice,
+            dense_slice,
+            whole: whole.as_deref().unwrap_or_default(),
+        };
+        let plan = share.apply(plan)?;
         let options = Options {
             huge_pages,
             populate,

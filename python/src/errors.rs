@@ -49,6 +49,12 @@ create_exception!(
 );
 create_exception!(
     numapin,
+    NotHeld,
+    NumapinError,
+    "An expert this rank's share does not hold (the message names the id and the ids held)."
+);
+create_exception!(
+    numapin,
     MapBudget,
     NumapinError,
     "The mappings would cross vm.max_map_count (the message names both numbers)."
@@ -79,6 +85,7 @@ pub fn to_py(err: numapin::Error) -> PyErr {
             InvalidArgument::new_err(message)
         }
         E::NotPacked { .. } | E::Released { .. } => NotPacked::new_err(message),
+        E::NotHeld { .. } => NotHeld::new_err(message),
         E::MapBudget { .. } => MapBudget::new_err(message),
         E::Cancelled { .. } => Cancelled::new_err(message),
         _ => NumapinError::new_err(message),
@@ -107,6 +114,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MissingCapability", py.get_type::<MissingCapability>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("NotPacked", py.get_type::<NotPacked>())?;
+    m.add("NotHeld", py.get_type::<NotHeld>())?;
     m.add("MapBudget", py.get_type::<MapBudget>())?;
     m.add("ViewsAlive", py.get_type::<ViewsAlive>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;

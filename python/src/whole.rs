@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use numapin::model::{Dtype, ExpertPieceView, PlacementPlan};
+use numapin::model::{
+    Dtype, ExpertPieceView, ExpertShare, PlacementPlan, Share, TensorClass, TensorSlice,
+};
 use numapin::store::{Layout, StoreOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
@@ -42,6 +44,45 @@ pub fn build_plan(
     // The starting layouts are replaced by the text's `experts=` and `dense=` items.
     let start = PlacementPlan::new(Layout::Unplaced, numapin::model::DenseLayout::Unplaced);
     start.apply(&text).py_err()
+}
+
+/// A rank's share of the whole model, from `Checkpoint.place`'s keywords.
+pub struct RankShare<'a> {
+    /// `ExpertShare` text: the routed experts held.
+    pub experts_held: Option<&'a str>,
+    /// `TensorSlice` text: the slice of each held expert's tensors.
+    pub expert_slice: Option<&'a str>,
+    /// `TensorSlice` text: the slice of the sliceable dense tensors.
+    pub dense_slice: Option<&'a str>,
+    /// Class names kept whole under the dense slice.
+    pub whole: &'a [String],
+}
+
+impl RankShare<'_> {
+    /// `plan` with this share (unchanged when every keyword is absent).
+    pub fn apply(&self, mut plan: PlacementPlan) -> PyResult<PlacementPlan> {
+        let mut share = Share::default();
+        if let Some(text) = self.experts_held {
+            share = share.experts(ExpertShare::parse(text).py_err()?);
+        }
+        if let Some(text) = self.expert_slice {
+            share = share.slice(TensorSlice::parse(text).py_err()?);
+        }
+        plan = plan.share(share);
+        if let Some(text) = self.dense_slice {
+            plan = plan.dense_slice(TensorSlice::parse(text).py_err()?);
+        }
+        for name in self.whole {
+            let class = TensorClass::from_name(name).ok_or_else(|| {
+                InvalidArgument::new_err(format!(
+                    "place: whole={name:?} is not a tensor class (classes: shared, attention, \
+                     dense_mlp, norms, embeddings, head, global)"
+                ))
+            })?;
+            plan = plan.whole(class);
+        }
+        Ok(plan)
+    }
 }
 
 /// The element type and shape of a tensor of `len` bytes: its own where DLPack has the
@@ -288,6 +329,13 @@ impl WholeModel {
         // the expert store, which the placed model never releases and `self.inner` keeps
         // alive for as long as the view.
         Ok(unsafe { View::new(firsts[0], elem, shape, strides, self.inner.clone()) })
+    }
+
+    /// The share this rank placed, in words (`"experts 0-63; dense rows:0/2"`), or None
+    /// for the whole model.
+    #[getter]
+    fn share(&self) -> Option<String> {
+        self.inner.report().and_then(|r| r.share.clone())
     }
 
     /// The plan in its text form.

@@ -1,0 +1,101 @@
+"""A rank's share of the whole model from Python (`Checkpoint.place(experts_held=…,
+dense_slice=…)`): two ranks, each holding half of the routed experts and the k-th half of
+the rows of every sliceable dense tensor. Each rank's bytes are compared with numpy's
+bytes of the tensor (the fixture script's `tensors.json` sidecars), cut by plain index
+arithmetic here, and the two ranks' pieces put together give numpy's whole tensor."""
+
+import numpy as np
+import pytest
+
+import numapin
+from test_whole import DENSE_FIXTURES, numpy_tensors
+
+# The FP8 fixture's MLP weights have 96 and 160 rows under 128-row scale blocks: half of
+# them would cut a block (refused, below), so those classes stay whole there.
+KEPT_WHOLE = {"fam-deepseek-v3-fp8": ["dense_mlp", "shared"]}
+# The classes a dense slice cuts (their tensors of two or more dimensions).
+SLICEABLE = {"shared", "attention", "dense_mlp", "embeddings", "head"}
+
+
+def place_rank(path, k, whole):
+    return numapin.Checkpoint(path).place(
+        "interleave:all", "interleave:all", experts_held=f"{k}/2",
+        dense_slice=f"rows:{k}/2", whole=whole, loader_threads=2, progress=False)
+
+
+def held_bytes(model, tensor):
+    """The tensor's bytes on this rank, or None where it holds none of them."""
+    try:
+        return np.asarray(model.tensor(tensor)).tobytes()
+    except numapin.NumapinError:
+        return None
+
+
+def check_experts(ranks, tensor, shape, data, layer):
+    """Every expert in exactly one rank, with numpy's bytes."""
+    parts = [held_bytes(r, tensor) for r in ranks]
+    if any(p is not None for p in parts):
+        # One tensor per expert: exactly one rank holds it, byte for byte.
+        assert sorted(p == data for p in parts if p is not None) == [True], tensor
+        assert sum(p is None for p in parts) == 1, tensor
+        return
+    # One tensor holding every expert of the layer: expert e's pieces are numpy's e-th
+    # slice of it, in exactly one rank; the other raises NotHeld.
+    per = len(data) // shape[0]
+    for e in range(shape[0]):
+        holders = []
+        for r in ranks:
+            try:
+                holders.append(r.expert(layer, e))
+            except numapin.NotHeld as err:
+                assert str(e) in str(err)
+        assert len(holders) == 1, (tensor, e)
+        assert any(np.asarray(p).tobytes() == data[e * per:(e + 1) * per]
+                   for p in holders[0].values()), (tensor, e)
+
+
+@pytest.mark.parametrize("name", DENSE_FIXTURES)
+def test_two_ranks_shares_concatenate_to_numpys_tensors(fixture, name):
+    fx = fixture(name)
+    want = numpy_tensors(fx.root)
+    whole = KEPT_WHOLE.get(name, [])
+    ranks = [place_rank(fx.path, k, whole) for k in (0, 1)]
+    for k, r in enumerate(ranks):
+        assert f"rows:{k}/2" in r.share and r.verify()["verified"], r.share
+    classes = {t: (c, l) for t, c, l in ranks[0].classes()}
+    sliced = 0
+    for tensor, (shape, data) in want.items():
+        cls, layer = classes[tensor]
+        if cls == "experts":
+            check_experts(ranks, tensor, shape, data, layer)
+            continue
+        parts = [held_bytes(r, tensor) for r in ranks]
+        if cls in SLICEABLE and len(shape) >= 2 and cls not in whole:
+            half = len(data) // 2
+            assert parts == [data[:half], data[half:]], f"{name} {tensor}: rows"
+            view = ranks[0].tensor(tensor)
+            if view.dtype != "U8":
+                assert list(view.shape) == [shape[0] // 2] + shape[1:], tensor
+            sliced += 1
+        else:
+            assert parts == [data, data], f"{name} {tensor}: whole on every rank"
+    assert sliced > 0
+
+
+def test_bad_shares_are_typed_errors(fixture):
+    path = fixture("st-sharded").path
+    ckpt = numapin.Checkpoint(path)
+    with pytest.raises(numapin.InvalidArgument, match="3/2|k < n"):
+        ckpt.place(experts_held="3/2", progress=False)
+    with pytest.raises(numapin.InvalidArgument):
+        ckpt.place(experts_held="+1", progress=False)
+    with pytest.raises(numapin.InvalidArgument):
+        ckpt.place(dense_slice="diagonal:0/2", progress=False)
+    with pytest.raises(numapin.InvalidArgument, match="tensor class"):
+        ckpt.place(dense_slice="rows:0/2", whole=["attn"], progress=False)
+    with pytest.raises(numapin.InvalidArgument, match="overlapping"):
+        ckpt.place(experts_held="0-1,1-2", progress=False)
+    # A slice that cuts an FP8 scale block names the tensor and the block.
+    fp8 = numapin.Checkpoint(fixture("fam-deepseek-v3-fp8").path)
+    with pytest.raises(numapin.InvalidArgument, match="weight_scale_inv.*scale blocks"):
+        fp8.place(dense_slice="rows:0/2", progress=False)
