@@ -41,13 +41,13 @@ pub struct Machine {
 impl Machine {
     /// The domains: for each, the indices (into [`Machine::nodes`]) of its nodes.
     pub fn domains(&self) -> Vec<Vec<usize>> {
-        let count = self.nodes.iter().map(|n| n.domain + 1).max().unwrap_or(0);
-        let mut domains = vec![Vec::new(); count];
+        // Keyed by the domain number, not indexed by it: a machine built by hand may
+        // number its domains anyhow (`usize::MAX` included).
+        let mut domains: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
         for (i, n) in self.nodes.iter().enumerate() {
-            domains[n.domain].push(i);
+            domains.entry(n.domain).or_default().push(i);
         }
-        domains.retain(|d| !d.is_empty());
-        domains
+        domains.into_values().collect()
     }
 
     /// This machine: the nodes this process may allocate on (mems_allowed with memory),
@@ -164,12 +164,49 @@ impl Machine {
         Machine::from_json(&text)
     }
 
-    /// No nodes, a node twice, no node with CPUs, a domain without memory.
-    fn check(&self, op: &'static str) -> Result<()> {
+    /// No nodes, nodes out of order or a node twice, a distance matrix that is not
+    /// nodes × nodes or holds a 0, no node with CPUs, a domain without memory. The
+    /// fields are public: [`plan`](super::plan) checks a machine built by hand too.
+    pub(super) fn check(&self, op: &'static str) -> Result<()> {
         if self.nodes.is_empty() {
             return Err(Error::empty(op, "nodes in the topology"));
         }
+        let n = self.nodes.len();
+        if self.distances.len() != n {
+            return Err(Error::mismatch(
+                op,
+                "rows of distances against nodes",
+                n,
+                self.distances.len(),
+            ));
+        }
+        for (i, row) in self.distances.iter().enumerate() {
+            if row.len() != n {
+                return Err(Error::mismatch(
+                    op,
+                    format!("columns of distances[{i}] against nodes"),
+                    n,
+                    row.len(),
+                ));
+            }
+            if let Some(j) = row.iter().position(|&d| d == 0) {
+                return Err(Error::bad_value(
+                    op,
+                    "distances",
+                    format!("distances[{i}][{j}] = 0"),
+                    "a positive integer",
+                ));
+            }
+        }
         for w in self.nodes.windows(2) {
+            if w[0].node > w[1].node {
+                return Err(Error::bad_value(
+                    op,
+                    "node id",
+                    w[1].node.0,
+                    "nodes are listed by increasing id",
+                ));
+            }
             if w[0].node == w[1].node {
                 return Err(Error::bad_value(
                     op,
