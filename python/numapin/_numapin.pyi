@@ -143,7 +143,8 @@ class Checkpoint:
         progress: ProgressCallback | Literal[False] | None = None,
     ) -> PlacedModel:
         """Packs every MoE layer's experts (GIL released). progress=None: a tqdm bar when
-        tqdm is installed and stderr is a terminal. A raising callback aborts the load."""
+        tqdm is installed and stderr is a terminal. A raising callback aborts the load;
+        a progress that is not callable, False or None is a TypeError before loading."""
 
     def place(
         self,
@@ -165,7 +166,9 @@ class Checkpoint:
         overriding experts/dense; keywords named after a class (shared, attention,
         dense_mlp, norms, embeddings, head, global) override last. Map budget and node
         memory are checked before anything is reserved. A bad plan (unknown layout,
-        class, or a pattern matching no dense tensor) raises InvalidArgument."""
+        class, a keyword value holding ';' or '=' — one layout each, items go in `plan` —
+        or a pattern matching no dense tensor) raises InvalidArgument; a progress that
+        is not callable, False or None raises TypeError before loading."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""
