@@ -3,6 +3,9 @@
 //! bug (and the fix) or is an attack that held, kept as a regression test.
 #![cfg(feature = "model")]
 
+#[path = "../examples/support/mod.rs"]
+mod support;
+
 use numapin::model::{ExpertShare, TensorSlice};
 use numapin::planner::{self, Machine, MachineNode, ModelSizes, MoeLayerSizes, PlanOptions};
 use numapin::routing::RoutingStats;
@@ -715,4 +718,51 @@ fn verify_finds_a_tampered_copy_and_slot() {
     let experts = report.experts.unwrap();
     assert!(!experts.verified(), "{experts:?}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Bug (fixed): `pin_model --budget` trimmed any trailing `iB` and `B`s before the
+/// unit, so `5iB` and `5BB` were 5 bytes and `+5` parsed; now digits and one unit.
+#[test]
+fn budget_flags_are_digits_and_one_unit() {
+    let parse = |b: &str| {
+        support::args::PinModelArgs::try_parse_checked([
+            "pin_model",
+            "--model",
+            "/m",
+            "--plan-only",
+            "--budget",
+            b,
+        ])
+        .map(|a| a.budget)
+    };
+    for (good, bytes) in [
+        ("0", 0u64),
+        ("1", 1),
+        ("4096B", 4096),
+        ("2k", 2048),
+        ("3KiB", 3072),
+        ("192G", 192 << 30),
+        ("192GiB", 192 << 30),
+        ("1TB", 1 << 40),
+        (" 7M ", 7 << 20),
+        ("18446744073709551615", u64::MAX),
+    ] {
+        assert_eq!(parse(good).unwrap(), Some(bytes), "{good}");
+    }
+    for bad in [
+        "5iB",
+        "5BB",
+        "+5",
+        "1.5G",
+        "-1",
+        "",
+        "G",
+        "16E",
+        "18446744073709551616",
+        "16777216T",
+        "5 G",
+        "٣",
+    ] {
+        assert!(parse(bad).is_err(), "{bad}");
+    }
 }
