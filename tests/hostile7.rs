@@ -766,3 +766,36 @@ fn budget_flags_are_digits_and_one_unit() {
         assert!(parse(bad).is_err(), "{bad}");
     }
 }
+
+/// Bug (fixed): a 100 MB routing file took 2.5 GB of memory to be refused (the JSON
+/// tree of 50M counts; the 4-node VM has 512 MiB per node), and `/dev/zero` as a file
+/// read without end. Both description formats are refused past 16 MiB of text, before
+/// more is read; a large but real-sized file (100k counts) still reads.
+#[test]
+fn descriptions_past_16_mib_are_refused_before_they_are_parsed() {
+    let dir = temp("bigjson");
+    let path = dir.join("routing.json");
+    let mut text = String::from(r#"{"numapin_routing":1,"layers":[{"layer":1,"counts":["#);
+    text.push_str(&"1,".repeat(9 << 20));
+    text.push_str("1]}]}");
+    std::fs::write(&path, &text).unwrap();
+    let e = RoutingStats::from_file(&path).unwrap_err().to_string();
+    assert!(e.contains("16 MiB"), "{e}");
+    let e = RoutingStats::from_json(&text).unwrap_err().to_string();
+    assert!(e.contains("16 MiB"), "{e}");
+    for zero in [
+        RoutingStats::from_file("/dev/zero").map(drop),
+        Machine::from_file("/dev/zero").map(drop),
+    ] {
+        assert!(zero.unwrap_err().to_string().contains("16 MiB"));
+    }
+    let mut topology = machine_json(1);
+    topology.push_str(&" ".repeat(17 << 20));
+    assert!(
+        Machine::from_json(&topology)
+            .unwrap_err()
+            .to_string()
+            .contains("16 MiB")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -115,10 +115,11 @@ impl Machine {
     /// `max_map_count` defaults to 65530 (Linux's default).
     ///
     /// # Errors
-    /// Not JSON, a version other than 1, no nodes, a node id twice or past the kernel's
+    /// Text past 16 MiB; not JSON, a version other than 1, no nodes, a node id twice or past the kernel's
     /// limit, a missing or non-integer field, a distance matrix of the wrong size, no node
     /// with CPUs, or a domain with no memory — each naming what was wrong.
     pub fn from_json(text: &str) -> Result<Machine> {
+        crate::routing::check_len(OP, text)?;
         let root: Value = serde_json::from_str(text)
             .map_err(|e| Error::bad_value(OP, "topology description", "the text", e.to_string()))?;
         check_version(&root)?;
@@ -158,9 +159,7 @@ impl Machine {
     /// # Errors
     /// The file cannot be read, or as [`Machine::from_json`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Machine> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io("Machine::from_file", path.display().to_string(), e))?;
+        let text = crate::routing::read_text("Machine::from_file", path.as_ref())?;
         Machine::from_json(&text)
     }
 
