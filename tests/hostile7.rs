@@ -799,3 +799,29 @@ fn descriptions_past_16_mib_are_refused_before_they_are_parsed() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Held: equal counts (and counts of `u64::MAX`) give the same table twice, with the
+/// same assignments, on the committed 2-socket NPS4 description under a budget that
+/// makes the hybrid choose; the budget at one copy of the non-expert bytes is allowed,
+/// one byte less is refused.
+#[test]
+fn equal_counts_plan_the_same_twice() {
+    let machine = Machine::from_json(include_str!("../docs/planner/nps4_2socket.json")).unwrap();
+    let sizes = ModelSizes {
+        moe_layers: (1..5).map(|l| layer(l, 16)).collect(),
+        other_bytes: 1 << 20,
+    };
+    for count in [7u64, u64::MAX] {
+        let stats = RoutingStats::from_counts((1..5).map(|l| (l, vec![count; 16]))).unwrap();
+        let options = PlanOptions::default().budget((1 << 20) + 6 * 4096);
+        let a = planner::plan(&sizes, &machine, Some(&stats), &options).unwrap();
+        let b = planner::plan(&sizes, &machine, Some(&stats), &options).unwrap();
+        assert_eq!(a.rows, b.rows);
+        assert_eq!(a.recommended(), b.recommended());
+        assert_eq!(a.to_json(), b.to_json());
+    }
+    let at = PlanOptions::default().budget(1 << 20);
+    assert!(planner::plan(&sizes, &machine, None, &at).is_ok());
+    let under = PlanOptions::default().budget((1 << 20) - 1);
+    assert!(planner::plan(&sizes, &machine, None, &under).is_err());
+}
