@@ -231,17 +231,31 @@ pub struct PinModelArgs {
     pub budget: Option<u64>,
 }
 
-/// A byte count, with an optional binary suffix (`512G`, `192GiB`, `4096`).
+/// A byte count, with an optional binary suffix (`512G`, `192GiB`, `4096`, `4096B`):
+/// decimal digits, then nothing, `B`, or one of `KMGT` (either case) alone or with `B`
+/// or `iB`. Anything else (`5iB`, `5BB`, `+5`, `1.5G`) is refused.
 fn budget_bytes(text: &str) -> Result<u64, String> {
-    let t = text.trim().trim_end_matches("iB").trim_end_matches('B');
-    let (digits, shift) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 30),
-        Some('T' | 't') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
+    let t = text.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let (shift, rest) = match unit.chars().next() {
+        Some('K' | 'k') => (10, &unit[1..]),
+        Some('M' | 'm') => (20, &unit[1..]),
+        Some('G' | 'g') => (30, &unit[1..]),
+        Some('T' | 't') => (40, &unit[1..]),
+        _ => (0, unit),
     };
-    let n = digits.parse::<u64>().map_err(|e| e.to_string())?;
+    let unit_ok = if shift == 0 {
+        matches!(rest, "" | "B")
+    } else {
+        matches!(rest, "" | "B" | "iB")
+    };
+    if digits.is_empty() || !unit_ok {
+        return Err(format!(
+            "{text:?}: a byte count is decimal digits and an optional unit (B, K, M, G, T, \
+             KiB, ...)"
+        ));
+    }
+    let n = digits.parse::<u64>().map_err(|e| format!("{text}: {e}"))?;
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| format!("{text}: more than 2^64 bytes"))
 }

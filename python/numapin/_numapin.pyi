@@ -148,7 +148,8 @@ class Checkpoint:
         progress: ProgressCallback | Literal[False] | None = None,
     ) -> PlacedModel:
         """Packs every MoE layer's experts (GIL released). progress=None: a tqdm bar when
-        tqdm is installed and stderr is a terminal. A raising callback aborts the load."""
+        tqdm is installed and stderr is a terminal. A raising callback aborts the load;
+        a progress that is not callable, False or None is a TypeError before loading."""
 
     def place(
         self,
@@ -174,7 +175,9 @@ class Checkpoint:
         overriding experts/dense; keywords named after a class (shared, attention,
         dense_mlp, norms, embeddings, head, global) override last. Map budget and node
         memory are checked before anything is reserved. A bad plan (unknown layout,
-        class, or a pattern matching no dense tensor) raises InvalidArgument.
+        class, a keyword value holding ';' or '=' — one layout each, items go in `plan` —
+        or a pattern matching no dense tensor) raises InvalidArgument; a progress that
+        is not callable, False or None raises TypeError before loading.
 
         A rank's share: `experts_held` the routed experts held ("0-63", "0-3,8", "1/4"),
         looked up by global id (another id raises NotHeld); `expert_slice` a slice of

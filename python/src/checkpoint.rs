@@ -12,7 +12,7 @@ use std::sync::Arc;
 use numapin::model::{ExpertPlan, Format, LayerPlan, ModelReport, PieceRole, TensorPiece};
 use numapin::store::Kind;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict};
+use pyo3::types::PyDict;
 
 use crate::errors::{CheckpointError, IntoPy, InvalidArgument};
 use crate::store::{Options, StoreCell, to_dict};
@@ -107,8 +107,9 @@ impl Checkpoint {
     /// form, e.g. `"split:all"`), one region per (layer, kind), each bound once, straight
     /// from the files. The GIL is released while loading. `progress(Progress)` is called
     /// from the loader threads (None: a tqdm bar when tqdm is installed and stderr is a
-    /// terminal; False: nothing); if it raises, the load stops and this raises that
-    /// exception. Returns the placed model.
+    /// terminal; False: nothing; anything else not callable: TypeError before loading);
+    /// if it raises, the load stops and this raises that exception. Returns the placed
+    /// model.
     #[pyo3(signature = (layout = "interleave:all", *, huge_pages = true, populate = true,
                         loader_threads = None, read_mode = "buffered", progress = None))]
     #[allow(clippy::too_many_arguments)]
@@ -136,16 +137,7 @@ impl Checkpoint {
             .iter()
             .map(|l| (l.weight_bytes() + l.scale_bytes()) * l.experts().len() as u64)
             .sum();
-        let callback = match progress {
-            Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => None,
-            Some(p) => Some(p.unbind()),
-            None => {
-                let auto = py
-                    .import("numapin._progress")?
-                    .call_method1("auto_bar", (total,))?;
-                (!auto.is_none()).then(|| auto.unbind())
-            }
-        };
+        let callback = crate::progress::callback_of(py, progress, || Ok(total))?;
         let registration = cell.callbacks().register(py, &layers, callback.as_ref());
         let checkpoint = &self.inner;
         let result = py.detach(|| checkpoint.pack(&cell.read()));
@@ -174,6 +166,8 @@ impl Checkpoint {
     /// (`"experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"`), whose
     /// items override `experts`/`dense`; keyword arguments named after a class
     /// (`embeddings="interleave:all"`, `attention=...`, `head=...`; also `shared`, `dense_mlp`, `norms`, `global`) override last.
+    /// Each of those keywords is one layout (a value holding `;` or `=` is refused:
+    /// several items go in `plan`).
     /// A rank's share (docs/distributed.md): `experts_held` the routed experts this rank
     /// holds (`"0-63"`, `"0-3,8"`, `"1/4"`: the second of four equal parts), looked up by
     /// their global ids; `expert_slice` a slice of each held expert's tensors
@@ -208,7 +202,19 @@ impl Checkpoint {
         let mut overrides = Vec::new();
         if let Some(classes) = classes {
             for (k, v) in classes.iter() {
-                overrides.push((k.extract::<String>()?, v.extract::<String>()?));
+                // The name first: a keyword typo (`huge_page=False`) is named as one,
+                // not reported as a bool that is not a str.
+                let key = k.extract::<String>()?;
+                crate::whole::check_class(&key)?;
+                let value = v.extract::<String>().map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err(format!(
+                        "place: {key}= takes a layout string (\"interleave:all\"), not {}",
+                        v.get_type()
+                            .name()
+                            .map_or_else(|_| "this".to_owned(), |n| n.to_string())
+                    ))
+                })?;
+                overrides.push((key, value));
             }
         }
         let plan = crate::whole::build_plan(experts, dense, plan, &overrides)?;
@@ -285,8 +291,9 @@ impl PlacedModel {
             .ok_or_else(|| {
                 let names: Vec<&str> = roles.iter().map(|(n, _, _)| n.as_str()).collect();
                 InvalidArgument::new_err(format!(
-                    "layer {}: no role {role:?} (roles: {names:?})",
-                    plan.layer()
+                    "layer {}: no role {:?} (roles: {names:?})",
+                    plan.layer(),
+                    crate::whole::clip(role)
                 ))
             })
     }

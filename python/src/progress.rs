@@ -11,7 +11,35 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 
 use numapin::store::ProgressHook;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
+
+/// The callback a `progress=` keyword asks for: `False` none, `None` the automatic tqdm
+/// bar over `total()` bytes (or none; `total` is asked only then), a callable itself. Anything else (`True`, a number,
+/// a string) is a `TypeError` now, before anything is loaded: taken as the callback, it
+/// would fail in a loader thread halfway through the load.
+pub fn callback_of(
+    py: Python<'_>,
+    progress: Option<Bound<'_, PyAny>>,
+    total: impl FnOnce() -> PyResult<u64>,
+) -> PyResult<Option<Py<PyAny>>> {
+    match progress {
+        Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => Ok(None),
+        Some(p) if !p.is_instance_of::<PyBool>() && p.is_callable() => Ok(Some(p.unbind())),
+        Some(p) => Err(PyTypeError::new_err(format!(
+            "progress must be a callable taking a Progress, False or None, not {}",
+            p.repr()
+                .map_or_else(|_| "this".to_owned(), |r| r.to_string())
+        ))),
+        None => {
+            let auto = py
+                .import("numapin._progress")?
+                .call_method1("auto_bar", (total()?,))?;
+            Ok((!auto.is_none()).then(|| auto.unbind()))
+        }
+    }
+}
 
 /// Where one layer's load stands, as passed to a progress callback.
 #[pyclass(frozen, get_all, module = "numapin")]

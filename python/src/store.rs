@@ -313,6 +313,13 @@ impl PinStore {
         scales: Option<Vec<Bound<'_, PyAny>>>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        if let Some(p) = &progress
+            && !p.bind(py).is_callable()
+        {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "pack_layer: progress must be a callable taking a Progress, or None",
+            ));
+        }
         let weights = buffers(&weights)?;
         let scales = buffers(&scales.unwrap_or_default())?;
         if !scales.is_empty() && scales.len() != weights.len() {

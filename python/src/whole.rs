@@ -12,7 +12,7 @@ use numapin::model::{
 };
 use numapin::store::{Layout, StoreOptions};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict};
+use pyo3::types::PyDict;
 
 use crate::errors::{IntoPy, InvalidArgument};
 use crate::progress::Callbacks;
@@ -27,18 +27,28 @@ pub fn build_plan(
     plan: Option<&str>,
     classes: &[(String, String)],
 ) -> PyResult<PlacementPlan> {
+    // Each keyword is one layout: a value holding the text form's item separators
+    // would smuggle items of its own (`attention="bind:0;experts=unplaced"` re-laid the
+    // experts). Commas stay: they separate the nodes of a list.
+    let keywords = [("experts", experts), ("dense", dense)];
+    for (key, value) in keywords
+        .into_iter()
+        .chain(classes.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+    {
+        if value.contains([';', '=']) {
+            return Err(InvalidArgument::new_err(format!(
+                "place: {key}={:?} must be one layout (no ';' or '='); several items go in `plan`",
+                clip(value)
+            )));
+        }
+    }
     let mut text = format!("experts={experts};dense={dense}");
     if let Some(plan) = plan {
         text.push(';');
         text.push_str(plan);
     }
     for (class, layout) in classes {
-        if numapin::model::TensorClass::from_name(class).is_none() {
-            return Err(InvalidArgument::new_err(format!(
-                "place: {class:?} is not a tensor class (classes: shared, attention, dense_mlp, norms, embeddings, head, global; \
-                 name patterns go in `plan`)"
-            )));
-        }
+        check_class(class)?;
         text.push_str(&format!(";{class}={layout}"));
     }
     // The starting layouts are replaced by the text's `experts=` and `dense=` items.
@@ -75,14 +85,36 @@ impl RankShare<'_> {
         for name in self.whole {
             let class = TensorClass::from_name(name).ok_or_else(|| {
                 InvalidArgument::new_err(format!(
-                    "place: whole={name:?} is not a tensor class (classes: shared, attention, \
-                     dense_mlp, norms, embeddings, head, global)"
+                    "place: whole={:?} is not a tensor class (classes: shared, attention, \
+                     dense_mlp, norms, embeddings, head, global)",
+                    clip(name)
                 ))
             })?;
             plan = plan.whole(class);
         }
         Ok(plan)
     }
+}
+
+/// A `place` keyword that is not a dense class's name is an error naming it.
+pub fn check_class(class: &str) -> PyResult<()> {
+    match numapin::model::TensorClass::from_name(class) {
+        Some(c) if c != numapin::model::TensorClass::RoutedExperts => Ok(()),
+        _ => Err(InvalidArgument::new_err(format!(
+            "place: {:?} is not a tensor class (classes: shared, attention, dense_mlp, norms, \
+             embeddings, head, global; name patterns go in `plan`)",
+            clip(class)
+        ))),
+    }
+}
+
+/// At most 200 bytes of `text` (cut at a character boundary), for an error message.
+pub fn clip(text: &str) -> &str {
+    let mut end = text.len().min(200);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// The element type and shape of a tensor of `len` bytes: its own where DLPack has the
@@ -125,7 +157,8 @@ fn role_run<'p, 'a>(
         pieces.iter().position(|p| p.role == name).ok_or_else(|| {
             let names: Vec<&str> = pieces.iter().map(|p| p.role).collect();
             InvalidArgument::new_err(format!(
-                "layer {layer}: no role {name:?} (roles: {names:?})"
+                "layer {layer}: no role {:?} (roles: {names:?})",
+                clip(name)
             ))
         })
     };
@@ -177,24 +210,14 @@ pub fn place(
 ) -> PyResult<WholeModel> {
     let callbacks = Callbacks::default();
     let store_options: StoreOptions = options.build(&callbacks)?;
-    let callback = match progress {
-        Some(p) if p.is_instance_of::<PyBool>() && !p.is_truthy()? => None,
-        Some(p) => Some(p.unbind()),
-        None => {
-            // The bytes the stores will read (one copy; a share's part): the plan's cost.
-            let total: u64 = py
-                .detach(|| checkpoint.placement_cost(&plan, &store_options))
-                .py_err()?
-                .classes
-                .iter()
-                .map(|c| c.bytes)
-                .sum();
-            let auto = py
-                .import("numapin._progress")?
-                .call_method1("auto_bar", (total,))?;
-            (!auto.is_none()).then(|| auto.unbind())
-        }
+    // The bytes the stores will read (one copy; a share's part): the plan's cost.
+    let total = || {
+        let cost = py
+            .detach(|| checkpoint.placement_cost(&plan, &store_options))
+            .py_err()?;
+        Ok(cost.classes.iter().map(|c| c.bytes).sum())
     };
+    let callback = crate::progress::callback_of(py, progress, total)?;
     // Stores number their layers: the expert store by MoE layer, a dense store by group
     // ordinal (fewer groups than tensors); the callback is registered for all of them.
     let mut layers: Vec<usize> = (0..checkpoint.tensors().len()).collect();

@@ -120,9 +120,10 @@ impl NodeSet {
     /// commas, non-decimal text, reversed ranges (`3-1`), ids at or above
     /// `ctx.possible`, relative ids beyond the allowed set, and a result with no nodes.
     pub fn parse_in(input: &str, ctx: &NodeContext) -> Result<NodeSet> {
+        // Clipped, as the share and slice parsers do: a megabyte of input is not echoed.
         let fail = |part: &str, reason: &str| Error::Parse {
-            input: input.to_string(),
-            part: part.to_string(),
+            input: crate::error::clip_owned(input.to_string(), 200),
+            part: crate::error::clip_owned(part.to_string(), 64),
             reason: reason.to_string(),
         };
         let trimmed = input.trim();

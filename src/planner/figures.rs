@@ -31,6 +31,93 @@ pub(super) struct Ctx<'a> {
     budget: Vec<u64>,
     domains: Vec<Vec<usize>>,
     readers: Vec<usize>,
+    reads: Reads,
+}
+
+/// What a byte of an expert costs its readers, averaged over the nodes with CPUs: the
+/// fraction read remotely, the fraction read from another domain, the mean distance.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sums {
+    remote: f64,
+    cross: f64,
+    distance: f64,
+}
+
+/// [`Sums`] for each [`Place`], computed once per machine: a place's cost depends on the
+/// machine only, so the figures cost O(experts) per layout, not O(experts × nodes²)
+/// (a described 1024-node machine took minutes per table when summed per expert).
+#[derive(Debug, Clone, Default)]
+struct Reads {
+    interleaved: Sums,
+    everywhere: Sums,
+    per_domain: Sums,
+    /// Per home node index.
+    home: Vec<Sums>,
+}
+
+impl Reads {
+    /// Each reader `r` reads a byte of each place from: the whole set (interleaved,
+    /// `1/n` of it local), its own node (a copy everywhere), its domain's copy (`1/m`
+    /// local on a domain of `m` nodes), or the home node.
+    fn new(machine: &Machine, domains: &[Vec<usize>], readers: &[usize]) -> Reads {
+        let n = machine.nodes.len();
+        let dist = |a: usize, b: usize| f64::from(machine.distances[a][b]);
+        let domain = |i: usize| machine.nodes[i].domain;
+        let count = readers.len().max(1) as f64;
+        let sum = |f: &dyn Fn(usize) -> (f64, f64, f64)| {
+            let mut s = Sums::default();
+            for &r in readers {
+                let (local, off_domain, mean_distance) = f(r);
+                s.remote += (1.0 - local) / count;
+                s.cross += off_domain / count;
+                s.distance += mean_distance / count;
+            }
+            s
+        };
+        let members = |r: usize| -> &[usize] {
+            domains
+                .iter()
+                .find(|d| d.contains(&r))
+                .map_or(&[], Vec::as_slice)
+        };
+        let nf = n.max(1) as f64;
+        Reads {
+            interleaved: sum(&|r| {
+                let m = members(r).len().max(1) as f64;
+                (
+                    1.0 / nf,
+                    (nf - m) / nf,
+                    (0..n).map(|j| dist(r, j)).sum::<f64>() / nf,
+                )
+            }),
+            everywhere: sum(&|r| (1.0, 0.0, dist(r, r))),
+            per_domain: sum(&|r| {
+                let d = members(r);
+                let m = d.len().max(1) as f64;
+                (1.0 / m, 0.0, d.iter().map(|&j| dist(r, j)).sum::<f64>() / m)
+            }),
+            home: (0..n)
+                .map(|h| {
+                    sum(&|r| {
+                        (
+                            f64::from(u8::from(h == r)),
+                            f64::from(u8::from(domain(h) != domain(r))),
+                            dist(r, h),
+                        )
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    fn of(&self, place: Place) -> Sums {
+        match place {
+            Place::Interleaved => self.interleaved,
+            Place::Everywhere => self.everywhere,
+            Place::PerDomain => self.per_domain,
+            Place::Home(h) => self.home.get(h).copied().unwrap_or_default(),
+        }
+    }
 }
 
 /// A layout's description: the place of each expert of each layer, and the bytes per node.
@@ -69,17 +156,20 @@ impl<'a> Ctx<'a> {
             .iter()
             .map(|n| options.budget.unwrap_or(n.free_bytes))
             .collect();
-        let readers = (0..machine.nodes.len())
+        let readers: Vec<usize> = (0..machine.nodes.len())
             .filter(|&i| machine.nodes[i].cpus)
             .collect();
+        let domains = machine.domains();
+        let reads = Reads::new(machine, &domains, &readers);
         Ctx {
             model,
             machine,
             probs,
             counts,
             budget,
-            domains: machine.domains(),
+            domains,
             readers,
+            reads,
         }
     }
 
@@ -349,14 +439,15 @@ impl<'a> Ctx<'a> {
         let n = self.n();
         let (mut remote, mut cross, mut distance, mut total) = (0.0, 0.0, 0.0, 0.0);
         let (mut hot, mut hot_traffic) = (0usize, 0.0);
-        let domain = |i: usize| self.machine.nodes[i].domain;
-        let dist = |a: usize, b: usize| f64::from(self.machine.distances[a][b]);
         let readers = self.readers.len().max(1) as f64;
         // Per layer, the load of each node when each expert runs at home.
         let mut loads: Vec<Vec<f64>> = Vec::with_capacity(d.places.len());
         for ((l, places), probs) in self.model.moe_layers.iter().zip(&d.places).zip(&self.probs) {
             let s = l.slot_bytes() as f64;
             let mut load = vec![0.0f64; n];
+            // Traffic spread evenly over every node (interleaved) or over the readers
+            // (a copy each), added once per layer rather than once per expert.
+            let (mut spread_nodes, mut spread_readers) = (0.0f64, 0.0f64);
             for (&place, &p) in places.iter().zip(probs) {
                 let w = p * s;
                 total += w;
@@ -364,43 +455,22 @@ impl<'a> Ctx<'a> {
                     hot += 1;
                     hot_traffic += w;
                 }
-                for &r in &self.readers {
-                    let members: &[usize] = self
-                        .domains
-                        .iter()
-                        .find(|d| d.contains(&r))
-                        .map_or(&[], Vec::as_slice);
-                    let m = members.len().max(1) as f64;
-                    let (local, off_domain, mean_distance) = match place {
-                        Place::Interleaved => (
-                            1.0 / n as f64,
-                            (n as f64 - m) / n as f64,
-                            (0..n).map(|j| dist(r, j)).sum::<f64>() / n as f64,
-                        ),
-                        Place::Home(h) => (
-                            f64::from(u8::from(h == r)),
-                            f64::from(u8::from(domain(h) != domain(r))),
-                            dist(r, h),
-                        ),
-                        Place::Everywhere => (1.0, 0.0, dist(r, r)),
-                        Place::PerDomain => (
-                            1.0 / m,
-                            0.0,
-                            members.iter().map(|&j| dist(r, j)).sum::<f64>() / m,
-                        ),
-                    };
-                    remote += w * (1.0 - local) / readers;
-                    cross += w * off_domain / readers;
-                    distance += w * mean_distance / readers;
-                }
+                let sums = self.reads.of(place);
+                remote += w * sums.remote;
+                cross += w * sums.cross;
+                distance += w * sums.distance;
                 match place {
                     Place::Home(h) => load[h] += w,
-                    Place::Interleaved => load.iter_mut().for_each(|x| *x += w / n as f64),
-                    Place::Everywhere | Place::PerDomain => {
-                        for &r in &self.readers {
-                            load[r] += w / readers;
-                        }
-                    }
+                    Place::Interleaved => spread_nodes += w,
+                    Place::Everywhere | Place::PerDomain => spread_readers += w,
+                }
+            }
+            if spread_nodes > 0.0 {
+                load.iter_mut().for_each(|x| *x += spread_nodes / n as f64);
+            }
+            if spread_readers > 0.0 {
+                for &r in &self.readers {
+                    load[r] += spread_readers / readers;
                 }
             }
             loads.push(load);

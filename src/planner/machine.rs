@@ -41,13 +41,13 @@ pub struct Machine {
 impl Machine {
     /// The domains: for each, the indices (into [`Machine::nodes`]) of its nodes.
     pub fn domains(&self) -> Vec<Vec<usize>> {
-        let count = self.nodes.iter().map(|n| n.domain + 1).max().unwrap_or(0);
-        let mut domains = vec![Vec::new(); count];
+        // Keyed by the domain number, not indexed by it: a machine built by hand may
+        // number its domains anyhow (`usize::MAX` included).
+        let mut domains: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
         for (i, n) in self.nodes.iter().enumerate() {
-            domains[n.domain].push(i);
+            domains.entry(n.domain).or_default().push(i);
         }
-        domains.retain(|d| !d.is_empty());
-        domains
+        domains.into_values().collect()
     }
 
     /// This machine: the nodes this process may allocate on (mems_allowed with memory),
@@ -115,10 +115,11 @@ impl Machine {
     /// `max_map_count` defaults to 65530 (Linux's default).
     ///
     /// # Errors
-    /// Not JSON, a version other than 1, no nodes, a node id twice or past the kernel's
+    /// Text past 16 MiB; not JSON, a version other than 1, no nodes, a node id twice or past the kernel's
     /// limit, a missing or non-integer field, a distance matrix of the wrong size, no node
     /// with CPUs, or a domain with no memory — each naming what was wrong.
     pub fn from_json(text: &str) -> Result<Machine> {
+        crate::routing::check_len(OP, text)?;
         let root: Value = serde_json::from_str(text)
             .map_err(|e| Error::bad_value(OP, "topology description", "the text", e.to_string()))?;
         check_version(&root)?;
@@ -158,18 +159,53 @@ impl Machine {
     /// # Errors
     /// The file cannot be read, or as [`Machine::from_json`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Machine> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io("Machine::from_file", path.display().to_string(), e))?;
+        let text = crate::routing::read_text("Machine::from_file", path.as_ref())?;
         Machine::from_json(&text)
     }
 
-    /// No nodes, a node twice, no node with CPUs, a domain without memory.
-    fn check(&self, op: &'static str) -> Result<()> {
+    /// No nodes, nodes out of order or a node twice, a distance matrix that is not
+    /// nodes × nodes or holds a 0, no node with CPUs, a domain without memory. The
+    /// fields are public: [`plan`](super::plan) checks a machine built by hand too.
+    pub(super) fn check(&self, op: &'static str) -> Result<()> {
         if self.nodes.is_empty() {
             return Err(Error::empty(op, "nodes in the topology"));
         }
+        let n = self.nodes.len();
+        if self.distances.len() != n {
+            return Err(Error::mismatch(
+                op,
+                "rows of distances against nodes",
+                n,
+                self.distances.len(),
+            ));
+        }
+        for (i, row) in self.distances.iter().enumerate() {
+            if row.len() != n {
+                return Err(Error::mismatch(
+                    op,
+                    format!("columns of distances[{i}] against nodes"),
+                    n,
+                    row.len(),
+                ));
+            }
+            if let Some(j) = row.iter().position(|&d| d == 0) {
+                return Err(Error::bad_value(
+                    op,
+                    "distances",
+                    format!("distances[{i}][{j}] = 0"),
+                    "a positive integer",
+                ));
+            }
+        }
         for w in self.nodes.windows(2) {
+            if w[0].node > w[1].node {
+                return Err(Error::bad_value(
+                    op,
+                    "node id",
+                    w[1].node.0,
+                    "nodes are listed by increasing id",
+                ));
+            }
             if w[0].node == w[1].node {
                 return Err(Error::bad_value(
                     op,

@@ -91,6 +91,40 @@ impl ModelSizes {
             .collect()
     }
 
+    /// The fields are public: layers by strictly increasing number (a layer twice would
+    /// take another's statistics), no more experts than a checkpoint can hold.
+    fn check(&self, op: &'static str) -> Result<()> {
+        if let Some(w) = self
+            .moe_layers
+            .windows(2)
+            .find(|w| w[0].layer >= w[1].layer)
+        {
+            return Err(Error::bad_value(
+                op,
+                "MoE layer",
+                w[1].layer,
+                format!(
+                    "the MoE layers go by strictly increasing number ({} then {})",
+                    w[0].layer, w[1].layer
+                ),
+            ));
+        }
+        if let Some(l) = self
+            .moe_layers
+            .iter()
+            .find(|l| l.experts > crate::model::MAX_EXPERTS_PER_LAYER)
+        {
+            return Err(Error::too_large(
+                op,
+                format!("layer {}'s experts", l.layer),
+                l.experts,
+                crate::model::MAX_EXPERTS_PER_LAYER,
+                "MAX_EXPERTS_PER_LAYER",
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes of all experts in store slots.
     pub fn expert_bytes(&self) -> u64 {
         self.moe_layers
@@ -122,8 +156,12 @@ impl PlanOptions {
 /// statistics, and the recommendation.
 ///
 /// # Errors
-/// A model without MoE layers, statistics whose layers or expert counts disagree with the
-/// model, or a budget smaller than one copy of the non-expert tensors.
+/// A model without MoE layers, or whose layers are not by strictly increasing number or
+/// hold more than [`MAX_EXPERTS_PER_LAYER`](crate::model::MAX_EXPERTS_PER_LAYER)
+/// experts; a machine that [`Machine::from_json`] would refuse (no nodes, a node twice or
+/// out of order, a distance matrix of the wrong shape, ...); statistics whose layers or
+/// expert counts disagree with the model, or a budget smaller than one copy of the
+/// non-expert tensors.
 pub fn plan(
     model: &ModelSizes,
     machine: &Machine,
@@ -134,6 +172,8 @@ pub fn plan(
     if model.moe_layers.is_empty() || model.moe_layers.iter().all(|l| l.experts == 0) {
         return Err(Error::empty(OP, "MoE layers in the model"));
     }
+    model.check(OP)?;
+    machine.check(OP)?;
     if let Some(stats) = stats {
         stats.check_against(&model.shape())?;
     }

@@ -19,14 +19,47 @@ use crate::error::{Error, Result};
 
 const OP: &str = "RoutingStats::from_json";
 
+/// The largest description text read (routing statistics, topology descriptions): 16
+/// MiB. The JSON tree costs ~25 times its text (a 100 MB file of counts took 2.5 GB),
+/// and real files are far smaller: DeepSeek-V3's 58 × 256 counts take ~300 KB, a
+/// 1024-node topology with its distances ~5 MB.
+pub(crate) const MAX_TEXT: usize = 16 << 20;
+
+/// The text of a description file, refused past [`MAX_TEXT`] before more is read (a
+/// pipe or `/dev/zero` included).
+pub(crate) fn read_text(op: &'static str, path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TEXT as u64 + 1).read_to_string(&mut text))
+        .map_err(|e| Error::io(op, path.display().to_string(), e))?;
+    check_len(op, &text)?;
+    Ok(text)
+}
+
+/// [`MAX_TEXT`] against `text`.
+pub(crate) fn check_len(op: &'static str, text: &str) -> Result<()> {
+    if text.len() > MAX_TEXT {
+        return Err(Error::too_large(
+            op,
+            "the description text",
+            text.len(),
+            MAX_TEXT,
+            "16 MiB, the most a routing or topology description may hold",
+        ));
+    }
+    Ok(())
+}
+
 impl RoutingStats {
     /// Reads the JSON format above.
     ///
     /// # Errors
-    /// Text that is not JSON, a missing or wrongly typed key, a version other than 1, a
+    /// Text past 16 MiB; text that is not JSON, a missing or wrongly typed key, a version other than 1, a
     /// count that is negative, fractional, not a number or past `u64::MAX`; then as
     /// [`RoutingStats::from_counts`]. Each error names the layer entry and position.
     pub fn from_json(text: &str) -> Result<RoutingStats> {
+        check_len(OP, text)?;
         let root: Value = serde_json::from_str(text)
             .map_err(|e| Error::bad_value(OP, "routing statistics", "the text", e.to_string()))?;
         match root.get("numapin_routing") {
@@ -100,9 +133,7 @@ impl RoutingStats {
     /// # Errors
     /// The file cannot be read, or as [`RoutingStats::from_json`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<RoutingStats> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io("RoutingStats::from_file", path.display().to_string(), e))?;
+        let text = read_text("RoutingStats::from_file", path.as_ref())?;
         RoutingStats::from_json(&text)
     }
 }

@@ -30,6 +30,8 @@ use std::collections::BTreeMap;
 use crate::error::{Error, Result};
 
 pub use balance::{balance, node_loads};
+#[cfg(feature = "model")]
+pub(crate) use json::{check_len, read_text};
 
 const OP: &str = "RoutingStats";
 

@@ -56,6 +56,22 @@ impl Checkpoint {
         };
         layout.check(slot)?;
         let assigned = assign(self, plan, (layout, options.piece_congruence))?;
+        // A node past the node sets' bits would drop out of the set the store is given
+        // (`bind:65535` became "no nodes in LayerPerNode()"): named here, before the
+        // cost counts bytes on it.
+        for &(class, layout) in &assigned.stores {
+            if let DenseLayout::Bind(node) = layout
+                && usize::from(node.0) >= crate::nodeset::MAX_NODES
+            {
+                return Err(Error::no_such_node(
+                    OP,
+                    format!("the bind node of {class}"),
+                    usize::from(node.0),
+                    crate::nodeset::MAX_NODES,
+                    None,
+                ));
+            }
+        }
         Ok((assigned, slot as u64))
     }
 

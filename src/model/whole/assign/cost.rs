@@ -148,10 +148,20 @@ impl Assigned {
                 .iter()
                 .map(|&i| self.held_len(checkpoint, i))
                 .sum::<u64>();
+            // Empty tensors are never packed (`place` skips them), and a group of
+            // empty tensors only costs no mapping and no `mbind`.
+            let held = g
+                .tensors
+                .iter()
+                .filter(|&&i| !checkpoint.tensors[i].is_empty())
+                .count();
+            if held == 0 {
+                continue;
+            }
             c.groups += 1;
             c.mappings += g.layout.copies();
             c.mbind_calls += g.layout.mbind_calls();
-            c.per_tensor_mappings += g.tensors.len() * g.layout.copies();
+            c.per_tensor_mappings += held * g.layout.copies();
             match g.layout {
                 // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
                 DenseLayout::Replicate(set) => {

@@ -221,7 +221,7 @@ fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) 
         return Err(Error::bad_value(
             "PlacementPlan",
             "name pattern",
-            pattern,
+            crate::error::clip_owned(pattern.clone(), 200),
             "holds ',', ';' or '=', which separate the plan's text form (patterns have `*` \
              and `?` only)",
         ));
@@ -231,7 +231,7 @@ fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) 
         return Err(Error::bad_value(
             "PlacementPlan",
             "name pattern",
-            pattern,
+            crate::error::clip_owned(pattern.clone(), 200),
             format!(
                 "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
                  placed by the experts' layout, not by patterns)",
