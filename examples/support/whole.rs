@@ -106,8 +106,8 @@ impl WholeJson {
 }
 
 /// Opens the checkpoint, builds the plan (the default over --nodes, then the text's
-/// items, then the rank's share: `--experts` the routed experts held, `--slice` the rows
-/// of the dense tensors held), places, verifies every copy, prints.
+/// items, then the rank's share: `--experts` the routed experts held, `--slice` the slice
+/// of the dense tensors held, `--slice tp:k/n` the tensor-parallel preset), places, verifies every copy, prints.
 pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), String> {
     let err = |e: numapin::Error| e.to_string();
     let checkpoint = Checkpoint::open(path).map_err(err)?;
@@ -121,7 +121,12 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
     if let Some(slice) = share.tensor_slice.take() {
         plan = plan.dense_slice(slice);
     }
+    // `--slice tp:k/n`: the preset cuts dense tensors and experts by role.
+    share.tensor_parallel = None;
     plan = plan.share(share);
+    if let Some(super::args::SliceArg::Tp(k, n)) = args.slice {
+        plan = plan.tensor_parallel(k, n).map_err(err)?;
+    }
     let mut options = StoreOptions::default()
         .huge_pages(!args.no_huge_pages)
         .read_mode(args.read);

@@ -138,10 +138,7 @@ impl PlacedModel {
                 )
             })?;
             buffer.resize(len, 0);
-            file.file()
-                .read_exact_at(&mut buffer, t.offset)
-                .map_err(|e| Error::io("pread", file.path().display().to_string(), e))?;
-            report.reads += 1;
+            report.reads += read_held(file, t, &mut buffer)?;
             report.tensors += 1;
             for (node, held) in self.tensor_copies(&t.name)? {
                 report.copies += 1;
@@ -169,6 +166,32 @@ impl PlacedModel {
         }
         Ok(report)
     }
+}
+
+/// Reads the bytes `t` holds into `buffer` (its `len` bytes): one read, or one per row
+/// of a column slice, packed back to back as the slot holds them. Returns the reads.
+fn read_held(
+    file: &crate::model::CheckpointFile,
+    t: &super::views::PlacedTensor,
+    buffer: &mut [u8],
+) -> Result<usize> {
+    let (count, stride) = t.rows;
+    let per = usize::try_from(t.len / count.max(1)).unwrap_or(usize::MAX);
+    let io = |e| Error::io("pread", file.path().display().to_string(), e);
+    if count <= 1 || per == 0 {
+        file.file().read_exact_at(buffer, t.offset).map_err(io)?;
+        return Ok(1);
+    }
+    for (r, chunk) in buffer.chunks_mut(per).enumerate() {
+        let at = (r as u64)
+            .checked_mul(stride)
+            .and_then(|d| t.offset.checked_add(d))
+            .ok_or_else(|| {
+                Error::overflow("PlacedModel::verify", format!("{}: row {r}", t.name))
+            })?;
+        file.file().read_exact_at(chunk, at).map_err(io)?;
+    }
+    Ok(buffer.len().div_ceil(per))
 }
 
 fn placement_text(store: &PinStore, placement: Option<crate::policy::Placement>) -> String {

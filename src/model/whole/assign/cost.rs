@@ -66,20 +66,27 @@ fn align_up(n: u64, a: u64) -> u64 {
     n.div_ceil(a.max(1)).saturating_mul(a.max(1))
 }
 
-/// The slot extent of the non-empty pieces `(file offset, len)` laid out as the store
-/// lays them out ([`PieceLayout::offset`]), rounded to the slot alignment `slot`
-/// (`u64::MAX` where that overflows: no node has room for it).
+/// The slot extent of the non-empty pieces `(file offset, len, joined)` laid out as
+/// the store lays them out ([`PieceLayout::offset`]; a joined piece right after the one
+/// before), rounded to the slot alignment `slot` (`u64::MAX` where that overflows: no
+/// node has room for it).
 pub(crate) fn slot_bytes(
-    pieces: impl Iterator<Item = (u64, u64)>,
+    pieces: impl Iterator<Item = (u64, u64, bool)>,
     layout: PieceLayout,
     slot: u64,
 ) -> u64 {
     let end = pieces
-        .filter(|&(_, n)| n > 0)
-        .try_fold(0usize, |at, (offset, n)| {
+        .filter(|&(_, n, _)| n > 0)
+        .try_fold((0usize, false), |(at, any), (offset, n, joined)| {
             let n = usize::try_from(n).ok()?;
-            layout.offset(at, offset)?.checked_add(n)
-        });
+            let start = if joined && any {
+                at
+            } else {
+                layout.offset(at, offset)?
+            };
+            Some((start.checked_add(n)?, true))
+        })
+        .map(|(end, _)| end);
     end.map_or(u64::MAX, |end| align_up(end as u64, slot))
 }
 
@@ -125,12 +132,9 @@ impl Assigned {
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
             let copy = slot_bytes(
-                g.tensors.iter().map(|&i| {
-                    (
-                        self.held_offset(checkpoint, i),
-                        self.held_len(checkpoint, i),
-                    )
-                }),
+                g.tensors
+                    .iter()
+                    .flat_map(|&i| self.held_pieces(checkpoint, i)),
                 self.layout,
                 slot,
             );
@@ -236,7 +240,7 @@ fn expert_cost(
             }
             let extent = |e: &ExpertPieces| {
                 slot_bytes(
-                    of(e).iter().map(|p| (p.offset(), p.len())),
+                    of(e).iter().map(|p| (p.offset(), p.len(), false)),
                     pieces_layout,
                     slot,
                 )
