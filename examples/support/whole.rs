@@ -35,6 +35,9 @@ pub struct ClassJson {
     pub node_bytes: BTreeMap<u16, u64>,
     /// `bound`, `unplaced` or `degraded: …`.
     pub placement: String,
+    /// The slices its tensors hold, counted (`rows:0/2 ×4, columns:0/2 ×2, whole ×1`);
+    /// empty when none is cut.
+    pub slices: String,
 }
 
 /// `pin_model --plan --json`.
@@ -82,6 +85,7 @@ impl WholeJson {
                     per_tensor_mappings: c.per_tensor_mappings,
                     node_bytes: c.node_bytes.iter().map(|(n, b)| (n.0, *b)).collect(),
                     placement: m.map_or(String::new(), |m| m.placement.clone()),
+                    slices: c.slices.clone(),
                 }
             })
             .collect::<Vec<_>>();

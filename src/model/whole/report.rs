@@ -300,6 +300,10 @@ impl fmt::Display for WholeReport {
                 m.map_or("", |m| m.placement.as_str()),
                 c.why
             )?;
+            if !c.slices.is_empty() {
+                // What an engine checks it got: the slices of the class's tensors.
+                writeln!(f, "  {:<11} slices held: {}", "", c.slices)?;
+            }
         }
         let nodes: Vec<String> = self
             .cost

@@ -60,6 +60,11 @@ pub struct ClassCost {
     pub per_tensor_mappings: usize,
     /// Bytes per node, padding included.
     pub node_bytes: BTreeMap<Node, u64>,
+    /// Which slices its tensors hold, counted: `rows:0/2 ×4, columns:0/2 ×2, whole ×1`
+    /// (a part `k/n` where the cut is one, else `AXIS:START:LEN`); empty where none of
+    /// its tensors is cut (and for the routed experts: their roles' slices are the
+    /// share's, [`ExpertPlan::share`]).
+    pub slices: String,
 }
 
 fn align_up(n: u64, a: u64) -> u64 {
@@ -127,8 +132,10 @@ impl Assigned {
                 mbind_calls: 0,
                 per_tensor_mappings: 0,
                 node_bytes: BTreeMap::new(),
+                slices: String::new(),
             }
         };
+        let mut slices: BTreeMap<TensorClass, BTreeMap<String, usize>> = BTreeMap::new();
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
             let copy = slot_bytes(
@@ -147,6 +154,10 @@ impl Assigned {
                 c.layout.push_str(&text);
             }
             c.tensors += g.tensors.len();
+            let counts = slices.entry(g.class).or_default();
+            for &i in &g.tensors {
+                *counts.entry(self.slice_text(i)).or_default() += 1;
+            }
             c.bytes += g
                 .tensors
                 .iter()
@@ -180,6 +191,15 @@ impl Assigned {
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
         }
+        for (class, counts) in slices {
+            if let Some(c) = classes.get_mut(&class)
+                && counts.keys().any(|k| k != "whole")
+            {
+                // Cut tensors first (`rows:…`, `columns:…` sort before `whole`).
+                let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+                c.slices = parts.join(", ");
+            }
+        }
         let classes: Vec<ClassCost> = classes.into_values().collect();
         let mut node_bytes = BTreeMap::new();
         for c in &classes {
@@ -195,6 +215,23 @@ impl Assigned {
             node_bytes,
             unbound_bytes: unbound,
             one_copy_bytes: one_copy,
+        }
+    }
+}
+
+impl Assigned {
+    /// The slice dense tensor `index` holds, in the text form: `rows:1/2` where the cut
+    /// is the k-th of n equal parts, else `rows:START:LEN`; `whole`.
+    fn slice_text(&self, index: usize) -> String {
+        let Some(cut) = self.cuts.get(index).copied().flatten() else {
+            return "whole".to_owned();
+        };
+        let s = cut.slice;
+        let axis = s.axis.name();
+        if s.len > 0 && s.extent.is_multiple_of(s.len) && s.start.is_multiple_of(s.len) {
+            format!("{axis}:{}/{}", s.start / s.len, s.extent / s.len)
+        } else {
+            format!("{axis}:{}:{}", s.start, s.len)
         }
     }
 }
