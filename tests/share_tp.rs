@@ -644,3 +644,37 @@ fn dense_ggml_blocks_are_kept_whole_or_refused_by_name() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// DeepSeek-V3's FP8 `weight_scale_inv` grid is cut with its weight by columns: the
+/// fixture's gate_proj `[96, 160]` under a grid `[1, 2]` (80 columns a block), so each
+/// of 2 ranks holds 80 columns and one scale column, both numpy's.
+#[test]
+fn fp8_scale_grids_are_cut_with_their_weight_by_columns() {
+    let Some(dir) = fixtures("fp8_scale_grids_are_cut_with_their_weight_by_columns") else {
+        return;
+    };
+    let nodes = common::nodes();
+    let name = "fam-deepseek-v3-fp8";
+    let checkpoint = open_fixture(&dir, name);
+    let numpy = numpy_tensors(&dir.join(name));
+    let n = 2;
+    let ranks: Vec<PlacedModel> = (0..n)
+        .map(|k| {
+            let plan = base(nodes)
+                .slice_pattern(
+                    "*.mlp.gate_proj.weight",
+                    TensorSlice::part(SliceAxis::Columns, k, n).unwrap(),
+                )
+                .share(Share::default().experts(ExpertShare::part(k as usize, 2).unwrap()));
+            checkpoint.place(&plan, options()).unwrap()
+        })
+        .collect();
+    let expect = |tensor: &str, _: TensorClass, _: &[u64]| {
+        tensor
+            .contains(".mlp.gate_proj.weight")
+            .then_some(SliceAxis::Columns)
+    };
+    let (_, columns) = check_dense(name, &ranks, &numpy, &expect);
+    assert_eq!(columns, 2, "the weight and its scale grid");
+    verify_all(name, &checkpoint, &ranks);
+}
