@@ -291,7 +291,8 @@ impl PlacementPlan {
         self.tp
     }
 
-    /// Keeps `class` whole under a dense slice (each rank places all of it).
+    /// Keeps `class` whole (each rank places all of it) under a dense slice, a class
+    /// slice and the tensor-parallel preset; a slice pattern still cuts what it names.
     #[must_use]
     pub fn whole(mut self, class: TensorClass) -> Self {
         if !self.whole.contains(&class) {
