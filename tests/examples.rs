@@ -661,6 +661,25 @@ fn pin_model_plan_takes_the_share_flags() {
         err.contains("does not divide") && err.contains("weight"),
         "{err}"
     );
+    // `--slice tp:k/n`: the tensor-parallel preset. The sharded safetensors fixture's
+    // experts halve on their scale blocks; GGUF's Q8_0 expert down projections (32
+    // columns, one block) cannot be cut by columns, and the error names the block.
+    let sharded = dir.join("st-sharded/model");
+    let sharded = sharded.to_str().unwrap();
+    for k in ["0", "1"] {
+        let slice = format!("tp:{k}/2");
+        let args = parse(&["--model", sharded, "--plan", "default", "--slice", &slice]).unwrap();
+        support::whole::run_whole(&args, std::path::Path::new(sharded), "default").unwrap();
+    }
+    let args = parse(&["--model", model, "--plan", "default", "--slice", "tp:1/2"]).unwrap();
+    let err = support::whole::run_whole(&args, std::path::Path::new(model), "default").unwrap_err();
+    assert!(err.contains("Q8_0 blocks of 32"), "{err}");
+    for bad in ["tp:2/2", "tp:0/0", "tp:x/2", "tp:1", "tp:-1/2"] {
+        assert!(
+            parse(&["--model", model, "--plan", "default", "--slice", bad]).is_err(),
+            "{bad}"
+        );
+    }
 }
 
 /// The examples print through `support::outln!`: output to a pipe closed early

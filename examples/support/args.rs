@@ -101,8 +101,32 @@ fn experts_arg(text: &str) -> Result<ExpertsArg, String> {
     })
 }
 
-fn slice_arg(text: &str) -> Result<TensorSlice, String> {
-    TensorSlice::parse(text).map_err(|e| e.to_string())
+/// `--slice`: one slice for every tensor, or `tp:k/n`, the tensor-parallel preset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SliceArg {
+    /// `rows:k/n`, `columns:k/n`, `AXIS:START:LEN`.
+    Slice(TensorSlice),
+    /// `tp:k/n`: rank k of a tensor-parallel group of n.
+    Tp(u64, u64),
+}
+
+fn slice_arg(text: &str) -> Result<SliceArg, String> {
+    if let Some(rest) = text.trim().strip_prefix("tp:") {
+        let (k, n) = rest
+            .split_once('/')
+            .ok_or_else(|| format!("{text}: tp:k/n (rank k of n)"))?;
+        let number = |x: &str| {
+            x.parse::<u64>()
+                .map_err(|e| format!("{text}: {x:?} is not a number ({e})"))
+        };
+        let (k, n) = (number(k)?, number(n)?);
+        // The preset's own check (n > 0, k < n), made at parse time.
+        TensorSlice::part(numapin::model::SliceAxis::Rows, k, n).map_err(|e| e.to_string())?;
+        return Ok(SliceArg::Tp(k, n));
+    }
+    TensorSlice::parse(text)
+        .map(SliceArg::Slice)
+        .map_err(|e| e.to_string())
 }
 
 /// A byte count.
@@ -207,9 +231,12 @@ pub struct PinModelArgs {
     /// scale block is refused, naming the block. With --plan: the rows of every 2-D
     /// dense tensor of the sliceable classes (attention, dense MLP, shared experts,
     /// embeddings, head; 1-D tensors and norms whole), the routed experts then held whole
-    /// under --experts' share.
-    #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN", value_parser = slice_arg)]
-    pub slice: Option<TensorSlice>,
+    /// under --experts' share. `tp:k/n`: rank k of a tensor-parallel group of n, as
+    /// vLLM and SGLang split weights (column-parallel q/k/v/gate/up, embeddings and head
+    /// by rows, row-parallel o/down by columns, norms and routers whole; routed experts
+    /// gate/up by rows, down by columns; docs/distributed.md).
+    #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN|tp:k/n", value_parser = slice_arg)]
+    pub slice: Option<SliceArg>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
     #[arg(long)]
     pub no_progress: bool,
@@ -329,8 +356,13 @@ impl PinModelArgs {
         if self.experts_given {
             share = share.experts(self.experts.share.clone());
         }
-        if let Some(slice) = self.slice {
-            share = share.slice(slice);
+        match self.slice {
+            Some(SliceArg::Slice(slice)) => share = share.slice(slice),
+            // Checked when parsed (n > 0, k < n).
+            Some(SliceArg::Tp(k, n)) => {
+                share = share.clone().tensor_parallel(k, n).unwrap_or(share);
+            }
+            None => {}
         }
         share
     }

@@ -35,6 +35,9 @@ pub struct ClassJson {
     pub node_bytes: BTreeMap<u16, u64>,
     /// `bound`, `unplaced` or `degraded: …`.
     pub placement: String,
+    /// The slices its tensors hold, counted (`rows:0/2 ×4, columns:0/2 ×2, whole ×1`);
+    /// empty when none is cut.
+    pub slices: String,
 }
 
 /// `pin_model --plan --json`.
@@ -82,6 +85,7 @@ impl WholeJson {
                     per_tensor_mappings: c.per_tensor_mappings,
                     node_bytes: c.node_bytes.iter().map(|(n, b)| (n.0, *b)).collect(),
                     placement: m.map_or(String::new(), |m| m.placement.clone()),
+                    slices: c.slices.clone(),
                 }
             })
             .collect::<Vec<_>>();
@@ -106,8 +110,8 @@ impl WholeJson {
 }
 
 /// Opens the checkpoint, builds the plan (the default over --nodes, then the text's
-/// items, then the rank's share: `--experts` the routed experts held, `--slice` the rows
-/// of the dense tensors held), places, verifies every copy, prints.
+/// items, then the rank's share: `--experts` the routed experts held, `--slice` the slice
+/// of the dense tensors held, `--slice tp:k/n` the tensor-parallel preset), places, verifies every copy, prints.
 pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), String> {
     let err = |e: numapin::Error| e.to_string();
     let checkpoint = Checkpoint::open(path).map_err(err)?;
@@ -121,7 +125,12 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
     if let Some(slice) = share.tensor_slice.take() {
         plan = plan.dense_slice(slice);
     }
+    // `--slice tp:k/n`: the preset cuts dense tensors and experts by role.
+    share.tensor_parallel = None;
     plan = plan.share(share);
+    if let Some(super::args::SliceArg::Tp(k, n)) = args.slice {
+        plan = plan.tensor_parallel(k, n).map_err(err)?;
+    }
     let mut options = StoreOptions::default()
         .huge_pages(!args.no_huge_pages)
         .read_mode(args.read);

@@ -13,7 +13,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::slice::{RoleSlice, TensorSlice};
+use super::slice::{RoleSlice, RoleSlicer, TensorSlice};
 use super::{Checkpoint, ExpertPieces, ExpertPlan, LayerPlan};
 use crate::error::{Error, Result};
 use crate::store::ids_text;
@@ -318,6 +318,9 @@ pub struct Share {
     pub experts: ExpertShare,
     /// The slice of each expert tensor held (`None`: whole tensors).
     pub tensor_slice: Option<TensorSlice>,
+    /// Rank `k` of a tensor-parallel group of `n`: each role sliced by the convention
+    /// (gate and up by rows, down by columns), over [`Share::tensor_slice`].
+    pub tensor_parallel: Option<(u64, u64)>,
 }
 
 impl Share {
@@ -335,9 +338,20 @@ impl Share {
         self
     }
 
+    /// [`Share::tensor_parallel`]: rank `k` of `n`, gate and up cut by rows, down by
+    /// columns (a fused or unknown role is an error when the share is placed).
+    ///
+    /// # Errors
+    /// `n` is 0 or `k ≥ n`.
+    pub fn tensor_parallel(mut self, k: u64, n: u64) -> Result<Self> {
+        TensorSlice::part(super::SliceAxis::Rows, k, n)?;
+        self.tensor_parallel = Some((k, n));
+        Ok(self)
+    }
+
     /// Whether this is the whole checkpoint (every expert, whole tensors).
     pub fn is_whole(&self) -> bool {
-        self.experts.is_all() && self.tensor_slice.is_none()
+        self.experts.is_all() && self.tensor_slice.is_none() && self.tensor_parallel.is_none()
     }
 }
 
@@ -345,7 +359,9 @@ impl fmt::Display for Share {
     /// `experts 0-63, slice rows:0/2` (`experts all` when whole).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "experts {}", self.experts)?;
-        if let Some(slice) = &self.tensor_slice {
+        if let Some((k, n)) = self.tensor_parallel {
+            write!(f, ", slice tp:{k}/{n} (gate, up rows; down columns)")?;
+        } else if let Some(slice) = &self.tensor_slice {
             write!(f, ", slice {slice}")?;
         }
         Ok(())
@@ -446,8 +462,13 @@ impl ExpertPlan {
                 .iter()
                 .filter_map(|&e| layer.experts.get(e).cloned())
                 .collect();
-            let slices = match &share.tensor_slice {
-                Some(slice) => super::slice::slice_layer(checkpoint, layer, slice)?,
+            let slicer = match (share.tensor_parallel, share.tensor_slice) {
+                (Some((k, n)), _) => Some(RoleSlicer::Tp { k, n }),
+                (None, Some(slice)) => Some(RoleSlicer::Uniform(slice)),
+                (None, None) => None,
+            };
+            let slices = match slicer {
+                Some(slicer) => super::slice::slice_layer(checkpoint, layer, slicer)?,
                 None => Vec::new(),
             };
             layer.share = Some(LayerShare {

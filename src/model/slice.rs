@@ -16,12 +16,15 @@
 //! [`TensorInfo`] (shape and dtype): dense tensors can take the same slices once the
 //! whole-model plan places them.
 
+mod geometry;
+
 use std::fmt;
 use std::ops::Range;
 
-use super::safetensors::Dtype as StDtype;
-use super::{Checkpoint, Dtype, LayerPlan, PieceRole, TensorInfo, TensorPiece};
+use super::{Checkpoint, LayerPlan, PieceRole, TensorPiece};
 use crate::error::{Error, Result, quote};
+use geometry::geometry;
+pub(crate) use geometry::{Geometry, Run, tensor_geometry};
 
 const OP: &str = "TensorSlice";
 
@@ -206,154 +209,20 @@ pub struct RoleSlice {
     pub whole: bool,
 }
 
-/// One expert tensor's encoding, as a slice sees it.
-struct Geometry {
-    name: String,
-    dims: Vec<u64>,
-    rows: u64,
-    /// The innermost axis in elements.
-    cols: u64,
-    /// Elements and bytes of the smallest piece the innermost axis splits into.
-    unit: (u64, u64),
-    unit_name: String,
-    len: u64,
+/// The slice each weight role of an expert gets: one for all, or the tensor-parallel
+/// convention's per role (gate and up by rows, down by columns) for rank `k` of `n`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RoleSlicer {
+    Uniform(TensorSlice),
+    Tp { k: u64, n: u64 },
 }
 
-fn geometry(checkpoint: &Checkpoint, piece: &TensorPiece) -> Result<Geometry> {
-    let t: &TensorInfo = checkpoint
-        .tensors()
-        .get(piece.tensor)
-        .ok_or_else(|| Error::invalid(OP, format!("a piece names tensor {}", piece.tensor)))?;
-    let shape_error = |why: String| {
-        Error::bad_value(
-            OP,
-            "tensor slice",
-            quote(t.name()),
-            format!("its shape {:?} {why}", t.shape()),
-        )
-    };
-    let mut dims: Vec<u64> = match t.dtype() {
-        Dtype::Safetensors(_) => t.shape().to_vec(),
-        Dtype::Ggml(_) => t.shape().iter().rev().copied().collect(),
-    };
-    if piece.len != t.len() {
-        // A merged tensor `[E, …]` or a flattened one `[E·I, …]`: one expert's part.
-        let n = match piece.len {
-            0 => 0,
-            l if t.len().is_multiple_of(l) => t.len() / l,
-            _ => 0,
-        };
-        match dims.first().copied() {
-            Some(d) if n > 0 && d == n => {
-                dims.remove(0);
-            }
-            Some(d) if n > 0 && d.is_multiple_of(n) => dims[0] = d / n,
-            _ => {
-                return Err(shape_error(format!(
-                    "does not hold {} bytes per expert",
-                    piece.len
-                )));
-            }
-        }
-    }
-    let last = dims.last().copied().unwrap_or(1);
-    let (cols, unit, unit_name) = match t.dtype() {
-        Dtype::Ggml(ty) => {
-            let b = u64::from(ty.block_size());
-            let name = format!("{} blocks of {b} elements", ty.name());
-            (last, (b, u64::from(ty.type_size())), name)
-        }
-        Dtype::Safetensors(StDtype::U8)
-            if t.name().ends_with("_blocks") && dims.len() >= 3 && last == 16 =>
-        {
-            // gpt-oss MXFP4: `[…, H/32, 16]` bytes, two FP4 values a byte.
-            let groups = dims[dims.len() - 2];
-            let cols = groups
-                .checked_mul(32)
-                .ok_or_else(|| shape_error("overflows".into()))?;
-            dims.truncate(dims.len() - 2);
-            dims.push(cols);
-            (cols, (32, 16), "MXFP4 blocks of 32 elements".to_owned())
-        }
-        Dtype::Safetensors(d) => {
-            let bits = d.bits().max(1);
-            let g = gcd(bits, 8);
-            let unit = (8 / g, bits / g);
-            let name = if unit.0 > 1 {
-                format!("{}: {} elements in {} byte(s)", d.name(), unit.0, unit.1)
-            } else {
-                format!("{} elements", d.name())
-            };
-            (last, unit, name)
-        }
-    };
-    Ok(Geometry {
-        name: t.name().to_owned(),
-        rows: dims.first().copied().unwrap_or(1),
-        dims,
-        cols,
-        unit,
-        unit_name,
-        len: piece.len,
-    })
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-impl Geometry {
-    /// The (offset, len) pieces within the tensor that hold `range` of `axis`.
-    fn cuts(
-        &self,
-        axis: SliceAxis,
-        range: &Range<u64>,
-    ) -> std::result::Result<Vec<(u64, u64)>, String> {
-        let n = range.end - range.start;
-        match axis {
-            SliceAxis::Rows => {
-                if self.rows == 0 || !self.len.is_multiple_of(self.rows) {
-                    return Err(format!(
-                        "{} bytes are not {} equal rows",
-                        self.len, self.rows
-                    ));
-                }
-                let stride = self.len / self.rows;
-                Ok(vec![(range.start * stride, n * stride)])
-            }
-            SliceAxis::Columns => {
-                let (unit, unit_bytes) = self.unit;
-                if !range.start.is_multiple_of(unit) || !n.is_multiple_of(unit) {
-                    return Err(format!(
-                        "columns {}..{} cut through its {}: a cut falls on a multiple of {unit}",
-                        range.start, range.end, self.unit_name
-                    ));
-                }
-                let row = (self.cols / unit) * unit_bytes;
-                if row == 0 || !self.len.is_multiple_of(row) {
-                    return Err(format!(
-                        "{} bytes are not whole rows of {row} bytes",
-                        self.len
-                    ));
-                }
-                let (start, bytes) = (range.start / unit * unit_bytes, n / unit * unit_bytes);
-                if bytes == row {
-                    return Ok(vec![(0, self.len)]);
-                }
-                Ok((0..self.len / row)
-                    .map(|r| (r * row + start, bytes))
-                    .collect())
-            }
-        }
-    }
-}
-
-/// Cuts every expert's pieces of `layer` to `slice`; the slot sizes follow. Returns how
-/// each role (weights, then scales) was cut.
+/// Cuts every expert's pieces of `layer` to `slicer`'s slices; the slot sizes follow.
+/// Returns how each role (weights, then scales) was cut.
 pub(crate) fn slice_layer(
     checkpoint: &Checkpoint,
     layer: &mut LayerPlan,
-    slice: &TensorSlice,
+    slicer: RoleSlicer,
 ) -> Result<Vec<RoleSlice>> {
     let Some(first) = layer.experts.first().cloned() else {
         return Ok(Vec::new());
@@ -369,7 +238,7 @@ pub(crate) fn slice_layer(
     let (weight_names, scale_names) = (names(PieceRole::Weight), names(PieceRole::Scale));
     let cutting = Cutting {
         checkpoint,
-        slice,
+        slicer,
         layer: layer.layer,
     };
     // Every expert of a layer has one shape, so the first expert's pieces say where the
@@ -390,23 +259,44 @@ pub(crate) fn slice_layer(
 /// Each piece's (offset, len) cuts within its tensor, in slot order.
 type PieceCuts = Vec<Vec<(u64, u64)>>;
 
-/// A weight role's extent along the slice's axis and the range of it kept: what its
-/// scale's blocks must line up with.
-type WeightAxis = (u64, Range<u64>);
+/// A weight role's slice, its extent along the slice's axis and the range of it kept:
+/// what its scale's blocks must line up with.
+type WeightAxis = (TensorSlice, u64, Range<u64>);
 
 /// One layer being cut to a slice: what its errors name.
 struct Cutting<'a> {
     checkpoint: &'a Checkpoint,
-    slice: &'a TensorSlice,
+    slicer: RoleSlicer,
     layer: usize,
 }
 
 impl Cutting<'_> {
-    fn bad(&self, role: &str, g: &Geometry, why: String) -> Error {
+    /// The slice weight role `role` gets.
+    fn slice_of(&self, role: &str) -> Result<TensorSlice> {
+        match self.slicer {
+            RoleSlicer::Uniform(slice) => Ok(slice),
+            RoleSlicer::Tp { k, n } => match crate::model::whole::tp::expert_axis(role) {
+                Some(axis) => TensorSlice::part(axis, k, n),
+                None => Err(Error::bad_value(
+                    OP,
+                    "tensor-parallel expert role",
+                    quote(role),
+                    format!(
+                        "layer {}: the tensor-parallel convention knows gate and up (rows) \
+                         and down (columns); a fused or unknown role takes a plain slice \
+                         (Share::slice)",
+                        self.layer
+                    ),
+                )),
+            },
+        }
+    }
+
+    fn bad(&self, slice: &TensorSlice, role: &str, g: &Geometry, why: String) -> Error {
         Error::bad_value(
             OP,
             "tensor slice",
-            self.slice,
+            slice,
             format!(
                 "layer {} {role} ({} {:?}): {why}",
                 self.layer,
@@ -423,29 +313,26 @@ impl Cutting<'_> {
         names: &[String],
         report: &mut Vec<RoleSlice>,
     ) -> Result<(PieceCuts, Vec<WeightAxis>)> {
-        let axis = self.slice.axis;
         let mut cuts = Vec::new();
         let mut axes = Vec::new();
         for (j, p) in pieces.iter().enumerate() {
             let role = names.get(j).map_or("weight", String::as_str);
+            let slice = self.slice_of(role)?;
+            let axis = slice.axis;
             let g = geometry(self.checkpoint, p)?;
             if g.dims.len() < 2 {
-                return Err(self.bad(role, &g, "a 1-D tensor has no axis to slice".into()));
+                return Err(self.bad(&slice, role, &g, "a 1-D tensor has no axis to slice".into()));
             }
-            let extent = match axis {
-                SliceAxis::Rows => g.rows,
-                SliceAxis::Columns => g.cols,
-            };
-            let range = self
-                .slice
+            let extent = g.extent(axis);
+            let range = slice
                 .resolve(extent)
-                .map_err(|why| self.bad(role, &g, why))?;
+                .map_err(|why| self.bad(&slice, role, &g, why))?;
             cuts.push(
                 g.cuts(axis, &range)
-                    .map_err(|why| self.bad(role, &g, why))?,
+                    .map_err(|why| self.bad(&slice, role, &g, why))?,
             );
             report.push(role_slice(role, true, axis, &range, extent, &g, false));
-            axes.push((extent, range));
+            axes.push((slice, extent, range));
         }
         Ok((cuts, axes))
     }
@@ -460,28 +347,25 @@ impl Cutting<'_> {
         weight_axes: &[WeightAxis],
         report: &mut Vec<RoleSlice>,
     ) -> Result<PieceCuts> {
-        let axis = self.slice.axis;
         let mut cuts = Vec::new();
         for (j, p) in pieces.iter().enumerate() {
             let role = names.get(j).map_or("scale", String::as_str);
             let g = geometry(self.checkpoint, p)?;
             let numel: u64 = g.dims.iter().product();
             let paired = weight_axes.get(j % weight_axes.len().max(1));
+            let axis = paired.map_or(SliceAxis::Rows, |w| w.0.axis);
             let whole = numel <= 1 || (g.dims.len() == 1 && axis == SliceAxis::Columns);
-            let Some((n, wrange)) = paired.filter(|_| !whole) else {
+            let Some((slice, n, wrange)) = paired.filter(|_| !whole) else {
                 cuts.push(vec![(0, p.len)]);
                 let all = 0..g.rows;
                 report.push(role_slice(role, false, axis, &all, g.rows, &g, true));
                 continue;
             };
-            let s = match axis {
-                SliceAxis::Rows => g.rows,
-                SliceAxis::Columns => g.cols,
-            };
-            let range = self.scale_range(role, &g, s, *n, wrange)?;
+            let s = g.extent(axis);
+            let range = self.scale_range(slice, role, &g, (s, *n), wrange)?;
             cuts.push(
                 g.cuts(axis, &range)
-                    .map_err(|why| self.bad(role, &g, why))?,
+                    .map_err(|why| self.bad(slice, role, &g, why))?,
             );
             report.push(role_slice(role, false, axis, &range, s, &g, false));
         }
@@ -492,17 +376,18 @@ impl Cutting<'_> {
     /// the entries tile the weight in whole blocks and the cuts fall on block edges.
     fn scale_range(
         &self,
+        slice: &TensorSlice,
         role: &str,
         g: &Geometry,
-        s: u64,
-        n: u64,
+        (s, n): (u64, u64),
         wrange: &Range<u64>,
     ) -> Result<Range<u64>> {
-        let axis = self.slice.axis;
+        let axis = slice.axis;
         // Block b: a grid of S entries over N means ⌈N / S⌉ entries a block.
         let b = if s == 0 { 0 } else { n.div_ceil(s) };
         if b == 0 || n.div_ceil(b) != s {
             return Err(self.bad(
+                slice,
                 role,
                 g,
                 format!(
@@ -514,6 +399,7 @@ impl Cutting<'_> {
         let cut_ok = |x: u64| x.is_multiple_of(b) || x == n;
         if !cut_ok(wrange.start) || !cut_ok(wrange.end) {
             return Err(self.bad(
+                slice,
                 role,
                 g,
                 format!(

@@ -61,12 +61,30 @@ pub struct Piece<'a> {
     pub offset: u64,
     /// Bytes.
     pub len: usize,
+    /// Laid out right after the piece before it, whatever the store's `piece_align` and
+    /// `piece_congruence` (the rows of one column-sliced tensor: one byte run a view can
+    /// hand out). Set with [`Piece::joined`].
+    pub(crate) joined: bool,
 }
 
 impl<'a> Piece<'a> {
     /// `len` bytes of `file` at `offset`.
     pub fn new(file: &'a File, offset: u64, len: usize) -> Self {
-        Piece { file, offset, len }
+        Piece {
+            file,
+            offset,
+            len,
+            joined: false,
+        }
+    }
+
+    /// The same piece laid out back to back with the piece before it in the slot (no
+    /// alignment padding between them): the strided rows of a column slice that must read
+    /// as one `[rows, len]` run.
+    #[must_use]
+    pub fn joined(mut self) -> Self {
+        self.joined = true;
+        self
     }
 }
 

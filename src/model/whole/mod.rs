@@ -40,6 +40,7 @@ mod classes;
 mod place;
 mod plan;
 mod report;
+pub(crate) mod tp;
 mod views;
 
 pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};

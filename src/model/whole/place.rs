@@ -4,14 +4,14 @@
 
 use std::collections::HashMap;
 
-use super::assign::{Assigned, DENSE_ALIGN, DenseCut, PlacementCost, assign};
+use super::assign::{Assigned, DENSE_ALIGN, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use super::report::WholeReport;
 use super::views::{DenseStore, Place, PlacedModel, PlacedTensor, normalized_shape};
 use crate::diag;
 use crate::error::{Error, Result};
-use crate::model::Checkpoint;
+use crate::model::{Checkpoint, SliceAxis};
 use crate::node::{Node, NodeSet};
 use crate::source::direct::dio_mem_alignment;
 use crate::store::{
@@ -236,10 +236,16 @@ impl Checkpoint {
             if packed.is_empty() {
                 continue;
             }
-            let pieces = packed
-                .iter()
-                .map(|&i| self.piece(i, assigned.cuts[i]))
-                .collect::<Result<Vec<_>>>()?;
+            let mut counts = Vec::with_capacity(packed.len());
+            let mut pieces = Vec::with_capacity(packed.len());
+            for &i in &packed {
+                let before = pieces.len();
+                for (offset, len, joined) in assigned.held_pieces(self, i) {
+                    let piece = self.piece(i, offset, len)?;
+                    pieces.push(if joined { piece.joined() } else { piece });
+                }
+                counts.push(pieces.len() - before);
+            }
             let sources = [ExpertSource::File {
                 weights: pieces,
                 scales: Vec::new(),
@@ -250,16 +256,21 @@ impl Checkpoint {
             dense.reads += report.reads;
             dense.bounced += report.bounced_bytes;
             let map = dense.store.slot_map(g.slot_layer)?;
-            let slots = map.pieces(0, Kind::Weights).unwrap_or_default();
-            for (&i, sp) in packed.iter().zip(slots) {
-                let (store, layer, offset, len) = (g.store, g.slot_layer, sp.offset, sp.len);
+            let mut slots = map.pieces(0, Kind::Weights).unwrap_or_default();
+            for (&i, &count) in packed.iter().zip(&counts) {
+                // A tensor's pieces after the first are joined: one run from the first.
+                let (mine, rest) = slots.split_at(count.min(slots.len()));
+                slots = rest;
+                let (Some(first), Some(last)) = (mine.first(), mine.last()) else {
+                    continue;
+                };
                 places.insert(
                     i,
                     Place::Dense {
-                        store,
-                        layer,
-                        offset,
-                        len,
+                        store: g.store,
+                        layer: g.slot_layer,
+                        offset: first.offset,
+                        len: last.end() - first.offset,
                     },
                 );
             }
@@ -326,8 +337,14 @@ impl Checkpoint {
                     });
                 let cut = assigned.cuts[i];
                 let mut shape = normalized_shape(t);
-                if let (Some(c), Some(first)) = (cut, shape.first_mut()) {
-                    *first = c.slice.len;
+                if let Some(c) = cut {
+                    let axis = match c.slice.axis {
+                        SliceAxis::Rows => shape.first_mut(),
+                        SliceAxis::Columns => shape.last_mut(),
+                    };
+                    if let Some(d) = axis {
+                        *d = c.slice.len;
+                    }
                 }
                 PlacedTensor {
                     name: t.name().to_owned(),
@@ -336,8 +353,9 @@ impl Checkpoint {
                     dtype: t.dtype(),
                     shape,
                     file: t.file(),
-                    offset: t.offset().saturating_add(cut.map_or(0, |c| c.offset)),
-                    len: cut.map_or(t.len(), |c| c.len),
+                    offset: t.offset().saturating_add(cut.map_or(0, |c| c.run.offset)),
+                    len: cut.map_or(t.len(), |c| c.run.bytes()),
+                    rows: cut.map_or((1, 0), |c| (c.run.count, c.run.stride)),
                     place,
                     slice: cut.map(|c| c.slice),
                 }
@@ -345,13 +363,9 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The store's [`Piece`] for tensor `index` (its rows held under `cut`).
-    fn piece(&self, index: usize, cut: Option<DenseCut>) -> Result<Piece<'_>> {
+    /// The store's [`Piece`] of `bytes` at file offset `offset` of tensor `index`.
+    fn piece(&self, index: usize, offset: u64, bytes: u64) -> Result<Piece<'_>> {
         let t = &self.tensors[index];
-        let (offset, bytes) = match cut {
-            Some(c) => (t.offset().saturating_add(c.offset), c.len),
-            None => (t.offset(), t.len()),
-        };
         let file = self.files.get(t.file()).ok_or_else(|| {
             Error::invalid(
                 OP,

@@ -133,7 +133,18 @@ pub struct PlacementPlan {
     pub(super) dense_slice: Option<TensorSlice>,
     /// Dense classes kept whole under a dense slice (replicated on every rank).
     pub(super) whole: Vec<TensorClass>,
+    /// Per-class slices, over the dense slice and the tensor-parallel preset.
+    pub(super) class_slices: Vec<(TensorClass, TensorSlice)>,
+    /// Per-pattern slices, over everything else (the last matching wins).
+    pub(super) slice_patterns: Vec<(String, TensorSlice)>,
+    /// Rank `k` of a tensor-parallel group of `n` ([`PlacementPlan::tensor_parallel`]).
+    pub(super) tp: Option<(u64, u64)>,
 }
+
+/// The slice a dense tensor gets under a plan: the slice, whether it was asked for by
+/// name (a pattern, or the preset's bias: a 1-D tensor is then cut or refused rather
+/// than kept whole), and the index of the slice pattern that chose it.
+pub(super) type SliceChoice = (TensorSlice, bool, Option<usize>);
 
 /// Equal plans place the same: layouts, patterns, share (compared by its text form, as
 /// a per-layer share holds a function) and slice; the reasons are not compared.
@@ -146,6 +157,8 @@ impl PartialEq for PlacementPlan {
             && layouts(self) == layouts(other)
             && self.patterns == other.patterns
             && self.share_text() == other.share_text()
+            && self.class_slices == other.class_slices
+            && self.slice_patterns == other.slice_patterns
     }
 }
 
@@ -167,6 +180,9 @@ impl PlacementPlan {
             share: None,
             dense_slice: None,
             whole: Vec::new(),
+            class_slices: Vec::new(),
+            slice_patterns: Vec::new(),
+            tp: None,
         }
     }
 
@@ -182,20 +198,101 @@ impl PlacementPlan {
 
     /// A rank's slice of the dense tensors (tensor parallelism): every tensor of at
     /// least two dimensions of a sliceable class ([`TensorClass::SLICEABLE`]: attention,
-    /// dense MLP, shared experts, embeddings, output head) holds `slice` of its rows
-    /// (the outermost axis, one contiguous piece); 1-D tensors of those classes (biases,
-    /// per-head norms) and every other class (norms and routers, unclaimed globals) are
-    /// placed whole, and so are classes marked with [`PlacementPlan::whole`]. The
-    /// [`TensorSlice`] rules apply: a part must divide the axis, a span must lie in it
-    /// (placing errs naming the tensor). Only row slices are placed for dense tensors
-    /// (a column slice is refused when placed).
+    /// dense MLP, shared experts, embeddings, output head) holds `slice`: of its rows
+    /// (the outermost axis, one contiguous piece) or of its columns (the innermost axis,
+    /// one strided piece per row in the file, packed back to back in the slot so that
+    /// [`PlacedModel::tensor`](super::PlacedModel::tensor) hands out `[rows, len]`); 1-D
+    /// tensors of those classes (biases, per-head norms) and every other class (norms
+    /// and routers, unclaimed globals) are placed whole, and so are classes marked with
+    /// [`PlacementPlan::whole`]. The [`TensorSlice`] rules apply: a part must divide the
+    /// axis, a span must lie in it, a column cut must keep whole GGML / MXFP4 blocks, an
+    /// FP8 `weight_scale_inv` grid is cut with its weight on its 128-blocks (placing errs
+    /// naming the tensor and the block size). [`PlacementPlan::slice_class`],
+    /// [`PlacementPlan::slice_pattern`] and [`PlacementPlan::tensor_parallel`] choose
+    /// per tensor.
     #[must_use]
     pub fn dense_slice(mut self, slice: TensorSlice) -> Self {
         self.dense_slice = Some(slice);
         self
     }
 
-    /// Keeps `class` whole under a dense slice (each rank places all of it).
+    /// `class`'s tensors of at least two dimensions hold `slice` (its 1-D tensors stay
+    /// whole), over [`PlacementPlan::dense_slice`] and the tensor-parallel preset.
+    #[must_use]
+    pub fn slice_class(mut self, class: TensorClass, slice: TensorSlice) -> Self {
+        self.class_slices.retain(|(c, _)| *c != class);
+        self.class_slices.push((class, slice));
+        self
+    }
+
+    /// Every dense tensor whose name matches `glob` (as [`PlacementPlan::pattern`])
+    /// holds `slice`, over everything else (the last matching pattern wins). Asked for
+    /// by name, so a row slice cuts a 1-D tensor's entries and a column slice of a 1-D
+    /// tensor is an error naming it; a pattern matching no dense tensor is an error
+    /// naming the pattern.
+    #[must_use]
+    pub fn slice_pattern(mut self, glob: impl Into<String>, slice: TensorSlice) -> Self {
+        self.slice_patterns.push((glob.into(), slice));
+        self
+    }
+
+    /// Rank `k` of a tensor-parallel group of `n`, as Megatron, vLLM and SGLang split
+    /// the weights (see `docs/distributed.md`): column-parallel linears (`q_proj`,
+    /// `k_proj`, `v_proj`, `gate_proj`, `up_proj`, `q_b_proj`, `kv_b_proj`, GGUF
+    /// `attn_q`/`attn_k`/`attn_v`/`ffn_gate`/`ffn_up`) and the vocabulary-parallel
+    /// embeddings and head (`embed_tokens`, `lm_head`, `token_embd`, `output`) hold the
+    /// `k`-th of `n` rows, and their biases the same entries; row-parallel linears
+    /// (`o_proj`, `down_proj`, `attn_output`, `ffn_down`) the `k`-th of `n` columns,
+    /// their biases whole; routed experts (when the checkpoint has them) gate and up by
+    /// rows, down by columns; every other tensor whole (norms, routers, DeepSeek's
+    /// `q_a_proj` / `kv_a_proj_with_mqa`, fused `qkv_proj` / `gate_up_proj`).
+    /// [`PlacementPlan::whole`], [`PlacementPlan::slice_class`] and
+    /// [`PlacementPlan::slice_pattern`] still override it.
+    ///
+    /// # Errors
+    /// `n` is 0 or `k ≥ n`.
+    pub fn tensor_parallel(mut self, k: u64, n: u64) -> Result<Self> {
+        let share = self.share.take().unwrap_or_default();
+        self.share = Some(share.tensor_parallel(k, n)?);
+        self.tp = Some((k, n));
+        Ok(self)
+    }
+
+    /// The slice dense tensor `name` of `class` gets (its FP8 scale grid follows it),
+    /// or `None` for whole.
+    pub(super) fn slice_for(&self, class: TensorClass, name: &str) -> Option<SliceChoice> {
+        if let Some(i) = self
+            .slice_patterns
+            .iter()
+            .rposition(|(p, _)| glob_match(p, name))
+        {
+            return Some((self.slice_patterns[i].1, true, Some(i)));
+        }
+        if self.whole.contains(&class) {
+            return None;
+        }
+        if let Some((_, slice)) = self.class_slices.iter().find(|(c, _)| *c == class) {
+            return Some((*slice, false, None));
+        }
+        if let Some((k, n)) = self.tp {
+            return match super::tp::tp_cut(name) {
+                super::tp::TpCut::Cut { axis, bias } => {
+                    TensorSlice::part(axis, k, n).ok().map(|s| (s, bias, None))
+                }
+                super::tp::TpCut::Whole => None,
+            };
+        }
+        let slice = self.dense_slice.filter(|_| self.is_sliced(class))?;
+        Some((slice, false, None))
+    }
+
+    /// The tensor-parallel rank, if the preset is set.
+    pub fn tensor_parallel_of(&self) -> Option<(u64, u64)> {
+        self.tp
+    }
+
+    /// Keeps `class` whole (each rank places all of it) under a dense slice, a class
+    /// slice and the tensor-parallel preset; a slice pattern still cuts what it names.
     #[must_use]
     pub fn whole(mut self, class: TensorClass) -> Self {
         if !self.whole.contains(&class) {
@@ -205,14 +302,32 @@ impl PlacementPlan {
     }
 
     /// Which share the plan places, in words (`None` for the whole model):
-    /// `experts 0-63, slice rows:0/2; dense rows:1/2 (norms whole)`.
+    /// `experts 0-63, slice rows:0/2; dense rows:1/2 (norms whole)`; `tp 0/2` for the
+    /// tensor-parallel preset, `attention columns:0/2` per class, `*.o_proj.* rows:0/2`
+    /// per pattern.
     pub fn share_text(&self) -> Option<String> {
-        if self.share.is_none() && self.dense_slice.is_none() {
+        if self.share.is_none()
+            && self.dense_slice.is_none()
+            && self.tp.is_none()
+            && self.class_slices.is_empty()
+            && self.slice_patterns.is_empty()
+        {
             return None;
         }
         let mut parts = Vec::new();
+        if let Some((k, n)) = self.tp {
+            parts.push(format!(
+                "tp {k}/{n} (column-parallel rows, row-parallel columns, norms and routers whole)"
+            ));
+        }
         if let Some(share) = &self.share {
             parts.push(share.to_string());
+        }
+        for (class, slice) in &self.class_slices {
+            parts.push(format!("{} {slice}", class.name()));
+        }
+        for (pattern, slice) in &self.slice_patterns {
+            parts.push(format!("{pattern} {slice}"));
         }
         if let Some(slice) = &self.dense_slice {
             let whole: Vec<&str> = self.whole.iter().map(|c| c.name()).collect();
@@ -235,8 +350,9 @@ impl PlacementPlan {
         self.dense_slice
     }
 
-    /// Whether the tensors of `class` are sliced (a dense slice is set, the class is
-    /// sliceable and not marked whole).
+    /// Whether the tensors of `class` are sliced by [`PlacementPlan::dense_slice`] (a
+    /// dense slice is set, the class is sliceable and not marked whole); per-class,
+    /// per-pattern and preset slices are chosen per tensor over it.
     pub fn is_sliced(&self, class: TensorClass) -> bool {
         self.dense_slice.is_some()
             && TensorClass::SLICEABLE.contains(&class)

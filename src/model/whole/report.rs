@@ -138,10 +138,7 @@ impl PlacedModel {
                 )
             })?;
             buffer.resize(len, 0);
-            file.file()
-                .read_exact_at(&mut buffer, t.offset)
-                .map_err(|e| Error::io("pread", file.path().display().to_string(), e))?;
-            report.reads += 1;
+            report.reads += read_held(file, t, &mut buffer)?;
             report.tensors += 1;
             for (node, held) in self.tensor_copies(&t.name)? {
                 report.copies += 1;
@@ -169,6 +166,69 @@ impl PlacedModel {
         }
         Ok(report)
     }
+}
+
+/// The most bytes one verify read of a column slice spans (its rows and the other
+/// ranks' columns between them), so that re-reading a big tensor costs few `pread`s
+/// and bounded memory.
+const VERIFY_SPAN: u64 = 4 << 20;
+
+/// Reads the bytes `t` holds into `buffer` (its `len` bytes): one read, or for a column
+/// slice one read per run of rows spanning at most [`VERIFY_SPAN`], each row's piece
+/// then packed back to back as the slot holds them. Returns the reads.
+fn read_held(
+    file: &crate::model::CheckpointFile,
+    t: &super::views::PlacedTensor,
+    buffer: &mut [u8],
+) -> Result<usize> {
+    let (count, stride) = t.rows;
+    let per = usize::try_from(t.len / count.max(1)).unwrap_or(usize::MAX);
+    let io = |e| Error::io("pread", file.path().display().to_string(), e);
+    if count <= 1 || per == 0 {
+        file.file().read_exact_at(buffer, t.offset).map_err(io)?;
+        return Ok(1);
+    }
+    let what = &t.name;
+    let read = |at: u64, into: &mut [u8]| file.file().read_exact_at(into, at).map_err(io);
+    gather_rows(read, (t.offset, stride, per), buffer, VERIFY_SPAN, what)
+}
+
+/// Fills `buffer` with pieces of `per` bytes, the first at `offset`, each `stride` after
+/// the one before, through `read` (file offset, bytes), one read per run of rows whose
+/// span is at most `span` (at least one row a read). Returns the reads.
+fn gather_rows(
+    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
+    (offset, stride, per): (u64, u64, usize),
+    buffer: &mut [u8],
+    span: u64,
+    what: &str,
+) -> Result<usize> {
+    let overflow = || Error::overflow("PlacedModel::verify", format!("{what}: a row offset"));
+    // Rows a read covers: the span of `n` rows is (n - 1) strides and a piece.
+    let rows_per_read = (span.saturating_sub(per as u64) / stride.max(1) + 1).max(1);
+    let group_bytes = per.saturating_mul(usize::try_from(rows_per_read).unwrap_or(usize::MAX));
+    let mut scratch = Vec::new();
+    let mut reads = 0;
+    for (g, group) in buffer.chunks_mut(group_bytes.max(1)).enumerate() {
+        let at = (g as u64)
+            .checked_mul(rows_per_read)
+            .and_then(|first| first.checked_mul(stride))
+            .and_then(|d| offset.checked_add(d))
+            .ok_or_else(overflow)?;
+        let rows = group.len().div_ceil(per);
+        let bytes = (rows - 1)
+            .checked_mul(usize::try_from(stride).map_err(|_| overflow())?)
+            .and_then(|d| d.checked_add(per))
+            .ok_or_else(overflow)?;
+        scratch.resize(bytes, 0);
+        read(at, &mut scratch)?;
+        reads += 1;
+        for (r, row) in group.chunks_mut(per).enumerate() {
+            let from = r * stride as usize;
+            row.copy_from_slice(&scratch[from..from + row.len()]);
+        }
+    }
+    Ok(reads)
 }
 
 fn placement_text(store: &PinStore, placement: Option<crate::policy::Placement>) -> String {
@@ -277,6 +337,10 @@ impl fmt::Display for WholeReport {
                 m.map_or("", |m| m.placement.as_str()),
                 c.why
             )?;
+            if !c.slices.is_empty() {
+                // What an engine checks it got: the slices of the class's tensors.
+                writeln!(f, "  {:<11} slices held: {}", "", c.slices)?;
+            }
         }
         let nodes: Vec<String> = self
             .cost
@@ -298,5 +362,32 @@ impl fmt::Display for WholeReport {
                 nodes.join(", ")
             }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gather_rows;
+
+    #[test]
+    fn rows_are_gathered_in_runs_within_the_span() {
+        // 10 rows of 16 bytes, 4 held from byte 4 of each.
+        let file: Vec<u8> = (0..160u8).collect();
+        let want: Vec<u8> = (0..10)
+            .flat_map(|r| file[r * 16 + 4..r * 16 + 8].to_vec())
+            .collect();
+        for (span, reads) in [(1u64, 10), (4, 10), (20, 5), (36, 4), (1 << 20, 1)] {
+            let mut buffer = vec![0u8; 40];
+            let mut calls = 0;
+            let read = |at: u64, into: &mut [u8]| {
+                calls += 1;
+                let at = at as usize;
+                into.copy_from_slice(&file[at..at + into.len()]);
+                Ok(())
+            };
+            let n = gather_rows(read, (4, 16, 4), &mut buffer, span, "t").unwrap();
+            assert_eq!(buffer, want, "span {span}");
+            assert_eq!((n, calls), (reads, reads), "span {span}");
+        }
     }
 }

@@ -49,6 +49,9 @@ pub(crate) struct PlacedTensor {
     pub(crate) file: usize,
     pub(crate) offset: u64,
     pub(crate) len: u64,
+    /// Pieces in the file and the bytes from one to the next (a column slice: one per
+    /// row; else `(1, 0)`); `len` is their sum.
+    pub(crate) rows: (u64, u64),
     pub(crate) place: Place,
     /// The slice held under a dense slice; `shape` is then the sliced shape, `offset`
     /// and `len` the sliced bytes in the file.

@@ -109,7 +109,8 @@ pub(in crate::store) fn check_piece_congruence(
 }
 
 /// The layout of one tensor of `source`: its pieces in order, each placed by
-/// [`PieceLayout::offset`].
+/// [`PieceLayout::offset`] (a [`Piece::joined`](crate::source::Piece::joined) one right
+/// after the piece before it).
 pub(crate) fn places(
     what: &dyn Fn() -> String,
     source: &ExpertSource<'_>,
@@ -127,7 +128,11 @@ pub(crate) fn places(
             let mut end = 0usize;
             let mut out = Vec::with_capacity(pieces.len());
             for piece in pieces {
-                let offset = layout.offset(end, piece.offset).ok_or_else(overflow)?;
+                let offset = if piece.joined && !out.is_empty() {
+                    end
+                } else {
+                    layout.offset(end, piece.offset).ok_or_else(overflow)?
+                };
                 end = offset.checked_add(piece.len).ok_or_else(overflow)?;
                 out.push(SlotPiece {
                     offset,

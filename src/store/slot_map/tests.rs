@@ -40,6 +40,34 @@ fn pieces_go_back_to_back_or_at_multiples_of_the_alignment() {
 }
 
 #[test]
+fn joined_pieces_follow_the_one_before_whatever_the_alignment() {
+    // The strided rows of a column slice: the first aligned, the rest back to back, and
+    // the next tensor aligned again; a joined first piece has nothing to join.
+    let f = file();
+    let source = ExpertSource::File {
+        weights: vec![
+            Piece::new(&f, 7, 10).joined(),
+            Piece::new(&f, 100, 24),
+            Piece::new(&f, 200, 24).joined(),
+            Piece::new(&f, 300, 24).joined(),
+            Piece::new(&f, 1000, 5),
+        ],
+        scales: vec![],
+    };
+    let what = || "test".to_string();
+    let layout = PieceLayout {
+        align: 64,
+        modulus: 4096,
+    };
+    let placed = places(&what, &source, Kind::Weights, layout).unwrap();
+    // 7 is not 64-aligned in the file: the plain alignment; 100 likewise.
+    assert_eq!(
+        offsets(&placed),
+        [(0, 10), (64, 24), (88, 24), (112, 24), (192, 5)]
+    );
+}
+
+#[test]
 fn offsets_that_overflow_are_an_error() {
     let f = file();
     let source = ExpertSource::File {

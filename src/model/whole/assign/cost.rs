@@ -60,26 +60,38 @@ pub struct ClassCost {
     pub per_tensor_mappings: usize,
     /// Bytes per node, padding included.
     pub node_bytes: BTreeMap<Node, u64>,
+    /// Which slices its tensors hold, counted: `rows:0/2 ×4, columns:0/2 ×2, whole ×1`
+    /// (a part `k/n` where the cut is one, else `AXIS:START:LEN`); empty where none of
+    /// its tensors is cut (and for the routed experts: their roles' slices are the
+    /// share's, [`ExpertPlan::share`]).
+    pub slices: String,
 }
 
 fn align_up(n: u64, a: u64) -> u64 {
     n.div_ceil(a.max(1)).saturating_mul(a.max(1))
 }
 
-/// The slot extent of the non-empty pieces `(file offset, len)` laid out as the store
-/// lays them out ([`PieceLayout::offset`]), rounded to the slot alignment `slot`
-/// (`u64::MAX` where that overflows: no node has room for it).
+/// The slot extent of the non-empty pieces `(file offset, len, joined)` laid out as
+/// the store lays them out ([`PieceLayout::offset`]; a joined piece right after the one
+/// before), rounded to the slot alignment `slot` (`u64::MAX` where that overflows: no
+/// node has room for it).
 pub(crate) fn slot_bytes(
-    pieces: impl Iterator<Item = (u64, u64)>,
+    pieces: impl Iterator<Item = (u64, u64, bool)>,
     layout: PieceLayout,
     slot: u64,
 ) -> u64 {
     let end = pieces
-        .filter(|&(_, n)| n > 0)
-        .try_fold(0usize, |at, (offset, n)| {
+        .filter(|&(_, n, _)| n > 0)
+        .try_fold((0usize, false), |(at, any), (offset, n, joined)| {
             let n = usize::try_from(n).ok()?;
-            layout.offset(at, offset)?.checked_add(n)
-        });
+            let start = if joined && any {
+                at
+            } else {
+                layout.offset(at, offset)?
+            };
+            Some((start.checked_add(n)?, true))
+        })
+        .map(|(end, _)| end);
     end.map_or(u64::MAX, |end| align_up(end as u64, slot))
 }
 
@@ -120,17 +132,16 @@ impl Assigned {
                 mbind_calls: 0,
                 per_tensor_mappings: 0,
                 node_bytes: BTreeMap::new(),
+                slices: String::new(),
             }
         };
+        let mut slices: BTreeMap<TensorClass, BTreeMap<String, usize>> = BTreeMap::new();
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
             let copy = slot_bytes(
-                g.tensors.iter().map(|&i| {
-                    (
-                        self.held_offset(checkpoint, i),
-                        self.held_len(checkpoint, i),
-                    )
-                }),
+                g.tensors
+                    .iter()
+                    .flat_map(|&i| self.held_pieces(checkpoint, i)),
                 self.layout,
                 slot,
             );
@@ -143,6 +154,10 @@ impl Assigned {
                 c.layout.push_str(&text);
             }
             c.tensors += g.tensors.len();
+            let counts = slices.entry(g.class).or_default();
+            for &i in &g.tensors {
+                *counts.entry(self.slice_text(i)).or_default() += 1;
+            }
             c.bytes += g
                 .tensors
                 .iter()
@@ -186,6 +201,15 @@ impl Assigned {
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
         }
+        for (class, counts) in slices {
+            if let Some(c) = classes.get_mut(&class)
+                && counts.keys().any(|k| k != "whole")
+            {
+                // Cut tensors first (`rows:…`, `columns:…` sort before `whole`).
+                let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+                c.slices = parts.join(", ");
+            }
+        }
         let classes: Vec<ClassCost> = classes.into_values().collect();
         let mut node_bytes = BTreeMap::new();
         for c in &classes {
@@ -201,6 +225,23 @@ impl Assigned {
             node_bytes,
             unbound_bytes: unbound,
             one_copy_bytes: one_copy,
+        }
+    }
+}
+
+impl Assigned {
+    /// The slice dense tensor `index` holds, in the text form: `rows:1/2` where the cut
+    /// is the k-th of n equal parts, else `rows:START:LEN`; `whole`.
+    fn slice_text(&self, index: usize) -> String {
+        let Some(cut) = self.cuts.get(index).copied().flatten() else {
+            return "whole".to_owned();
+        };
+        let s = cut.slice;
+        let axis = s.axis.name();
+        if s.len > 0 && s.extent.is_multiple_of(s.len) && s.start.is_multiple_of(s.len) {
+            format!("{axis}:{}/{}", s.start / s.len, s.extent / s.len)
+        } else {
+            format!("{axis}:{}:{}", s.start, s.len)
         }
     }
 }
@@ -246,7 +287,7 @@ fn expert_cost(
             }
             let extent = |e: &ExpertPieces| {
                 slot_bytes(
-                    of(e).iter().map(|p| (p.offset(), p.len())),
+                    of(e).iter().map(|p| (p.offset(), p.len(), false)),
                     pieces_layout,
                     slot,
                 )

@@ -1,12 +1,16 @@
-//! The rows of each dense tensor a rank holds under a dense slice: a weight's rows, and
-//! a block-scale grid's rows where its weight's are cut.
+//! The part of each dense tensor a rank holds under a slice: a weight's rows (one
+//! contiguous piece) or columns (one strided piece per row), and a block-scale grid's
+//! entries where its weight is cut.
 
 use std::ops::Range;
 
 use super::DenseCut;
 use crate::error::{Error, Result};
+use crate::model::slice::{Geometry, Run, tensor_geometry};
 use crate::model::whole::views;
 use crate::model::{Checkpoint, SliceAxis, TensorInfo, TensorSlice};
+
+const OP: &str = "PlacementPlan::dense_slice";
 
 /// The weight a block-scale grid belongs to: DeepSeek's FP8 `X.weight_scale_inv` (one
 /// entry per 128×128 block of `X.weight`), when that weight exists and is 2-D.
@@ -17,84 +21,100 @@ pub(super) fn scale_of<'a>(checkpoint: &'a Checkpoint, t: &TensorInfo) -> Option
         .filter(|w| w.shape().len() >= 2 && t.shape().len() >= 2)
 }
 
-/// A scale grid cut where its weight's rows are cut: the weight's rows `a..b` under
-/// blocks of `B` rows are the grid's rows `a/B..⌈b/B⌉`; a cut inside a block is refused
-/// naming the block size (the block's scale would be shared by two ranks).
+fn bad(t: &TensorInfo, slice: &TensorSlice, why: String) -> Error {
+    Error::bad_value(
+        OP,
+        "tensor slice",
+        slice,
+        format!(
+            "{} {:?}: {why}",
+            crate::error::quote(t.name()),
+            views::normalized_shape(t)
+        ),
+    )
+}
+
+/// A scale grid cut where its weight is cut, along the same axis: the weight's entries
+/// `a..b` under blocks of `B` are the grid's `a/B..⌈b/B⌉`; a cut inside a block is
+/// refused naming the block size (the block's scale would be shared by two ranks).
 pub(super) fn scale_cut(
     t: &TensorInfo,
     weight: &TensorInfo,
     slice: &TensorSlice,
 ) -> Result<Option<DenseCut>> {
-    let Some(wcut) = dense_cut(weight, slice)? else {
+    let Some(wcut) = dense_cut(weight, slice, false)? else {
         return Ok(None);
     };
-    let (n, rows) = (wcut.slice.extent, views::normalized_shape(t)[0]);
-    let block = if rows == 0 { 0 } else { n.div_ceil(rows) };
+    let g = tensor_geometry(t, t.len())?;
+    let axis = slice.axis();
+    let (n, s) = (wcut.slice.extent, g.extent(axis));
+    let block = if s == 0 { 0 } else { n.div_ceil(s) };
     let (start, end) = (wcut.slice.start, wcut.slice.start + wcut.slice.len);
     let on_edge = |x: u64| block > 0 && (x.is_multiple_of(block) || x == n);
-    if block == 0
-        || n.div_ceil(block) != rows
-        || !t.len().is_multiple_of(rows)
-        || !on_edge(start)
-        || !on_edge(end)
-    {
-        return Err(Error::bad_value(
-            "PlacementPlan::dense_slice",
-            "tensor slice",
+    if block == 0 || n.div_ceil(block) != s || !on_edge(start) || !on_edge(end) {
+        return Err(bad(
+            t,
             slice,
             format!(
-                "{} {:?}: rows {start}..{end} of its weight's {n} cut through its scale \
-                 blocks of {block} rows: a cut falls on a multiple of {block} (keep the \
-                 class whole with PlacementPlan::whole)",
-                crate::error::quote(t.name()),
-                t.shape()
+                "{} {start}..{end} of its weight's {n} cut through its scale blocks of \
+                 {block}: a cut falls on a multiple of {block} (keep the class whole with \
+                 PlacementPlan::whole)",
+                axis.name()
             ),
         ));
     }
     let range = start / block..end.div_ceil(block);
-    Ok(Some(rows_cut(t, range, rows)))
+    cut_of(t, &g, slice, range).map(Some)
 }
 
-/// The rows of `t` that `slice` holds: `Ok(None)` for a 1-D (or 0-D) tensor, kept whole.
-pub(super) fn dense_cut(t: &TensorInfo, slice: &TensorSlice) -> Result<Option<DenseCut>> {
-    let dims = views::normalized_shape(t);
-    if dims.len() < 2 {
+/// The part of `t` that `slice` holds. A 1-D (or 0-D) tensor: `Ok(None)` (kept whole),
+/// unless `explicit` (a slice asked for by name), then an error naming it; a 1-D
+/// tensor's one axis is its rows ([`SliceAxis::Rows`] of a bias is its entries).
+pub(crate) fn dense_cut(
+    t: &TensorInfo,
+    slice: &TensorSlice,
+    explicit: bool,
+) -> Result<Option<DenseCut>> {
+    let g = tensor_geometry(t, t.len())?;
+    if g.dims.len() < 2 && !(g.dims.len() == 1 && explicit_rows(slice, explicit)) {
+        if explicit {
+            return Err(bad(
+                t,
+                slice,
+                "a 1-D tensor has only rows to slice (a column slice of it is asked for by \
+                 name)"
+                    .into(),
+            ));
+        }
         return Ok(None);
     }
-    let bad = |why: String| {
-        Error::bad_value(
-            "PlacementPlan::dense_slice",
-            "tensor slice",
-            slice,
-            format!("{} {dims:?}: {why}", crate::error::quote(t.name())),
-        )
-    };
-    if slice.axis() != SliceAxis::Rows {
-        return Err(bad(
-            "dense tensors are sliced by rows only (a column slice of a dense tensor is \
-             not placed yet)"
-                .into(),
-        ));
-    }
-    let rows = dims[0];
-    if rows == 0 || !t.len().is_multiple_of(rows) {
-        return Err(bad(format!("{} bytes are not {rows} equal rows", t.len())));
-    }
-    let range = slice.resolve(rows).map_err(bad)?;
-    Ok(Some(rows_cut(t, range, rows)))
+    let range = slice
+        .resolve(g.extent(slice.axis()))
+        .map_err(|why| bad(t, slice, why))?;
+    cut_of(t, &g, slice, range).map(Some)
 }
 
-/// The cut holding rows `range` of `t`'s `rows` equal rows.
-fn rows_cut(t: &TensorInfo, range: Range<u64>, rows: u64) -> DenseCut {
-    let stride = t.len() / rows;
-    DenseCut {
-        offset: range.start * stride,
-        len: (range.end - range.start) * stride,
+/// A row slice asked for by name cuts a 1-D tensor (a column-parallel layer's bias).
+fn explicit_rows(slice: &TensorSlice, explicit: bool) -> bool {
+    explicit && slice.axis() == SliceAxis::Rows
+}
+
+/// The cut holding `range` of `slice`'s axis of `t`.
+fn cut_of(
+    t: &TensorInfo,
+    g: &Geometry,
+    slice: &TensorSlice,
+    range: Range<u64>,
+) -> Result<DenseCut> {
+    let axis = slice.axis();
+    let run: Run = g.run(axis, &range).map_err(|why| bad(t, slice, why))?;
+    Ok(DenseCut {
+        run,
         slice: views::DenseSlice {
-            axis: SliceAxis::Rows,
+            axis,
             start: range.start,
             len: range.end - range.start,
-            extent: rows,
+            extent: g.extent(axis),
         },
-    }
+    })
 }

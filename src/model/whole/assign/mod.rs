@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use crate::error::{CheckpointFault, Error, Result};
+use crate::model::slice::Run;
 use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, TensorInfo};
 use crate::store::PieceLayout;
 use cut::{dense_cut, scale_cut, scale_of};
@@ -53,30 +54,45 @@ pub(crate) struct Assigned {
     pub(crate) cuts: Vec<Option<DenseCut>>,
 }
 
-/// The rows of a dense tensor a rank holds, as placed.
+/// The part of a dense tensor a rank holds, as placed: its rows (one piece) or its
+/// columns (one piece per row, laid out back to back in the slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DenseCut {
-    /// Bytes from the tensor's start, and bytes held.
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
+    /// The bytes held, from the tensor's start.
+    pub(crate) run: Run,
     /// The slice along the axis, as a view reports it.
     pub(crate) slice: super::views::DenseSlice,
 }
 
 impl Assigned {
-    /// The file offset of the bytes of tensor `index` this rank holds.
-    pub(crate) fn held_offset(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
-        let start = checkpoint.tensors()[index].offset();
-        match self.cuts.get(index).copied().flatten() {
-            Some(cut) => start.saturating_add(cut.offset),
-            None => start,
-        }
+    /// The pieces of tensor `index` this rank holds: `(file offset, len, joined)`, the
+    /// pieces after the first of a column cut joined to the one before (no padding).
+    pub(crate) fn held_pieces(
+        &self,
+        checkpoint: &Checkpoint,
+        index: usize,
+    ) -> impl Iterator<Item = (u64, u64, bool)> {
+        let t = &checkpoint.tensors()[index];
+        let run = match self.cuts.get(index).copied().flatten() {
+            Some(cut) => cut.run,
+            None => Run {
+                offset: 0,
+                len: t.len(),
+                count: 1,
+                stride: 0,
+            },
+        };
+        let start = t.offset();
+        (0..run.count).map(move |r| {
+            let at = run.offset.saturating_add(r.saturating_mul(run.stride));
+            (start.saturating_add(at), run.len, r > 0)
+        })
     }
 
     /// The bytes of tensor `index` this rank holds.
     pub(crate) fn held_len(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
         match self.cuts.get(index).copied().flatten() {
-            Some(cut) => cut.len,
+            Some(cut) => cut.run.bytes(),
             None => checkpoint.tensors()[index].len(),
         }
     }
@@ -157,6 +173,8 @@ struct Classified {
     cuts: Vec<Option<DenseCut>>,
     /// Per pattern of the plan: whether it matched a dense tensor.
     used: Vec<bool>,
+    /// Per slice pattern of the plan: whether it matched a dense tensor.
+    slices_used: Vec<bool>,
     keyed: Keyed,
     /// The distinct dense layouts, in first-seen order.
     layouts: Vec<DenseLayout>,
@@ -173,6 +191,7 @@ fn classify_tensors(
         class_of: Vec::with_capacity(checkpoint.tensors().len()),
         cuts: vec![None; checkpoint.tensors().len()],
         used: vec![false; plan.patterns().len()],
+        slices_used: vec![false; plan.slice_patterns.len()],
         keyed: BTreeMap::new(),
         layouts: Vec::new(),
     };
@@ -185,10 +204,16 @@ fn classify_tensors(
         }
         let (class, layer) = TensorClass::of(t.name());
         out.class_of.push((class, layer));
-        if let Some(slice) = plan.dense_slice.filter(|_| plan.is_sliced(class)) {
-            out.cuts[index] = match scale_of(checkpoint, t) {
+        // An FP8 scale grid is cut where its weight is, so it takes its weight's slice.
+        let weight = scale_of(checkpoint, t);
+        let chosen = plan.slice_for(class, weight.map_or(t.name(), |w| w.name()));
+        if let Some((slice, explicit, pattern)) = chosen {
+            if let Some(i) = pattern {
+                out.slices_used[i] = true;
+            }
+            out.cuts[index] = match weight {
                 Some(weight) => scale_cut(t, weight, &slice)?,
-                None => dense_cut(t, &slice)?,
+                None => dense_cut(t, &slice, explicit)?,
             };
         }
         let (layout, pattern) = plan.dense_layout(class, t.name());
@@ -242,6 +267,27 @@ fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) 
     Ok(())
 }
 
+/// Refuses a slice pattern that matched no dense tensor.
+fn check_slice_patterns(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    used: &[bool],
+) -> Result<()> {
+    match used.iter().position(|u| !u) {
+        Some(i) => Err(Error::bad_value(
+            "PlacementPlan::slice_pattern",
+            "name pattern",
+            &plan.slice_patterns[i].0,
+            format!(
+                "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
+                 sliced by the expert share, not by patterns)",
+                checkpoint.tensors().len()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The dense groups, one per (class, layout, layer), each the next layer of its
 /// (class, layout) store, with its tensors in read order; and those stores.
 fn group_dense(
@@ -287,6 +333,7 @@ pub(crate) fn assign(
     let expert_tensors = expert_tensor_indices(experts.as_ref());
     let classified = classify_tensors(checkpoint, plan, &expert_tensors)?;
     check_patterns(checkpoint, plan, &classified.used)?;
+    check_slice_patterns(checkpoint, plan, &classified.slices_used)?;
     // Routed experts are recognised on the whole plan (above), then cut to the share.
     if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
         *expert_plan = expert_plan.share(checkpoint, share)?;
