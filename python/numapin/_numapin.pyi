@@ -161,6 +161,7 @@ class Checkpoint:
         expert_slice: str | None = None,
         dense_slice: str | None = None,
         whole: list[str] | None = None,
+        tensor_parallel: str | None = None,
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
@@ -183,7 +184,10 @@ class Checkpoint:
         looked up by global id (another id raises NotHeld); `expert_slice` a slice of
         each held expert's tensors ("rows:0/2", "columns:128:256"); `dense_slice` the
         rows of every sliceable dense tensor ("rows:1/2"; norms and 1-D tensors stay
-        whole); `whole` classes kept whole under `dense_slice` (["embeddings"])."""
+        whole); `whole` classes kept whole under `dense_slice` (["embeddings"]);
+        `tensor_parallel="k/n"` rank k of a tensor-parallel group of n (column-parallel
+        linears, embeddings and head by rows; o_proj/down_proj by columns; expert gate/up
+        by rows, down by columns; norms and routers whole)."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""

@@ -173,12 +173,16 @@ impl Checkpoint {
     /// their global ids; `expert_slice` a slice of each held expert's tensors
     /// (`"rows:0/2"`, `"columns:128:256"`); `dense_slice` the rows of every sliceable
     /// dense tensor (`"rows:1/2"`: tensor parallelism; norms and 1-D tensors stay whole);
-    /// `whole` classes every rank keeps whole under `dense_slice` (`["embeddings"]`).
+    /// `whole` classes every rank keeps whole under `dense_slice` (`["embeddings"]`);
+    /// `tensor_parallel="k/n"` rank k of a tensor-parallel group of n, as Megatron, vLLM
+    /// and SGLang split the weights (column-parallel linears, embeddings and head by
+    /// rows; row-parallel `o_proj`/`down_proj` by columns; expert gate/up by rows and
+    /// down by columns; norms and routers whole; docs/distributed.md).
     /// Map budget and node memory are checked before anything is reserved. The GIL is
     /// released while loading; `progress` as in `pack`. Returns a `WholeModel`.
     #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
                         experts_held = None, expert_slice = None, dense_slice = None,
-                        whole = None, huge_pages = true, populate = true,
+                        whole = None, tensor_parallel = None, huge_pages = true, populate = true,
                         loader_threads = None, read_mode = "buffered", progress = None,
                         **classes))]
     #[allow(clippy::too_many_arguments)]
@@ -192,6 +196,7 @@ impl Checkpoint {
         expert_slice: Option<&str>,
         dense_slice: Option<&str>,
         whole: Option<Vec<String>>,
+        tensor_parallel: Option<&str>,
         huge_pages: bool,
         populate: bool,
         loader_threads: Option<usize>,
@@ -223,6 +228,7 @@ impl Checkpoint {
             expert_slice,
             dense_slice,
             whole: whole.as_deref().unwrap_or_default(),
+            tensor_parallel,
         };
         let plan = share.apply(plan)?;
         let options = Options {

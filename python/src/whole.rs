@@ -66,6 +66,25 @@ pub struct RankShare<'a> {
     pub dense_slice: Option<&'a str>,
     /// Class names kept whole under the dense slice.
     pub whole: &'a [String],
+    /// `k/n`: rank k of a tensor-parallel group of n (`PlacementPlan::tensor_parallel`).
+    pub tensor_parallel: Option<&'a str>,
+}
+
+/// `k/n` with decimal digits only, for `tensor_parallel=`.
+fn rank_of(text: &str) -> PyResult<(u64, u64)> {
+    let number = |s: &str| {
+        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<u64>().ok())
+            .flatten()
+    };
+    text.split_once('/')
+        .and_then(|(k, n)| Some((number(k)?, number(n)?)))
+        .ok_or_else(|| {
+            InvalidArgument::new_err(format!(
+                "place: tensor_parallel={:?} is not k/n (rank k of a group of n, digits)",
+                clip(text)
+            ))
+        })
 }
 
 impl RankShare<'_> {
@@ -81,6 +100,10 @@ impl RankShare<'_> {
         plan = plan.share(share);
         if let Some(text) = self.dense_slice {
             plan = plan.dense_slice(TensorSlice::parse(text).py_err()?);
+        }
+        if let Some(text) = self.tensor_parallel {
+            let (k, n) = rank_of(text)?;
+            plan = plan.tensor_parallel(k, n).py_err()?;
         }
         for name in self.whole {
             let class = TensorClass::from_name(name).ok_or_else(|| {

@@ -99,3 +99,64 @@ def test_bad_shares_are_typed_errors(fixture):
     fp8 = numapin.Checkpoint(fixture("fam-deepseek-v3-fp8").path)
     with pytest.raises(numapin.InvalidArgument, match="weight_scale_inv.*scale blocks"):
         fp8.place(dense_slice="rows:0/2", progress=False)
+
+
+# Megatron's convention, written here from the names alone: column-parallel weights and
+# the vocabulary-parallel embedding and head by rows, row-parallel ones by columns.
+TP_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+TP_COLUMNS = ("o_proj", "down_proj")
+
+
+def tp_axis(tensor, shape):
+    """The axis the convention cuts `tensor` along (an FP8 `weight_scale_inv` grid with
+    its weight), or None for a tensor every rank holds whole."""
+    parts = tensor.split(".")
+    if len(shape) < 2 or parts[-1] not in ("weight", "weight_scale_inv"):
+        return None
+    if any(p in TP_ROWS for p in parts):
+        return "rows"
+    if any(p in TP_COLUMNS for p in parts):
+        return "columns"
+    return None
+
+
+def test_tensor_parallel_ranks_put_back_together_are_numpys(fixture):
+    """`tensor_parallel="k/2"` on the sharded safetensors: every weight the convention
+    cuts is numpy's rows or columns k of 2, the two ranks' parts side by side are numpy's
+    tensor, every other tensor is whole on both ranks."""
+    fx = fixture("st-sharded")
+    want = numpy_tensors(fx.root)
+    ckpt = numapin.Checkpoint(fx.path)
+    ranks = [ckpt.place("interleave:all", "interleave:all", tensor_parallel=f"{k}/2",
+                        progress=False) for k in (0, 1)]
+    cut = {"rows": 0, "columns": 0}
+    classes = {t: (c, l) for t, c, l in ranks[0].classes()}
+    for tensor, (shape, data) in want.items():
+        cls, layer = classes[tensor]
+        if cls == "experts":
+            # One tensor per expert here: `...experts.E.ROLE.weight`, read by role.
+            e, role = int(tensor.split(".")[-3]), tensor.split(".")[-2]
+            if tensor.endswith("_scale_inv"):
+                role += " scale"
+            parts = [np.asarray(r.expert(layer, e)[role]) for r in ranks]
+        else:
+            parts = [np.asarray(r.tensor(tensor)) for r in ranks]
+        axis = tp_axis(tensor, shape)
+        if axis is None:
+            assert [p.tobytes() for p in parts] == [data, data], tensor
+            continue
+        full = np.frombuffer(data, dtype=np.uint8).reshape(shape[0], -1)
+        width = full.shape[1]
+        for k, p in enumerate(parts):
+            raw = np.frombuffer(p.tobytes(), dtype=np.uint8)
+            if axis == "rows":
+                assert raw.tobytes() == full[k * shape[0] // 2:(k + 1) * shape[0] // 2].tobytes(), tensor
+            else:
+                half = width // 2
+                assert raw.tobytes() == full[:, k * half:(k + 1) * half].tobytes(), tensor
+        cut[axis] += 1
+    assert cut["rows"] > 0 and cut["columns"] > 0, cut
+    with pytest.raises(numapin.InvalidArgument, match="k/n"):
+        ckpt.place(tensor_parallel="+1/2", progress=False)
+    with pytest.raises(numapin.InvalidArgument):
+        ckpt.place(tensor_parallel="2/2", progress=False)
