@@ -377,13 +377,14 @@ fn a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped()
     }
 }
 
-/// The map budget counts a hybrid layer's hot copies: over 4 nodes (their blocks and
-/// hot copies are only counted, never mapped, so the nodes need not exist), hot experts
-/// on every node need 2 kinds × 3 more mappings than the same layer split by index, and
-/// the refusal comes before anything is mapped.
+/// The map budget counts a hybrid layer's hot copies: over 4 nodes, hot experts on
+/// every node need 2 kinds × 3 more mappings than the same layer split by index, and the
+/// refusal comes before anything is mapped. The nodes are ids no machine of the tests
+/// has: nothing is mapped or bound, and a node without meminfo is not asked for memory
+/// (a real memoryless node would be refused first, with `Error::NodeMemory`).
 #[test]
 fn the_map_budget_counts_the_hot_copies() {
-    let four = numapin::NodeSet::from_nodes([0, 1, 2, 3]).unwrap();
+    let four = numapin::NodeSet::from_nodes([60, 61, 62, 63]).unwrap();
     let d = data(6);
     let needed = |a: Option<ExpertAssignment>| {
         let store = PinStore::new(

@@ -200,8 +200,8 @@ fn replicate_domains_puts_one_copy_per_domain_interleaved_over_its_nodes() {
 /// holding cold experts, the hot range apart where the first domain has 2+ nodes, and a
 /// copy per further domain; bytes per node are each node's cold experts plus its share
 /// of its domain's hot copy (counted here from the assignment and the domains), and
-/// each node's resident pages stay within a budget of 6 slots (5 in the sockets boot,
-/// where per node the hot copies would take node 0 to 6).
+/// each node's resident pages stay within a budget: the slots the fullest node would
+/// hold with a hot copy per node, one fewer in the sockets boot.
 #[test]
 fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
     let test = "hybrid_hot_copies_per_domain_lie_on_their_domains";
@@ -306,7 +306,11 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
         assert_eq!(shares[node].bytes, *bytes);
         assert_eq!(shares[node].hot_experts, 2);
     }
-    let budget = (if sockets { 5 } else { 6 }) * (w + 4096) as u64;
+    // The budget: the slots the fullest node would hold with a hot copy per node (its
+    // even share of the cold experts, and both hot ones), one fewer in the sockets boot,
+    // where each node holds half of its domain's hot copy instead.
+    let per_node = (experts - hot.len()).div_ceil(n) + hot.len();
+    let budget = (per_node - usize::from(sockets)) as u64 * (w + 4096) as u64;
     for (node, pages) in &measured.pages_per_node {
         assert!(
             pages * page() as u64 <= budget,
