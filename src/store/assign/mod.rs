@@ -284,7 +284,7 @@ impl SlotOrder {
             start += c;
         }
         let first = blocks.first().cloned().unwrap_or_default();
-        let hot_slots = first.end - hot.len()..first.end;
+        let hot_slots = first.end.saturating_sub(hot.len())..first.end;
         let mut hot_next = hot_slots.start;
         let slot = homes
             .iter()
