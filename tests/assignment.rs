@@ -8,7 +8,9 @@ mod common;
 
 use common::{need_nodes, nodes, pages_of};
 use numapin::routing::RoutingStats;
-use numapin::store::{ExpertAssignment, ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+use numapin::store::{
+    ExpertAssignment, ExpertSource, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
+};
 use numapin::{Error, Invalid};
 
 const W: usize = 64 * 1024;
@@ -275,4 +277,131 @@ fn hybrid_hot_on_every_node_cold_on_their_homes() {
     for (node, bytes) in &want {
         assert_eq!(shares[node].bytes, *bytes);
     }
+}
+
+/// A hybrid layer that no node can hold (1 TiB, 4 hot experts one copy per domain) is
+/// refused before anything is mapped, with `Error::NodeMemory` naming the nodes that
+/// need as much as the first one short and, in its text, every node's need. On the
+/// 1-node host the need is the whole layer; in the VM each node's block plus its share
+/// of its domain's hot copy (counted here from the domains, not by the store). Where
+/// placement is unavailable (containers) one unplaced copy would be built: not run.
+#[test]
+fn a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped() {
+    let test = "a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped";
+    if common::degrade_here().is_some() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOT RUN: {test}: placement is unavailable here, so no memory is asked of a node"
+        );
+        return;
+    }
+    let set = nodes();
+    let (experts, gib) = (1usize << 10, 1u64 << 30);
+    let huge = LayerSpec {
+        experts,
+        weight_bytes: 1 << 30,
+        scale_bytes: 0,
+    };
+    // Experts 0-3 hot, the others split by index over the set.
+    let cold = experts - 4;
+    let homes: Vec<usize> = (0..experts)
+        .map(|e| match e {
+            0..4 => ExpertAssignment::EVERY_NODE,
+            _ => (e - 4) * set.len() / cold,
+        })
+        .collect();
+    let a = ExpertAssignment::new()
+        .layer(0, homes.clone())
+        .hot_copies(HotCopies::PerDomain);
+    let store = PinStore::new(Layout::SplitExperts(set), options().assignment(Some(a))).unwrap();
+    let domains = numapin::topology::Topology::get()
+        .unwrap()
+        .domains_within(&set);
+    let need = |i: usize, node: numapin::Node| -> u64 {
+        let mine = homes.iter().filter(|&&h| h == i).count() as u64 * gib;
+        let domain = domains.iter().find(|d| d.contains(node)).unwrap();
+        mine + (4 * gib).div_ceil(domain.len() as u64)
+    };
+    let first = set.nth(0).unwrap();
+    let empty: Vec<ExpertSource<'_>> = (0..experts)
+        .map(|_| ExpertSource::Memory {
+            weights: &[],
+            scales: &[],
+        })
+        .collect();
+    match store.pack_layer(0, &huge, &empty) {
+        Err(Error::NodeMemory {
+            what,
+            needed,
+            available,
+            figure,
+        }) => {
+            if set.len() == 1 {
+                assert_eq!(needed, experts as u64 * gib);
+            }
+            assert_eq!(needed, need(0, first), "{what}");
+            let same: Vec<numapin::Node> = (set.iter().enumerate())
+                .filter(|&(i, n)| need(i, n) == needed)
+                .map(|(_, n)| n)
+                .collect();
+            let named: Vec<numapin::Node> = available.iter().map(|(n, _)| *n).collect();
+            assert_eq!(named, same, "{what}");
+            assert!(available.iter().all(|(_, free)| *free < needed));
+            for (i, node) in set.iter().enumerate() {
+                let each = format!("{node}: {}", need(i, node));
+                assert!(what.contains(&each), "{each} not in {what}");
+            }
+            assert!(figure.starts_with("MemFree + Inactive(file)"), "{figure}");
+        }
+        other => panic!("expected NodeMemory, got {other:?}"),
+    }
+    assert!(matches!(
+        store.weights(0, 0),
+        Err(Error::NotPacked { layer: 0, .. })
+    ));
+    // Nothing was mapped for it: no mapping of this process is a node's share of it.
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    for line in maps.lines() {
+        let (start, end) = line
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .split_once('-')
+            .unwrap();
+        let len = u64::from_str_radix(end, 16).unwrap() - u64::from_str_radix(start, 16).unwrap();
+        assert!(
+            len < 200 * gib,
+            "a {len}-byte mapping after the refusal: {line}"
+        );
+    }
+}
+
+/// The map budget counts a hybrid layer's hot copies: over 4 nodes, hot experts on
+/// every node need 2 kinds × 3 more mappings than the same layer split by index, and the
+/// refusal comes before anything is mapped. The nodes are ids no machine of the tests
+/// has: nothing is mapped or bound, and a node without meminfo is not asked for memory
+/// (a real memoryless node would be refused first, with `Error::NodeMemory`).
+#[test]
+fn the_map_budget_counts_the_hot_copies() {
+    let four = numapin::NodeSet::from_nodes([60, 61, 62, 63]).unwrap();
+    let d = data(6);
+    let needed = |a: Option<ExpertAssignment>| {
+        let store = PinStore::new(
+            Layout::SplitExperts(four),
+            options().vma_budget(Some(1)).assignment(a),
+        )
+        .unwrap();
+        match store.pack_layer(0, &spec(6), &sources(&d)) {
+            Err(Error::MapBudget { needed, .. }) => {
+                assert!(store.stats().unwrap().vmas == 0);
+                needed
+            }
+            other => panic!("expected MapBudget, got {other:?}"),
+        }
+    };
+    const H: usize = ExpertAssignment::EVERY_NODE;
+    let hybrid = ExpertAssignment::new().layer(0, vec![H, 0, 1, 2, 3, H]);
+    let by_index = needed(None);
+    assert_eq!(needed(Some(hybrid)), by_index + 2 * 3);
 }

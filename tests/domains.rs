@@ -12,7 +12,10 @@
 mod common;
 
 use common::{need_nodes, pages_of};
-use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
+use numapin::routing::RoutingStats;
+use numapin::store::{
+    ExpertAssignment, ExpertSource, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
+};
 use numapin::topology::{Domain, Topology};
 use numapin::{Node, NodeHistogram, NodeSet};
 
@@ -186,4 +189,132 @@ fn replicate_domains_puts_one_copy_per_domain_interleaved_over_its_nodes() {
     }
     let stats = store.stats().unwrap();
     assert_eq!(stats.mbind_calls, 2 * 2 * domains.len());
+}
+
+/// A hybrid layer over every node with its 2 hot experts one copy per domain
+/// (`HotCopies::PerDomain`), 16 experts of 64 KiB with Zipf counts. `move_pages` finds
+/// each domain's copy of each hot expert on that domain's nodes only, half on each of a
+/// 2-node domain (±1 page); each cold expert on its load-balanced home; a thread on
+/// every CPU reads its own domain's copy of a hot expert and the home of a cold one.
+/// Per kind, `mbind` calls and mappings (the store's smaps count) are the node blocks
+/// holding cold experts, the hot range apart where the first domain has 2+ nodes, and a
+/// copy per further domain; bytes per node are each node's cold experts plus its share
+/// of its domain's hot copy (counted here from the assignment and the domains), and
+/// each node's resident pages stay within a budget: the slots the fullest node would
+/// hold with a hot copy per node, one fewer in the sockets boot.
+#[test]
+fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
+    let test = "hybrid_hot_copies_per_domain_lie_on_their_domains";
+    let Some(nodes) = need_nodes(test, 2) else {
+        return;
+    };
+    let topology = Topology::get().unwrap();
+    let domains = topology.domains_within(&nodes);
+    let sockets = vm_shape().as_deref() == Some("sockets");
+    if sockets {
+        assert_eq!(domains, [set(&[0, 1]), set(&[2, 3])]);
+    }
+    let (n, experts, w) = (nodes.len(), 16, 64 * 1024);
+    let counts: Vec<u64> = (0..experts).map(|e| 1000 / (e as u64 + 1)).collect();
+    let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
+    let a = ExpertAssignment::hybrid(&stats, &[(0, experts)], n, 2)
+        .unwrap()
+        .hot_copies(HotCopies::PerDomain);
+    let options = StoreOptions::default().huge_pages(false).loader_threads(2);
+    let store = PinStore::new(
+        Layout::SplitExperts(nodes),
+        options.assignment(Some(a.clone())),
+    )
+    .unwrap();
+    assert_eq!(store.hot_groups(), &domains[..]);
+    let spec = LayerSpec {
+        experts,
+        weight_bytes: w,
+        scale_bytes: 4096,
+    };
+    let data: Vec<Vec<u8>> = (0..experts).map(|e| vec![e as u8 + 3; w]).collect();
+    let sources: Vec<ExpertSource<'_>> = data
+        .iter()
+        .map(|d| ExpertSource::Memory {
+            weights: d,
+            scales: &d[..512],
+        })
+        .collect();
+    let report = store.pack_layer(0, &spec, &sources).unwrap();
+    assert!(report.placement.is_some_and(|p| p.is_bound()), "{report:?}");
+    let homes: Vec<usize> = (0..experts).map(|e| a.home(0, e).unwrap()).collect();
+    let hot: Vec<usize> = (0..experts)
+        .filter(|&e| homes[e] == ExpertAssignment::EVERY_NODE)
+        .collect();
+    assert_eq!(hot, [0, 1]);
+    let apart = domains[0].len() > 1;
+    let blocks = (0..n)
+        .filter(|&i| homes.contains(&i) || (i == 0 && !apart))
+        .count();
+    let per_kind = blocks + usize::from(apart) + domains.len() - 1;
+    assert_eq!(report.mbind_calls, 2 * per_kind, "{report:?}");
+    let slot = (w + 512) as u64;
+    let mut want = std::collections::BTreeMap::new();
+    for domain in &domains {
+        let lead = domain.nth(0).unwrap();
+        for &e in &hot {
+            let copy = store.weights_on(lead, 0, e).unwrap();
+            assert_eq!(copy, &data[e][..], "hot {e}");
+            let what = format!("hot expert {e}, the copy of domain {domain}");
+            assert_interleaved(&pages_of(copy.as_ptr(), w), w / page(), domain, &what);
+            for node in domain.iter() {
+                assert_eq!(
+                    store.weights_on(node, 0, e).unwrap().as_ptr(),
+                    copy.as_ptr()
+                );
+            }
+        }
+        let hot_bytes = hot.len() as u64 * slot;
+        let m = domain.len() as u64;
+        for (i, node) in domain.iter().enumerate() {
+            *want.entry(node).or_insert(0u64) +=
+                hot_bytes / m + u64::from((i as u64) < hot_bytes % m);
+        }
+    }
+    for e in (0..experts).filter(|e| !hot.contains(e)) {
+        let home = nodes.nth(homes[e]).unwrap();
+        assert_eq!(store.home_node(0, e).unwrap(), Some(home));
+        let h = pages_of(store.weights(0, e).unwrap().as_ptr(), w);
+        assert_eq!(h.on(home), w / page(), "cold {e}: {h:?}");
+        *want.entry(home).or_insert(0u64) += slot;
+    }
+    let cpus: Vec<usize> = nodes.iter().flat_map(|n| topology.cpus_of(n)).collect();
+    let store_ref = &store;
+    for cpu in cpus {
+        let (hot_ptr, cold_ptr, domain) = on_cpu(cpu, || {
+            (
+                store_ref.weights_local(0, 1).unwrap().as_ptr() as usize,
+                store_ref.weights_local(0, 9).unwrap().as_ptr() as usize,
+                numapin::topology::current_domain().unwrap(),
+            )
+        });
+        let h = pages_of(hot_ptr as *const u8, w);
+        let within = domain.nodes().intersection(&nodes);
+        assert_interleaved(&h, w / page(), &within, &format!("cpu {cpu} reading hot 1"));
+        assert_eq!(cold_ptr, store.weights(0, 9).unwrap().as_ptr() as usize);
+    }
+    let measured = store.stats().unwrap();
+    assert_eq!(measured.vmas, 2 * per_kind, "{measured:?}");
+    assert_eq!(measured.node_bytes, want);
+    let shares = store.expert_shares(Some(&stats)).unwrap();
+    for (node, bytes) in &want {
+        assert_eq!(shares[node].bytes, *bytes);
+        assert_eq!(shares[node].hot_experts, 2);
+    }
+    // The budget: the slots the fullest node would hold with a hot copy per node (its
+    // even share of the cold experts, and both hot ones), one fewer in the sockets boot,
+    // where each node holds half of its domain's hot copy instead.
+    let per_node = (experts - hot.len()).div_ceil(n) + hot.len();
+    let budget = (per_node - usize::from(sockets)) as u64 * (w + 4096) as u64;
+    for (node, pages) in &measured.pages_per_node {
+        assert!(
+            pages * page() as u64 <= budget,
+            "node {node}: {pages} pages over the budget of {budget} bytes"
+        );
+    }
 }

@@ -6,7 +6,7 @@
 use super::table::{Candidate, PlanRow, PlanTable};
 use super::{Machine, ModelSizes, PlanOptions};
 use crate::routing::{RoutingStats, balance};
-use crate::store::{ExpertAssignment, block};
+use crate::store::{ExpertAssignment, HotCopies, block};
 
 /// Where one expert's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,7 +254,8 @@ impl<'a> Ctx<'a> {
                     .collect()
             }),
             Candidate::SplitByLoad => self.split_by_load(),
-            Candidate::Hybrid => self.hybrid(),
+            Candidate::Hybrid => self.hybrid(false),
+            Candidate::HybridPerDomain => self.hybrid(true),
         }
     }
 
@@ -350,54 +351,51 @@ impl<'a> Ctx<'a> {
     /// fit the least room; an expert that does not fit is skipped and smaller ones after
     /// it are still tried. The cold experts are then split by load (by index where a
     /// layer has no statistics) under the caps the room leaves.
-    fn hybrid(&self) -> Described {
+    ///
+    /// `per_domain`: the hot experts and the non-expert tensors get one copy per domain,
+    /// interleaved over its nodes, so a node holds its domain's share of them; the room
+    /// is judged with the smallest domain's share (the largest per node).
+    fn hybrid(&self, per_domain: bool) -> Described {
         let n = self.n();
         let layers = &self.model.moe_layers;
-        let room = self.min_room(self.model.other_bytes);
-        let mut ranked: Vec<(usize, usize)> = layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, l)| (0..l.experts).map(move |e| (i, e)))
+        // Each node's share of a copy: 1 per node, 1 / its domain's nodes per domain.
+        let share: Vec<u64> = (0..n)
+            .map(|i| match per_domain {
+                true => self
+                    .domains
+                    .iter()
+                    .find(|d| d.contains(&i))
+                    .map_or(1, Vec::len) as u64,
+                false => 1,
+            })
             .collect();
-        ranked.sort_by(|&(li, e), &(lj, f)| {
-            self.probs[lj][f]
-                .total_cmp(&self.probs[li][e])
-                .then(e.cmp(&f))
-                .then(li.cmp(&lj))
-        });
-        let mut cold: Vec<usize> = layers.iter().map(|l| l.experts).collect();
-        let even_cold = |cold: &[usize]| -> u64 {
-            layers
+        let widest = share.iter().copied().min().unwrap_or(1).max(1);
+        let other: Vec<u64> = share
+            .iter()
+            .map(|&m| self.model.other_bytes.div_ceil(m))
+            .collect();
+        let room = (self.budget.iter().zip(&other))
+            .map(|(b, o)| b.saturating_sub(*o))
+            .min()
+            .unwrap_or(0);
+        let (hot, hot_bytes) = self.pick_hot(room, widest);
+        let caps = self.caps(
+            &(hot
                 .iter()
-                .zip(cold)
-                .map(|(l, &k)| l.slot_bytes().saturating_mul(k.div_ceil(n) as u64))
-                .fold(0, u64::saturating_add)
+                .map(|h| h.iter().filter(|&&x| !x).count())
+                .collect::<Vec<_>>()),
+            room.saturating_sub(hot_bytes.div_ceil(widest)),
+        );
+        let mut bytes: Vec<u64> = (0..n)
+            .map(|i| other[i].saturating_add(hot_bytes.div_ceil(share[i])))
+            .collect();
+        let first_apart = per_domain && share.first().is_some_and(|&m| m > 1);
+        let groups = if per_domain { self.domains.len() } else { n };
+        let hot_place = if per_domain {
+            Place::PerDomain
+        } else {
+            Place::Everywhere
         };
-        let mut hot_bytes = 0u64;
-        let mut hot: Vec<Vec<bool>> = layers.iter().map(|l| vec![false; l.experts]).collect();
-        let mut cold_even = even_cold(&cold);
-        if n > 1 && cold_even <= room {
-            for (i, e) in ranked {
-                let s = layers[i].slot_bytes();
-                let k = cold[i];
-                let saved = if k.div_ceil(n) > (k - 1).div_ceil(n) {
-                    s
-                } else {
-                    0
-                };
-                let next = hot_bytes
-                    .saturating_add(s)
-                    .saturating_add(cold_even - saved);
-                if next <= room {
-                    hot_bytes += s;
-                    cold_even -= saved;
-                    cold[i] -= 1;
-                    hot[i][e] = true;
-                }
-            }
-        }
-        let caps = self.caps(&cold, room.saturating_sub(hot_bytes));
-        let mut bytes = vec![self.model.other_bytes.saturating_add(hot_bytes); n];
         let mut mappings = 0;
         let places = layers
             .iter()
@@ -412,18 +410,23 @@ impl<'a> Ctx<'a> {
                     }
                     None => index_homes(cold_ids.len(), n),
                 };
-                let mut places = vec![Place::Everywhere; l.experts];
+                let mut places = vec![hot_place; l.experts];
                 for (&e, &h) in cold_ids.iter().zip(&homes) {
                     places[e] = Place::Home(h);
                     bytes[h] = bytes[h].saturating_add(l.slot_bytes());
                 }
                 // As the store builds it: the first copy in one block per node holding
-                // experts (the hot ones in the first node's), and a region of the hot
-                // ones on every other node.
+                // experts (the hot ones in the first node's where its group is that node,
+                // else a range of their own), and a region of the hot ones on every
+                // other group.
                 let hot = cold_ids.len() < l.experts;
                 let mut blocks: Vec<bool> = (0..n).map(|h| homes.contains(&h)).collect();
-                blocks[0] |= hot;
-                let copies = if hot { n - 1 } else { 0 };
+                blocks[0] |= hot && !first_apart;
+                let copies = if hot {
+                    groups - 1 + usize::from(first_apart)
+                } else {
+                    0
+                };
                 mappings += l.kinds() * (blocks.iter().filter(|&&b| b).count() + copies);
                 places
             })
@@ -433,6 +436,53 @@ impl<'a> Ctx<'a> {
             bytes,
             mappings,
         }
+    }
+
+    /// The hot experts of [`Ctx::hybrid`] (per layer, per expert) and their bytes (one
+    /// copy's): hottest first while the hot bytes ÷ `widest` (a node's share of a copy)
+    /// plus an even split of the cold ones fit `room`.
+    fn pick_hot(&self, room: u64, widest: u64) -> (Vec<Vec<bool>>, u64) {
+        let n = self.n();
+        let layers = &self.model.moe_layers;
+        let mut ranked: Vec<(usize, usize)> = layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| (0..l.experts).map(move |e| (i, e)))
+            .collect();
+        ranked.sort_by(|&(li, e), &(lj, f)| {
+            self.probs[lj][f]
+                .total_cmp(&self.probs[li][e])
+                .then(e.cmp(&f))
+                .then(li.cmp(&lj))
+        });
+        let mut cold: Vec<usize> = layers.iter().map(|l| l.experts).collect();
+        let mut cold_even: u64 = layers
+            .iter()
+            .zip(&cold)
+            .map(|(l, &k)| l.slot_bytes().saturating_mul(k.div_ceil(n) as u64))
+            .fold(0, u64::saturating_add);
+        let mut hot_bytes = 0u64;
+        let mut hot: Vec<Vec<bool>> = layers.iter().map(|l| vec![false; l.experts]).collect();
+        if n > 1 && cold_even <= room {
+            for (i, e) in ranked {
+                let s = layers[i].slot_bytes();
+                let k = cold[i];
+                let saved = if k.div_ceil(n) > (k - 1).div_ceil(n) {
+                    s
+                } else {
+                    0
+                };
+                let more = hot_bytes.saturating_add(s);
+                let next = more.div_ceil(widest).saturating_add(cold_even - saved);
+                if next <= room {
+                    hot_bytes = more;
+                    cold_even -= saved;
+                    cold[i] -= 1;
+                    hot[i][e] = true;
+                }
+            }
+        }
+        (hot, hot_bytes)
     }
 
     fn row(&self, candidate: Candidate, d: Described) -> PlanRow {
@@ -478,8 +528,14 @@ impl<'a> Ctx<'a> {
         let fits = d.bytes.iter().zip(&self.budget).all(|(b, m)| b <= m)
             && d.mappings <= self.machine.map_limit;
         let frac = |x: f64| if total > 0.0 { x / total } else { 0.0 };
-        let assignment =
-            matches!(candidate, Candidate::SplitByLoad | Candidate::Hybrid).then(|| {
+        let hybrids = [
+            Candidate::SplitByLoad,
+            Candidate::Hybrid,
+            Candidate::HybridPerDomain,
+        ];
+        let assignment = hybrids
+            .contains(&candidate)
+            .then(|| {
                 self.model.moe_layers.iter().zip(&d.places).fold(
                     ExpertAssignment::new(),
                     |a, (l, places)| {
@@ -493,6 +549,10 @@ impl<'a> Ctx<'a> {
                         a.layer(l.layer, homes)
                     },
                 )
+            })
+            .map(|a| match candidate {
+                Candidate::HybridPerDomain => a.hot_copies(HotCopies::PerDomain),
+                _ => a,
             });
         PlanRow {
             candidate,

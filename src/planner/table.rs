@@ -30,11 +30,17 @@ pub enum Candidate {
     /// The hottest experts (and all non-expert tensors) on every node, as many as the
     /// budget allows; the rest split by load.
     Hybrid,
+    /// As [`Candidate::Hybrid`] with one copy of the hot experts (and of the non-expert
+    /// tensors) per domain, interleaved over the domain's nodes
+    /// ([`HotCopies::PerDomain`](crate::store::HotCopies::PerDomain)): on a machine with
+    /// multi-node domains (SNC, NPS), more hot experts in the same budget, each read
+    /// from the reader's socket.
+    HybridPerDomain,
 }
 
 impl Candidate {
     /// Every candidate, in table order.
-    pub const ALL: [Candidate; 7] = [
+    pub const ALL: [Candidate; 8] = [
         Candidate::Interleave,
         Candidate::LayerPerNode,
         Candidate::ReplicatePerNode,
@@ -42,6 +48,7 @@ impl Candidate {
         Candidate::SplitByIndex,
         Candidate::SplitByLoad,
         Candidate::Hybrid,
+        Candidate::HybridPerDomain,
     ];
 
     /// Its name in the table and the JSON.
@@ -54,6 +61,7 @@ impl Candidate {
             Candidate::SplitByIndex => "split-index",
             Candidate::SplitByLoad => "split-load",
             Candidate::Hybrid => "hybrid",
+            Candidate::HybridPerDomain => "hybrid-domain",
         }
     }
 }
@@ -83,18 +91,20 @@ pub struct PlanRow {
     /// as even). Layers run one after another, so this is the sum over layers of each
     /// layer's most-loaded node over the sum of the layers' means.
     pub imbalance: f64,
-    /// Experts with a copy on every node (all of them for the replicated layouts).
+    /// Experts with a copy on every node or domain (all of them for the replicated
+    /// layouts).
     pub hot_experts: usize,
     /// Fraction of routed expert traffic (probability-weighted bytes) that goes to those.
     pub hot_traffic: f64,
-    /// The experts' homes of [`Candidate::SplitByLoad`] and [`Candidate::Hybrid`].
+    /// The experts' homes of [`Candidate::SplitByLoad`] and the hybrids.
     pub(super) assignment: Option<ExpertAssignment>,
 }
 
 impl PlanRow {
-    /// What to give a store to build this row: for [`Candidate::SplitByLoad`] and
-    /// [`Candidate::Hybrid`], the experts' homes as indices into the planned nodes
-    /// (hot: [`ExpertAssignment::EVERY_NODE`]), for
+    /// What to give a store to build this row: for [`Candidate::SplitByLoad`],
+    /// [`Candidate::Hybrid`] and [`Candidate::HybridPerDomain`] (whose assignment asks
+    /// for [`HotCopies::PerDomain`](crate::store::HotCopies::PerDomain)), the experts'
+    /// homes as indices into the planned nodes (hot: [`ExpertAssignment::EVERY_NODE`]), for
     /// `Layout::SplitExperts(nodes)` with `StoreOptions::assignment`; `None` for the
     /// other layouts.
     pub fn assignment(&self) -> Option<&ExpertAssignment> {

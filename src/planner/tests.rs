@@ -363,3 +363,56 @@ fn distance_decides() {
     assert!(d.mean_distance < h.mean_distance);
     assert_eq!(t.recommended(), Some(Candidate::ReplicatePerDomain));
 }
+
+/// 2 domains × 2 nodes, counts 5,3,1,1, a budget of 3 pages per node.
+///
+/// Per domain: the 2 pages of other tensors cost each node 1 page (half a domain copy):
+/// room 2 pages. Cold experts split evenly cost 1 page per node while 1-4 are cold.
+/// Expert 0 hot: half of 1 page + 1 = 1.5 pages; expert 1 too: 1 + 1 = 2; expert 2
+/// would be 1.5 + 1: no, nor 3. Cold 2 and 3 one per node, by load (equal counts: the
+/// lowest nodes, 0 and 1). Bytes: nodes 0, 1: 1 + 1 (half the 2 hot pages) + 1 cold = 3
+/// pages; nodes 2, 3: 2 pages. Mappings: blocks on nodes 0 and 1, the hot range apart
+/// (domain {0, 1} has 2 nodes), one hot copy for domain {2, 3}: 4.
+/// Reads from every node: hot (.8) half local → .4 remote, never across; cold 2 and 3
+/// (.1 each) local to one reader of 4 → .075 each, across for the 2 readers of the
+/// other domain → .05 each. Remote .55, cross .1. Distance: hot 11 (10 and 12) × .8 +
+/// each cold (10 + 12 + 32 + 32) / 4 = 21.5 × .1 twice: 13.1. Loads: hot .2 per node,
+/// cold .1 on nodes 0 and 1: .3 / .25 = 1.2.
+/// Per node the same budget holds no hot expert: 2 pages of other tensors leave 1 page,
+/// all the even cold split takes.
+#[test]
+fn hybrid_per_domain_by_hand() {
+    let stats = RoutingStats::from_counts([(1, vec![5, 3, 1, 1])]).unwrap();
+    let m = machine(4, |i| i / 2, |_| true);
+    let budget = PlanOptions::default().budget(3 * PAGE);
+    let t = plan(&model(), &m, Some(&stats), &budget).unwrap();
+    let d = row(&t, Candidate::HybridPerDomain);
+    assert_eq!(d.hot_experts, 2);
+    assert!(close(d.hot_traffic, 0.8));
+    assert_eq!(
+        d.bytes_per_node,
+        [3, 3, 2, 2].map(|p| p * PAGE).to_vec(),
+        "{d:?}"
+    );
+    assert_eq!(d.mappings, 4);
+    assert!(close(d.remote_fraction, 0.55), "{}", d.remote_fraction);
+    assert!(
+        close(d.cross_domain_fraction, 0.1),
+        "{}",
+        d.cross_domain_fraction
+    );
+    assert!(close(d.mean_distance, 13.1), "{}", d.mean_distance);
+    assert!(close(d.imbalance, 1.2), "{}", d.imbalance);
+    assert!(d.fits);
+    let a = d.assignment().unwrap();
+    assert_eq!(a.hot_copy_shape(), crate::store::HotCopies::PerDomain);
+    let every = crate::store::ExpertAssignment::EVERY_NODE;
+    let homes: Vec<usize> = (0..4).map(|e| a.home(1, e).unwrap()).collect();
+    assert_eq!(homes, [every, every, 0, 1]);
+    let h = row(&t, Candidate::Hybrid);
+    assert_eq!(h.hot_experts, 0);
+    assert_eq!(
+        h.assignment().unwrap().hot_copy_shape(),
+        crate::store::HotCopies::PerNode
+    );
+}

@@ -104,6 +104,10 @@ impl PinStore {
     /// mappings this process has now): a model that cannot fit is refused up front
     /// instead of failing mid-load.
     ///
+    /// A hybrid store ([`StoreOptions::assignment`] with hot experts) counts each layer's
+    /// hot copies as if every layer had hot experts (an upper bound: the layers are not
+    /// named here); each layer's exact count is checked again when it is packed.
+    ///
     /// Loader threads are not counted: each is spawned only if its mappings fit at that
     /// moment, and the calling thread loads alone otherwise.
     ///
@@ -113,12 +117,14 @@ impl PinStore {
     /// figures cannot be read.
     ///
     /// [`StoreOptions::vma_budget`]: super::StoreOptions::vma_budget
+    /// [`StoreOptions::assignment`]: super::StoreOptions::assignment
     pub fn check_model_budget(&self, layers: usize, spec: &LayerSpec) -> Result<()> {
         // Replicas and split blocks are mappings too: a region per kind per copy, a
         // mapping per block of a split region.
+        // A hybrid store's hot copies: counted as if every layer had hot experts.
         let per_layer = (1 + usize::from(spec.scale_bytes > 0))
             * self.copies()
-            * self.layout.maps_per_region(spec.experts);
+            * (self.layout.maps_per_region(spec.experts) + self.hot_maps_bound());
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
             Error::overflow(
                 "PinStore::check_model_budget",

@@ -26,7 +26,7 @@ pub use crate::source::{
     DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
     PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
 };
-pub use assign::{ExpertAssignment, NodeShare};
+pub use assign::{ExpertAssignment, HotCopies, NodeShare};
 use layer::Layer;
 pub(crate) use layer::ids_text;
 pub use layout::Layout;
@@ -70,6 +70,8 @@ pub struct PinStore {
     layout: Layout,
     /// The nodes of each copy a layer gets ([`Layout::copy_groups`]; empty: one copy).
     copy_groups: Vec<NodeSet>,
+    /// The groups a hybrid layer's hot experts get a copy on (empty: no assignment).
+    hot_groups: Vec<NodeSet>,
     options: StoreOptions,
     state: State,
     layers: table::Table<Box<Layer>>,
@@ -143,9 +145,16 @@ impl PinStore {
                 ),
             ));
         }
+        let hot_groups = match (&options.assignment, layout.blocks()) {
+            (Some(a), Some(set)) => assign::hot_groups(a.hot_copy_shape(), set, |set| {
+                Ok(crate::topology::Topology::get()?.domains_within(set))
+            })?,
+            _ => Vec::new(),
+        };
         Ok(PinStore {
             layout,
             copy_groups,
+            hot_groups,
             state: State::Open,
             layers: table::Table::new(),
             packing: Mutex::new(BTreeSet::new()),
@@ -185,6 +194,16 @@ impl PinStore {
     /// unsupported, one unplaced copy is built ([`PinStore::replica_nodes`] is then empty).
     pub fn copy_groups(&self) -> &[NodeSet] {
         &self.copy_groups
+    }
+
+    /// The groups the copies of a layer live on: the layout's ([`PinStore::copy_groups`]),
+    /// or a hybrid layer's hot copies' ([`PinStore::hot_groups`]).
+    fn groups(&self) -> &[NodeSet] {
+        if self.copy_groups.is_empty() {
+            &self.hot_groups
+        } else {
+            &self.copy_groups
+        }
     }
 
     /// Copies of each layer the layout makes (1 but for the replicating layouts).

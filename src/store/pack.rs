@@ -8,7 +8,6 @@ use std::sync::atomic::Ordering;
 use super::access::check_fits;
 use super::arena::{self, Arena};
 use super::layer::Layer;
-use super::layout::block;
 use super::{
     ExpertSource, Kind, LayerReport, LayerSpec, PACK, PinStore, SlotMap, assign, replica, slot_map,
     table,
@@ -124,7 +123,7 @@ impl PinStore {
         let _mark = self.mark_packing(layer)?;
         let copies = self.copies();
         let hot = order.as_ref().map_or(0, |o| o.hot.len());
-        self.check_copies(layer, spec, hot)?;
+        self.check_copies(layer, spec, order.as_ref())?;
         let mut arenas = self.reserve(layer, spec, order.as_ref())?;
         let policy = self.policy_for(layer);
         let (placement, mut mbind_calls) =
@@ -202,24 +201,31 @@ impl PinStore {
     }
 
     /// Before anything is mapped: every node of a replicated layout has the memory for
-    /// this layer's copy, and the mappings of all copies (and split blocks) fit the map
-    /// budget.
-    fn check_copies(&self, layer: usize, spec: &LayerSpec, hot: usize) -> Result<()> {
+    /// this layer's copy, every node of a split one for its block and its share of the
+    /// hot copies, and the mappings of all copies (split blocks and hot copies included)
+    /// fit the map budget.
+    fn check_copies(
+        &self,
+        layer: usize,
+        spec: &LayerSpec,
+        order: Option<&assign::SlotOrder>,
+    ) -> Result<()> {
         let copies = self.copies();
         if !self.copy_groups.is_empty() {
             let align = self.options.slot_align.bytes()?;
             let needed = replica::copy_bytes(spec, align)?;
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
         }
-        let per_copy = spec.kinds().count() * self.layout.maps_per_region(spec.experts);
-        // A hybrid layer's hot experts: one more region per kind on every other node.
-        let hot_copies = match (hot, self.layout.nodes()) {
-            (1.., Some(set)) => spec.kinds().count() * (set.len() - 1),
-            _ => 0,
+        let per_region = match self.layout.blocks() {
+            Some(set) => {
+                self.check_split_memory(layer, spec, &set, order)?;
+                self.split_maps(&set, spec.experts, order)
+            }
+            None => self.layout.maps_per_region(spec.experts),
         };
-        let maps = per_copy
-            .checked_mul(copies)
-            .and_then(|m| m.checked_add(hot_copies));
+        let maps = (spec.kinds().count())
+            .checked_mul(per_region)
+            .and_then(|m| m.checked_mul(copies));
         let maps = maps.ok_or_else(|| {
             Error::overflow(
                 PACK,
@@ -244,13 +250,8 @@ impl PinStore {
     ) -> Result<(Option<Placement>, usize)> {
         Ok(match (policy, self.layout.blocks()) {
             (_, Some(set)) => {
-                let blocks = match order {
-                    Some(o) => o.blocks.clone(),
-                    None => (0..set.len())
-                        .map(|i| block(i, set.len(), experts))
-                        .collect(),
-                };
-                let (p, calls) = self.bind_blocks(&set, arenas, &blocks)?;
+                let ranges = self.split_bindings(&set, experts, order);
+                let (p, calls) = self.bind_blocks(arenas, &ranges)?;
                 (Some(p), calls)
             }
             (Some(policy), _) => (

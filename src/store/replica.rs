@@ -285,23 +285,18 @@ impl PinStore {
         Ok(filled)
     }
 
-    /// Binds each region of a split layer block by block: `blocks[i]`, the slots of the
-    /// `i`-th node of the set, to that node (one `mbind` per non-empty block per region).
+    /// Binds each region of a split layer range by range (`ranges`, from
+    /// [`PinStore::split_bindings`]): one `mbind` per range per region.
     pub(super) fn bind_blocks(
         &self,
-        set: &NodeSet,
         arenas: &Arenas,
-        blocks: &[std::ops::Range<usize>],
+        ranges: &[(std::ops::Range<usize>, crate::policy::MemPolicy)],
     ) -> Result<(crate::policy::Placement, usize)> {
         let mut placement = crate::policy::Placement::Bound;
         let mut calls = 0;
-        for (node, slots) in set.iter().zip(blocks) {
-            if slots.is_empty() {
-                continue;
-            }
-            let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
+        for (slots, policy) in ranges {
             for arena in arenas.iter().flatten() {
-                let p = arena.bind_slots(slots.clone(), &policy)?;
+                let p = arena.bind_slots(slots.clone(), policy)?;
                 self.mbind_calls
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 calls += 1;
@@ -425,32 +420,23 @@ impl PinStore {
     /// the node of the groups nearest to `node` (`node` itself when a group holds it),
     /// among the copies the layer has (`leads`).
     fn copy_lead(&self, topology: &Topology, node: Node, leads: &NodeSet) -> Option<Node> {
-        if self.copy_groups.is_empty() {
-            // A hybrid layer's hot copies: one per node of the split set, each its own.
+        // A replicated layer's copies, or a hybrid layer's hot copies (per node or domain).
+        let groups = self.groups();
+        if groups.is_empty() {
             return topology.nearest(node, leads);
         }
         // Per lookup, so no allocation: the copies this layer has are the groups whose
         // lead it lists; the reader's own group first, else the group of the nearest node.
         let has = |g: &&NodeSet| g.nth(0).is_some_and(|lead| leads.contains(lead));
-        if let Some(own) = self
-            .copy_groups
-            .iter()
-            .filter(has)
-            .find(|g| g.contains(node))
-        {
+        if let Some(own) = groups.iter().filter(has).find(|g| g.contains(node)) {
             return own.nth(0);
         }
-        let all = self
-            .copy_groups
+        let all = groups
             .iter()
             .filter(has)
             .fold(NodeSet::new(), |all, g| all.union(g));
         let at = topology.nearest(node, &all)?;
-        self.copy_groups
-            .iter()
-            .filter(has)
-            .find(|g| g.contains(at))?
-            .nth(0)
+        groups.iter().filter(has).find(|g| g.contains(at))?.nth(0)
     }
 
     /// Copies `expert`'s loaded tensors from the first copy into every replica where they
@@ -495,32 +481,45 @@ pub(super) fn node_bytes(
             continue;
         }
         let bytes: u64 = arenas.iter().flatten().map(Arena::loaded_bytes).sum();
-        // An interleaved copy: an equal share per node of its group (the remainder on
-        // the lowest nodes).
         let single = std::iter::once(lead).collect();
         let group = store
-            .copy_groups
+            .groups()
             .iter()
             .find(|g| g.contains(lead))
             .unwrap_or(&single);
-        let n = group.len().max(1) as u64;
-        for (i, node) in group.iter().enumerate() {
-            *into.entry(node).or_default() += bytes / n + u64::from((i as u64) < bytes % n);
-        }
+        spread(group, bytes, into);
     }
     if replicated && !split {
         return;
     }
     let experts = layer.experts();
+    // The first copy's hot range, where it is interleaved over the first hot group.
+    let first_hot = (store.hot_groups.first())
+        .filter(|g| replicated && g.len() > 1)
+        .copied();
+    let mut hot_bytes = 0;
     for (_, arena) in layer.arenas_by_kind() {
         for expert in 0..experts {
-            let (Some(node), Some(len)) = (
-                store.expert_node(index, experts, expert),
-                arena.loaded(expert),
-            ) else {
+            let Some(len) = arena.loaded(expert) else {
                 continue;
             };
-            *into.entry(node).or_default() += len as u64;
+            if first_hot.is_some() && store.is_hot(index, expert) {
+                hot_bytes += len as u64;
+            } else if let Some(node) = store.expert_node(index, experts, expert) {
+                *into.entry(node).or_default() += len as u64;
+            }
         }
+    }
+    if let Some(group) = first_hot {
+        spread(&group, hot_bytes, into);
+    }
+}
+
+/// An interleaved copy of `bytes` on `group`: an equal share per node (the remainder on
+/// the lowest nodes).
+fn spread(group: &NodeSet, bytes: u64, into: &mut std::collections::BTreeMap<Node, u64>) {
+    let n = group.len().max(1) as u64;
+    for (i, node) in group.iter().enumerate() {
+        *into.entry(node).or_default() += bytes / n + u64::from((i as u64) < bytes % n);
     }
 }

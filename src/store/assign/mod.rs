@@ -15,23 +15,41 @@
 //! order: `weights(layer, e)` is expert `e`.
 //!
 //! Hot experts (the hybrid layout): the first copy of the layer holds every expert, the
-//! hot ones in the first node's block right after its cold ones (so that block is still
-//! one `mbind`); every other node of the set gets one more region per kind holding only
-//! the hot experts, bound to it. `weights_local` reads a hot expert from the calling
-//! thread's node (the nearest) and a cold one from its home; `home_node` is `None` for a
-//! hot expert (it lives on every node). Mappings per layer: kinds × (blocks + nodes − 1).
+//! hot ones right after the first node's cold ones; every other *hot group* gets one more
+//! region per kind holding only the hot experts. The hot groups are the set's nodes one
+//! by one ([`HotCopies::PerNode`]: each copy bound to its node) or the set's domains
+//! ([`HotCopies::PerDomain`]: each copy interleaved over the domain's nodes of the set,
+//! bound where the domain has one node there, as [`Layout::ReplicateDomains`] places a
+//! copy). The first copy's hot slots belong to the first group: inside the first node's
+//! block (one `mbind`) where that group is one node, else a range of their own,
+//! interleaved over the group. `weights_local` reads a hot expert from the calling
+//! thread's group (its node, or its domain; else the nearest) and a cold one from its
+//! home; `home_node` is `None` for a hot expert. Mappings per layer, per kind: the
+//! non-empty node blocks, + 1 for the first group's hot range where it is apart, + the
+//! groups − 1 (see the `hot` module).
+//!
+//! Why the per-domain choice is a property of the assignment ([`ExpertAssignment::hot_copies`])
+//! and not a second home constant or a [`StoreOptions`] flag: a home constant would let
+//! one layer mix per-node and per-domain hot experts (two sets of hot regions, for no use
+//! anyone asked for), and a store option would mean nothing without an assignment (one
+//! more combination to refuse). The assignment already says where every expert lives;
+//! "one copy per domain" is part of that answer.
 //!
 //! [`Layout`]: super::Layout
 //! [`Layout::SplitExperts`]: super::Layout::SplitExperts
 //! [`StoreOptions::assignment`]: super::StoreOptions::assignment
+//! [`StoreOptions`]: super::StoreOptions
+//! [`Layout::ReplicateDomains`]: super::Layout::ReplicateDomains
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use super::layout::block;
+
+mod hot;
 use crate::error::{Error, Result};
-use crate::nodeset::Node;
+use crate::nodeset::{Node, NodeSet};
 use crate::routing::{RoutingStats, balance};
 
 const OP: &str = "ExpertAssignment";
@@ -41,15 +59,47 @@ const OP: &str = "ExpertAssignment";
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExpertAssignment {
     layers: BTreeMap<usize, Arc<[usize]>>,
+    hot_copies: HotCopies,
+}
+
+/// Where a hybrid layer's hot experts ([`ExpertAssignment::EVERY_NODE`]) get their
+/// copies: [`ExpertAssignment::hot_copies`]. `#[non_exhaustive]`: shapes may be added.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HotCopies {
+    /// One copy on every node of the set, each bound to its node: the nearest copy for
+    /// every reader, nodes × the hot bytes.
+    #[default]
+    PerNode,
+    /// One copy per domain (socket, see
+    /// [`Topology::domains`](crate::topology::Topology::domains)) among the set's nodes,
+    /// interleaved over the domain's nodes of the set (bound where it has one node
+    /// there): with sub-NUMA clustering, one copy per socket instead of 2–4, each
+    /// reader's copy in its own socket. The domains are read when the store is made.
+    PerDomain,
 }
 
 impl ExpertAssignment {
-    /// The home of a hot expert: a copy on every node of the set.
+    /// The home of a hot expert: a copy on every node of the set, or in every domain of
+    /// it with [`HotCopies::PerDomain`].
     pub const EVERY_NODE: usize = usize::MAX;
 
     /// No layer assigned: every layer split by index.
     pub fn new() -> ExpertAssignment {
         ExpertAssignment::default()
+    }
+
+    /// Where the hot experts get their copies: on every node of the set (the default) or
+    /// once per domain ([`HotCopies::PerDomain`]).
+    #[must_use]
+    pub fn hot_copies(mut self, copies: HotCopies) -> Self {
+        self.hot_copies = copies;
+        self
+    }
+
+    /// Where the hot experts get their copies ([`ExpertAssignment::hot_copies`]).
+    pub fn hot_copy_shape(&self) -> HotCopies {
+        self.hot_copies
     }
 
     /// Assigns the experts of `layer`: `homes[e]` is the index, in the layout's node set,
@@ -149,6 +199,25 @@ impl ExpertAssignment {
     }
 }
 
+/// The groups of `set` a hybrid layer's hot experts get a copy on, the one holding the
+/// set's first node first: its nodes one by one, or its domains (`domains` groups a set
+/// by domain, as for [`Layout::ReplicateDomains`]; asked only for
+/// [`HotCopies::PerDomain`]).
+///
+/// # Errors
+/// As `domains`.
+pub(super) fn hot_groups(
+    shape: HotCopies,
+    set: NodeSet,
+    domains: impl FnOnce(&NodeSet) -> Result<Vec<NodeSet>>,
+) -> Result<Vec<NodeSet>> {
+    // The groups are those of the replicating layouts, which place a copy the same way.
+    match shape {
+        HotCopies::PerNode => super::Layout::Replicate(set).copy_groups(domains),
+        HotCopies::PerDomain => super::Layout::ReplicateDomains(set).copy_groups(domains),
+    }
+}
+
 /// A layer's slots under an assignment: where each expert's slot is, and each node's
 /// block of slots.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +229,8 @@ pub(crate) struct SlotOrder {
     pub(crate) blocks: Vec<Range<usize>>,
     /// The hot experts, by index.
     pub(crate) hot: Vec<usize>,
+    /// The hot experts' slots: the end of the first node's block.
+    pub(crate) hot_slots: Range<usize>,
 }
 
 impl SlotOrder {
@@ -212,7 +283,9 @@ impl SlotOrder {
             blocks.push(start..start + c);
             start += c;
         }
-        let mut hot_next = next.first().copied().unwrap_or(0) + blocks[0].len() - hot.len();
+        let first = blocks.first().cloned().unwrap_or_default();
+        let hot_slots = first.end.saturating_sub(hot.len())..first.end;
+        let mut hot_next = hot_slots.start;
         let slot = homes
             .iter()
             .map(|&h| {
@@ -225,7 +298,12 @@ impl SlotOrder {
                 s
             })
             .collect();
-        Ok(SlotOrder { slot, blocks, hot })
+        Ok(SlotOrder {
+            slot,
+            blocks,
+            hot,
+            hot_slots,
+        })
     }
 }
 
@@ -236,7 +314,8 @@ impl SlotOrder {
 pub struct NodeShare {
     /// Expert bytes loaded on the node (its cold experts, and its copy of the hot ones).
     pub bytes: u64,
-    /// Hot experts (a copy on every node): the same on every node.
+    /// Hot experts: the same on every node (each node holds a copy of each, or its share
+    /// of its domain's interleaved copy with [`HotCopies::PerDomain`]).
     pub hot_experts: usize,
     /// Experts whose only copy is on this node.
     pub cold_experts: usize,
@@ -328,7 +407,7 @@ impl super::PinStore {
         self.layout.target_node(layer, experts, expert)
     }
 
-    /// Whether `expert` of `layer` is hot (a copy on every node of the set).
+    /// Whether `expert` of `layer` is hot (a copy in every hot group of the set).
     pub(super) fn is_hot(&self, layer: usize, expert: usize) -> bool {
         self.layout.blocks().is_some()
             && self
@@ -337,68 +416,6 @@ impl super::PinStore {
                 .as_ref()
                 .and_then(|a| a.home(layer, expert))
                 == Some(ExpertAssignment::EVERY_NODE)
-    }
-
-    /// After the first copy is filled: a region per kind on every other node of the set
-    /// holding the hot experts only, bound to its node, copied from the first copy on a
-    /// thread of that node. Mappings are counted by `check_copies` beforehand.
-    pub(super) fn build_hot_copies(
-        &self,
-        layer: usize,
-        spec: &super::LayerSpec,
-        first: &super::layer::Arenas,
-        order: &SlotOrder,
-    ) -> Result<super::replica::Built> {
-        let mut built = super::replica::Built::default();
-        let Some(set) = self.layout.blocks() else {
-            return Ok(built);
-        };
-        let mut slot = vec![super::arena::ABSENT; spec.experts];
-        for (k, &e) in order.hot.iter().enumerate() {
-            slot[e] = k;
-        }
-        let slot: Arc<[usize]> = slot.into();
-        let backing = super::arena::Backing::of(&self.options, layer);
-        let align = self.options.slot_align.bytes()?;
-        for node in set.iter().skip(1) {
-            let mut copy: super::layer::Arenas = Default::default();
-            let policy = crate::policy::MemPolicy::Bind(std::iter::once(node).collect());
-            for kind in spec.kinds() {
-                let _reservation = self
-                    .maps
-                    .reserve(|| format!("layer {layer} {} hot copy", kind.name()), 1)?;
-                let arena = super::arena::Arena::reserve(
-                    kind,
-                    order.hot.len(),
-                    spec.bytes(kind),
-                    align,
-                    &backing,
-                )?
-                .with_order(slot.clone());
-                self.name_region(arena.region(), layer, kind)?;
-                let _ = self.note_placement(arena.bind(&policy)?);
-                self.mbind_calls
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                built.mbind_calls += 1;
-                copy[kind.index()] = Some(arena);
-            }
-            // Written from the node's own CPUs (rule 12), where it has any.
-            let on_node = crate::source::load::OnNode::enter(node);
-            for (to, from) in copy.iter_mut().zip(first) {
-                let (Some(to), Some(from)) = (to, from) else {
-                    continue;
-                };
-                for &e in &order.hot {
-                    let n = to.copy_slot_from(from, e)?;
-                    if on_node.moved() {
-                        built.local_bytes += n as u64;
-                    }
-                }
-            }
-            drop(on_node);
-            built.replicas.push((node, copy));
-        }
-        Ok(built)
     }
 }
 
