@@ -191,6 +191,30 @@ fn replicate_domains_puts_one_copy_per_domain_interleaved_over_its_nodes() {
     assert_eq!(stats.mbind_calls, 2 * 2 * domains.len());
 }
 
+/// A thread on every CPU of `nodes` reads hot expert 1 from its own domain's copy
+/// (interleaved over the domain's nodes, by `move_pages`) and cold expert 9 from its home.
+fn every_cpu_reads_its_domains_copy(
+    store: &PinStore,
+    nodes: NodeSet,
+    topology: &Topology,
+    w: usize,
+) {
+    let cpus: Vec<usize> = nodes.iter().flat_map(|n| topology.cpus_of(n)).collect();
+    for cpu in cpus {
+        let (hot_ptr, cold_ptr, domain) = on_cpu(cpu, || {
+            (
+                store.weights_local(0, 1).unwrap().as_ptr() as usize,
+                store.weights_local(0, 9).unwrap().as_ptr() as usize,
+                numapin::topology::current_domain().unwrap(),
+            )
+        });
+        let h = pages_of(hot_ptr as *const u8, w);
+        let within = domain.nodes().intersection(&nodes);
+        assert_interleaved(&h, w / page(), &within, &format!("cpu {cpu} reading hot 1"));
+        assert_eq!(cold_ptr, store.weights(0, 9).unwrap().as_ptr() as usize);
+    }
+}
+
 /// A hybrid layer over every node with its 2 hot experts one copy per domain
 /// (`HotCopies::PerDomain`), 16 experts of 64 KiB with Zipf counts. `move_pages` finds
 /// each domain's copy of each hot expert on that domain's nodes only, half on each of a
@@ -283,21 +307,7 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
         assert_eq!(h.on(home), w / page(), "cold {e}: {h:?}");
         *want.entry(home).or_insert(0u64) += slot;
     }
-    let cpus: Vec<usize> = nodes.iter().flat_map(|n| topology.cpus_of(n)).collect();
-    let store_ref = &store;
-    for cpu in cpus {
-        let (hot_ptr, cold_ptr, domain) = on_cpu(cpu, || {
-            (
-                store_ref.weights_local(0, 1).unwrap().as_ptr() as usize,
-                store_ref.weights_local(0, 9).unwrap().as_ptr() as usize,
-                numapin::topology::current_domain().unwrap(),
-            )
-        });
-        let h = pages_of(hot_ptr as *const u8, w);
-        let within = domain.nodes().intersection(&nodes);
-        assert_interleaved(&h, w / page(), &within, &format!("cpu {cpu} reading hot 1"));
-        assert_eq!(cold_ptr, store.weights(0, 9).unwrap().as_ptr() as usize);
-    }
+    every_cpu_reads_its_domains_copy(&store, nodes, topology, w);
     let measured = store.stats().unwrap();
     assert_eq!(measured.vmas, 2 * per_kind, "{measured:?}");
     assert_eq!(measured.node_bytes, want);
@@ -311,7 +321,12 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
     // where each node holds half of its domain's hot copy instead.
     let per_node = (experts - hot.len()).div_ceil(n) + hot.len();
     let budget = (per_node - usize::from(sockets)) as u64 * (w + 4096) as u64;
-    for (node, pages) in &measured.pages_per_node {
+    within_budget(&measured.pages_per_node, budget);
+}
+
+/// Every node's resident pages of the store within `budget` bytes.
+fn within_budget(pages_per_node: &std::collections::BTreeMap<Node, u64>, budget: u64) {
+    for (node, pages) in pages_per_node {
         assert!(
             pages * page() as u64 <= budget,
             "node {node}: {pages} pages over the budget of {budget} bytes"

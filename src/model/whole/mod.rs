@@ -37,6 +37,7 @@
 
 mod assign;
 mod classes;
+mod glob;
 mod place;
 mod plan;
 mod report;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::assign::{Assigned, DENSE_ALIGN, PlacementCost, assign};
+use super::assign::{Assigned, DENSE_ALIGN, Group, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use super::report::WholeReport;
@@ -227,53 +227,7 @@ impl Checkpoint {
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
         for g in &assigned.groups {
-            let packed: Vec<usize> = g
-                .tensors
-                .iter()
-                .copied()
-                .filter(|&i| !self.tensors[i].is_empty())
-                .collect();
-            if packed.is_empty() {
-                continue;
-            }
-            let mut counts = Vec::with_capacity(packed.len());
-            let mut pieces = Vec::with_capacity(packed.len());
-            for &i in &packed {
-                let before = pieces.len();
-                for (offset, len, joined) in assigned.held_pieces(self, i) {
-                    let piece = self.piece(i, offset, len)?;
-                    pieces.push(if joined { piece.joined() } else { piece });
-                }
-                counts.push(pieces.len() - before);
-            }
-            let sources = [ExpertSource::File {
-                weights: pieces,
-                scales: Vec::new(),
-            }];
-            let spec = LayerSpec::fitting(&sources)?;
-            let dense = &mut stores[g.store];
-            let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
-            dense.reads += report.reads;
-            dense.bounced += report.bounced_bytes;
-            let map = dense.store.slot_map(g.slot_layer)?;
-            let mut slots = map.pieces(0, Kind::Weights).unwrap_or_default();
-            for (&i, &count) in packed.iter().zip(&counts) {
-                // A tensor's pieces after the first are joined: one run from the first.
-                let (mine, rest) = slots.split_at(count.min(slots.len()));
-                slots = rest;
-                let (Some(first), Some(last)) = (mine.first(), mine.last()) else {
-                    continue;
-                };
-                places.insert(
-                    i,
-                    Place::Dense {
-                        store: g.store,
-                        layer: g.slot_layer,
-                        offset: first.offset,
-                        len: last.end() - first.offset,
-                    },
-                );
-            }
+            self.pack_group(&assigned, g, &mut stores, &mut places)?;
         }
         let (experts, expert_report) = match &assigned.naming {
             Some(naming) => {
@@ -316,6 +270,65 @@ impl Checkpoint {
             experts: expert_report,
         });
         Ok(model)
+    }
+
+    /// Packs dense group `g` into its store and records where each of its tensors
+    /// landed (a tensor's pieces after the first are joined: one run from the first).
+    fn pack_group(
+        &self,
+        assigned: &Assigned,
+        g: &Group,
+        stores: &mut [DenseStore],
+        places: &mut HashMap<usize, Place>,
+    ) -> Result<()> {
+        let packed: Vec<usize> = g
+            .tensors
+            .iter()
+            .copied()
+            .filter(|&i| !self.tensors[i].is_empty())
+            .collect();
+        if packed.is_empty() {
+            return Ok(());
+        }
+        let mut counts = Vec::with_capacity(packed.len());
+        let mut pieces = Vec::with_capacity(packed.len());
+        for &i in &packed {
+            let before = pieces.len();
+            for (offset, len, joined) in assigned.held_pieces(self, i) {
+                let piece = self.piece(i, offset, len)?;
+                pieces.push(if joined { piece.joined() } else { piece });
+            }
+            counts.push(pieces.len() - before);
+        }
+        let sources = [ExpertSource::File {
+            weights: pieces,
+            scales: Vec::new(),
+        }];
+        let spec = LayerSpec::fitting(&sources)?;
+        let dense = &mut stores[g.store];
+        let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
+        dense.reads += report.reads;
+        dense.bounced += report.bounced_bytes;
+        let map = dense.store.slot_map(g.slot_layer)?;
+        let mut slots = map.pieces(0, Kind::Weights).unwrap_or_default();
+        for (&i, &count) in packed.iter().zip(&counts) {
+            // A tensor's pieces after the first are joined: one run from the first.
+            let (mine, rest) = slots.split_at(count.min(slots.len()));
+            slots = rest;
+            let (Some(first), Some(last)) = (mine.first(), mine.last()) else {
+                continue;
+            };
+            places.insert(
+                i,
+                Place::Dense {
+                    store: g.store,
+                    layer: g.slot_layer,
+                    offset: first.offset,
+                    len: last.end() - first.offset,
+                },
+            );
+        }
+        Ok(())
     }
 
     fn placed_tensors(

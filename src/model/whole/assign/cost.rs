@@ -138,56 +138,10 @@ impl Assigned {
         let mut slices: BTreeMap<TensorClass, BTreeMap<String, usize>> = BTreeMap::new();
         for g in &self.groups {
             let c = classes.entry(g.class).or_insert_with(|| entry(g.class));
-            let copy = slot_bytes(
-                g.tensors
-                    .iter()
-                    .flat_map(|&i| self.held_pieces(checkpoint, i)),
-                self.layout,
-                slot,
-            );
-            one_copy = one_copy.saturating_add(copy);
-            let text = g.layout.to_string();
-            if !c.layout.split('+').any(|l| l == text) {
-                if !c.layout.is_empty() {
-                    c.layout.push('+');
-                }
-                c.layout.push_str(&text);
-            }
-            c.tensors += g.tensors.len();
             let counts = slices.entry(g.class).or_default();
-            for &i in &g.tensors {
-                *counts.entry(self.slice_text(i)).or_default() += 1;
-            }
-            c.bytes += g
-                .tensors
-                .iter()
-                .map(|&i| self.held_len(checkpoint, i))
-                .sum::<u64>();
-            // Empty tensors are never packed (`place` skips them), and a group of
-            // empty tensors only costs no mapping and no `mbind`.
-            let held = g
-                .tensors
-                .iter()
-                .filter(|&&i| !checkpoint.tensors[i].is_empty())
-                .count();
-            if held == 0 {
-                continue;
-            }
-            c.groups += 1;
-            c.mappings += g.layout.copies();
-            c.mbind_calls += g.layout.mbind_calls();
-            c.per_tensor_mappings += held * g.layout.copies();
-            match g.layout {
-                // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
-                DenseLayout::Replicate(set) => {
-                    for node in set.iter() {
-                        add(&mut c.node_bytes, node, copy);
-                    }
-                }
-                DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
-                DenseLayout::Bind(node) => add(&mut c.node_bytes, node, copy),
-                DenseLayout::Unplaced => unbound = unbound.saturating_add(copy),
-            }
+            let (copy, u) = self.group_cost(c, counts, g, checkpoint, slot);
+            one_copy = one_copy.saturating_add(copy);
+            unbound = unbound.saturating_add(u);
         }
         if let Some(experts) = &self.experts {
             let mut c = entry(TensorClass::RoutedExperts);
@@ -201,15 +155,7 @@ impl Assigned {
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
         }
-        for (class, counts) in slices {
-            if let Some(c) = classes.get_mut(&class)
-                && counts.keys().any(|k| k != "whole")
-            {
-                // Cut tensors first (`rows:…`, `columns:…` sort before `whole`).
-                let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
-                c.slices = parts.join(", ");
-            }
-        }
+        describe_slices(&mut classes, slices);
         let classes: Vec<ClassCost> = classes.into_values().collect();
         let mut node_bytes = BTreeMap::new();
         for c in &classes {
@@ -225,6 +171,85 @@ impl Assigned {
             node_bytes,
             unbound_bytes: unbound,
             one_copy_bytes: one_copy,
+        }
+    }
+}
+
+impl Assigned {
+    /// Adds dense group `g` to its class's cost `c` (and its tensors' slices to
+    /// `counts`); returns one copy's bytes and the bytes left unbound.
+    fn group_cost(
+        &self,
+        c: &mut ClassCost,
+        counts: &mut BTreeMap<String, usize>,
+        g: &super::Group,
+        checkpoint: &Checkpoint,
+        slot: u64,
+    ) -> (u64, u64) {
+        let copy = slot_bytes(
+            g.tensors
+                .iter()
+                .flat_map(|&i| self.held_pieces(checkpoint, i)),
+            self.layout,
+            slot,
+        );
+        let text = g.layout.to_string();
+        if !c.layout.split('+').any(|l| l == text) {
+            if !c.layout.is_empty() {
+                c.layout.push('+');
+            }
+            c.layout.push_str(&text);
+        }
+        c.tensors += g.tensors.len();
+        for &i in &g.tensors {
+            *counts.entry(self.slice_text(i)).or_default() += 1;
+        }
+        c.bytes += g
+            .tensors
+            .iter()
+            .map(|&i| self.held_len(checkpoint, i))
+            .sum::<u64>();
+        // Empty tensors are never packed (`place` skips them), and a group of empty
+        // tensors only costs no mapping and no `mbind`.
+        let held = g
+            .tensors
+            .iter()
+            .filter(|&&i| !checkpoint.tensors[i].is_empty())
+            .count();
+        if held == 0 {
+            return (copy, 0);
+        }
+        c.groups += 1;
+        c.mappings += g.layout.copies();
+        c.mbind_calls += g.layout.mbind_calls();
+        c.per_tensor_mappings += held * g.layout.copies();
+        match g.layout {
+            // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
+            DenseLayout::Replicate(set) => {
+                for node in set.iter() {
+                    add(&mut c.node_bytes, node, copy);
+                }
+            }
+            DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
+            DenseLayout::Bind(node) => add(&mut c.node_bytes, node, copy),
+            DenseLayout::Unplaced => return (copy, copy),
+        }
+        (copy, 0)
+    }
+}
+
+/// Each class's slices in words (`rows:0/2 ×3, whole ×2`), where any tensor is cut.
+fn describe_slices(
+    classes: &mut BTreeMap<TensorClass, ClassCost>,
+    slices: BTreeMap<TensorClass, BTreeMap<String, usize>>,
+) {
+    for (class, counts) in slices {
+        if let Some(c) = classes.get_mut(&class)
+            && counts.keys().any(|k| k != "whole")
+        {
+            // Cut tensors first (`rows:…`, `columns:…` sort before `whole`).
+            let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+            c.slices = parts.join(", ");
         }
     }
 }
