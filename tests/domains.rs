@@ -309,7 +309,16 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
     }
     every_cpu_reads_its_domains_copy(&store, nodes, topology, w);
     let measured = store.stats().unwrap();
-    assert_eq!(measured.vmas, 2 * per_kind, "{measured:?}");
+    // smaps counts VMAs, and the kernel merges two adjacent mappings of equal flags and
+    // policy (a domain's hot weights and hot scales regions, mapped one after the other;
+    // no anonymous names tell them apart on the VM's kernel): at most one VMA per
+    // mapping, at least one per kind's worth. The `mbind` calls above are exact.
+    assert!(
+        (per_kind..=2 * per_kind).contains(&measured.vmas),
+        "{} VMAs for {} mappings: {measured:?}",
+        measured.vmas,
+        2 * per_kind
+    );
     assert_eq!(measured.node_bytes, want);
     let shares = store.expert_shares(Some(&stats)).unwrap();
     for (node, bytes) in &want {
