@@ -112,16 +112,8 @@ pub enum SliceArg {
 
 fn slice_arg(text: &str) -> Result<SliceArg, String> {
     if let Some(rest) = text.trim().strip_prefix("tp:") {
-        let (k, n) = rest
-            .split_once('/')
-            .ok_or_else(|| format!("{text}: tp:k/n (rank k of n)"))?;
-        let number = |x: &str| {
-            x.parse::<u64>()
-                .map_err(|e| format!("{text}: {x:?} is not a number ({e})"))
-        };
-        let (k, n) = (number(k)?, number(n)?);
-        // The preset's own check (n > 0, k < n), made at parse time.
-        TensorSlice::part(numapin::model::SliceAxis::Rows, k, n).map_err(|e| e.to_string())?;
+        let (k, n) = numapin::model::PlacementPlan::parse_rank(rest)
+            .map_err(|e| format!("{text}: tp:k/n (rank k of n): {e}"))?;
         return Ok(SliceArg::Tp(k, n));
     }
     TensorSlice::parse(text)

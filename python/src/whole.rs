@@ -70,23 +70,6 @@ pub struct RankShare<'a> {
     pub tensor_parallel: Option<&'a str>,
 }
 
-/// `k/n` with decimal digits only, for `tensor_parallel=`.
-fn rank_of(text: &str) -> PyResult<(u64, u64)> {
-    let number = |s: &str| {
-        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| s.parse::<u64>().ok())
-            .flatten()
-    };
-    text.split_once('/')
-        .and_then(|(k, n)| Some((number(k)?, number(n)?)))
-        .ok_or_else(|| {
-            InvalidArgument::new_err(format!(
-                "place: tensor_parallel={:?} is not k/n (rank k of a group of n, digits)",
-                clip(text)
-            ))
-        })
-}
-
 impl RankShare<'_> {
     /// `plan` with this share (unchanged when every keyword is absent).
     pub fn apply(&self, mut plan: PlacementPlan) -> PyResult<PlacementPlan> {
@@ -102,7 +85,7 @@ impl RankShare<'_> {
             plan = plan.dense_slice(TensorSlice::parse(text).py_err()?);
         }
         if let Some(text) = self.tensor_parallel {
-            let (k, n) = rank_of(text)?;
+            let (k, n) = PlacementPlan::parse_rank(text).py_err()?;
             plan = plan.tensor_parallel(k, n).py_err()?;
         }
         for name in self.whole {

@@ -259,6 +259,37 @@ impl PlacementPlan {
         Ok(self)
     }
 
+    /// A tensor-parallel rank's text form, `k/n` (decimal digits, as every text form
+    /// here), read into the `(k, n)` [`PlacementPlan::tensor_parallel`] takes.
+    ///
+    /// ```
+    /// use numapin::model::PlacementPlan;
+    /// assert_eq!(PlacementPlan::parse_rank("1/4")?, (1, 4));
+    /// for bad in ["+1/4", "1/+4", "4/4", "1/0", "1", "1/4/2", " 1/4"] {
+    ///     assert!(PlacementPlan::parse_rank(bad).is_err(), "{bad}");
+    /// }
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Parse`] for text that is not `k/n`; `n` is 0 or `k ≥ n`.
+    pub fn parse_rank(text: &str) -> Result<(u64, u64)> {
+        let parse_error = |reason: &str| Error::Parse {
+            input: crate::error::clip_owned(text.to_owned(), 200),
+            part: "k/n".to_owned(),
+            reason: reason.to_owned(),
+        };
+        let (k, n) = text
+            .split_once('/')
+            .ok_or_else(|| parse_error("rank k of a group of n: k/n"))?;
+        let number = |x: &str| {
+            crate::error::decimal::<u64>(x).ok_or_else(|| parse_error("k and n are decimal digits"))
+        };
+        let (k, n) = (number(k)?, number(n)?);
+        TensorSlice::part(crate::model::SliceAxis::Rows, k, n)?;
+        Ok((k, n))
+    }
+
     /// The slice dense tensor `name` of `class` gets (its FP8 scale grid follows it),
     /// or `None` for whole.
     pub(super) fn slice_for(&self, class: TensorClass, name: &str) -> Option<SliceChoice> {
