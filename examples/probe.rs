@@ -1,34 +1,11 @@
 //! Prints what numapin finds on this machine, and one line saying what placement does
 //! here: `cargo run --example probe` (`-- --json` for one JSON object, `-- --help`).
+//! The same as `numapin probe`, whose code it calls.
 
-mod support;
-
-use std::process::ExitCode;
-use support::outln;
-
-use clap::Parser;
-use support::args::ProbeArgs;
-use support::report::{ProbeJson, verdict};
-
-fn main() -> ExitCode {
-    let args = ProbeArgs::parse();
-    let support = match numapin::probe() {
-        Ok(support) => support,
-        Err(e) => {
-            eprintln!("probe failed: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    if args.json {
-        match serde_json::to_string(&ProbeJson::new(&support)) {
-            Ok(text) => outln!("{text}"),
-            Err(e) => {
-                eprintln!("probe: JSON: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        outln!("{support}\n\n{}", verdict(&support));
-    }
-    ExitCode::SUCCESS
+fn main() -> std::process::ExitCode {
+    let argv = ["numapin".into(), "probe".into()]
+        .into_iter()
+        .chain(std::env::args_os().skip(1));
+    let status = numapin::cli::main(argv);
+    std::process::ExitCode::from(u8::try_from(status).unwrap_or(1))
 }

@@ -83,7 +83,7 @@ pub struct MapsEntry {
 
 impl MapsEntry {
     /// A `MAP_SHARED` mapping (`s` in the permissions).
-    pub fn is_shared(&self) -> bool {
+    pub(crate) fn is_shared(&self) -> bool {
         self.perms.as_bytes().get(3) == Some(&b's')
     }
 }

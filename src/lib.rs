@@ -9,6 +9,9 @@ pub mod cache;
 mod calls;
 #[doc(hidden)]
 pub mod capability;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod cli;
 pub mod diag;
 mod error;
 #[cfg(feature = "jemalloc")]
@@ -37,8 +40,8 @@ pub use probe::{
     mempolicy_support, page_calls_support, probe,
 };
 pub use region::{
-    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, bind_range,
-    migrate_process, range_placement, resident_pages,
+    Advice, HugePageSize, MoveReport, NodeHistogram, PagesSource, Region, Seals, WriteWindow,
+    bind_range, migrate_process, range_placement, resident_pages,
 };
 
 // The pages in docs/ that the README links to: their Rust snippets are doc tests too.

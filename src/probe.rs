@@ -54,7 +54,9 @@ pub struct Support {
     pub mems_allowed: NodeSet,
     /// `distance` rows: for each node with a row, its distance to nodes 0, 1, ...
     pub distances: Vec<(Node, Vec<u32>)>,
-    /// `MemFree` of each node, bytes.
+    /// Bytes each node can give a bound allocation: `MemFree + Inactive(file)` of its
+    /// meminfo, the figure the store's memory checks and the planner use too (see
+    /// [`PinStore::check_model_memory`](crate::store::PinStore::check_model_memory)).
     pub free_bytes: Vec<(Node, u64)>,
     /// `kernel.numa_balancing` (`None` when absent).
     pub numa_balancing: Option<u32>,
@@ -111,14 +113,9 @@ pub fn probe() -> Result<Support> {
                     .collect(),
             ));
         }
-        if let Ok(text) = std::fs::read_to_string(format!("{dir}/meminfo")) {
-            let free = text
-                .lines()
-                .find(|l| l.contains("MemFree:"))
-                .and_then(|l| l.split_whitespace().rev().nth(1)?.parse::<u64>().ok());
-            if let Some(kib) = free {
-                free_bytes.push((n, kib * 1024));
-            }
+        // The one figure of free memory, the store's checks' too.
+        if let Ok(Some(bytes)) = crate::topology::available_bytes(n) {
+            free_bytes.push((n, bytes));
         }
     }
     let numa_balancing = std::fs::read_to_string("/proc/sys/kernel/numa_balancing")

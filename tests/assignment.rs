@@ -9,7 +9,7 @@ mod common;
 use common::{need_nodes, nodes, pages_of};
 use numapin::routing::RoutingStats;
 use numapin::store::{
-    ExpertAssignment, ExpertSource, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
+    ExpertAssignment, ExpertSource, Home, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
 };
 use numapin::{Error, Invalid};
 
@@ -51,8 +51,9 @@ fn reason(e: Error) -> Invalid {
 
 #[test]
 fn an_assignment_is_for_a_split_that_is_not_shared() {
-    let a = Some(ExpertAssignment::new().layer(0, vec![0; 4]));
     let set = nodes();
+    let first = Home::Node(set.nth(0).unwrap());
+    let a = Some(ExpertAssignment::new().layer(0, vec![first; 4]));
     for layout in [
         Layout::Interleave(set),
         Layout::Replicate(set),
@@ -75,8 +76,9 @@ fn an_assignment_is_for_a_split_that_is_not_shared() {
             ..
         }
     ));
-    // A home past the set.
-    let bad = ExpertAssignment::new().layer(0, vec![0, set.len()]);
+    // A home outside the set (node ids, not indices: 63 is no node of the tests).
+    let outside = Home::Node(numapin::Node(63));
+    let bad = ExpertAssignment::new().layer(0, vec![first, outside]);
     let store = PinStore::new(Layout::SplitExperts(set), options().assignment(Some(bad))).unwrap();
     let d = data(2);
     let e = store.pack_layer(0, &spec(2), &sources(&d)).unwrap_err();
@@ -96,7 +98,7 @@ fn a_balanced_split_reads_back_every_expert() {
     let set = nodes();
     let counts = [100u64, 90, 5, 5, 5, 5, 1, 1];
     let stats = RoutingStats::from_counts([(0, counts.to_vec()), (1, counts.to_vec())]).unwrap();
-    let a = ExpertAssignment::balanced(&stats, &[(0, 8), (1, 8)], set.len()).unwrap();
+    let a = ExpertAssignment::balanced(&stats, &[(0, 8), (1, 8)], &set).unwrap();
     let store = PinStore::new(
         Layout::SplitExperts(set),
         options().assignment(Some(a.clone())),
@@ -115,8 +117,10 @@ fn a_balanced_split_reads_back_every_expert() {
             );
             assert_eq!(store.scales(layer, e).unwrap(), &w[..512]);
             assert_eq!(store.weights_local(layer, e).unwrap(), &w[..]);
-            let home = a.home(layer, e).unwrap();
-            assert_eq!(store.home_node(layer, e).unwrap(), set.nth(home));
+            let Some(Home::Node(home)) = a.home(layer, e) else {
+                panic!("layer {layer} expert {e}: no node home");
+            };
+            assert_eq!(store.home_node(layer, e).unwrap(), Some(home));
         }
     }
     let mut store = store;
@@ -140,8 +144,8 @@ fn balanced_experts_live_on_their_homes() {
     let set: numapin::NodeSet = all.iter().take(2).collect();
     let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1];
     let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
-    let a = ExpertAssignment::balanced(&stats, &[(0, 8)], 2).unwrap();
-    let homes: Vec<usize> = (0..8).map(|e| a.home(0, e).unwrap()).collect();
+    let a = ExpertAssignment::balanced(&stats, &[(0, 8)], &set).unwrap();
+    let homes: Vec<Home> = (0..8).map(|e| a.home(0, e).unwrap()).collect();
     assert_ne!(homes[0], homes[1], "the two hottest apart: {homes:?}");
     // By index, 0 and 1 would share node 0 (loads 190 against 12).
     let store = PinStore::new(Layout::SplitExperts(set), options().assignment(Some(a))).unwrap();
@@ -150,7 +154,9 @@ fn balanced_experts_live_on_their_homes() {
     assert_eq!(report.mbind_calls, 4, "2 regions x 2 node blocks");
     let mut want = std::collections::BTreeMap::new();
     for (e, w) in d.iter().enumerate() {
-        let home = set.nth(homes[e]).unwrap();
+        let Home::Node(home) = homes[e] else {
+            panic!("expert {e} is hot: {homes:?}");
+        };
         assert_eq!(store.home_node(0, e).unwrap(), Some(home));
         let weights = store.weights(0, e).unwrap();
         assert_eq!(weights, &w[..]);
@@ -172,7 +178,7 @@ fn a_hybrid_layer_reads_back_every_expert() {
     let set = nodes();
     let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1];
     let stats = RoutingStats::from_counts([(0, counts.clone())]).unwrap();
-    let a = ExpertAssignment::hybrid(&stats, &[(0, 8)], set.len(), 2).unwrap();
+    let a = ExpertAssignment::hybrid(&stats, &[(0, 8)], &set, 2).unwrap();
     let store = PinStore::new(
         Layout::SplitExperts(set),
         options().assignment(Some(a.clone())),
@@ -189,16 +195,17 @@ fn a_hybrid_layer_reads_back_every_expert() {
         }
         let home = store.home_node(0, e).unwrap();
         match a.home(0, e).unwrap() {
-            ExpertAssignment::EVERY_NODE => assert_eq!(home, None, "expert {e} is hot"),
-            h => assert_eq!(home, set.nth(h)),
+            Home::Hot => assert_eq!(home, None, "expert {e} is hot"),
+            Home::Node(h) => assert_eq!(home, Some(h)),
         }
     }
     let shares = store.expert_shares(Some(&stats)).unwrap();
     let total: u64 = counts.iter().sum();
     for (node, share) in &shares {
         assert_eq!(share.hot_experts, 2);
-        let i = set.iter().position(|n| n == *node).unwrap();
-        let cold: Vec<usize> = (0..8).filter(|&e| a.home(0, e) == Some(i)).collect();
+        let cold: Vec<usize> = (0..8)
+            .filter(|&e| a.home(0, e) == Some(Home::Node(*node)))
+            .collect();
         assert_eq!(share.cold_experts, cold.len());
         let mine: u64 = cold.iter().map(|&e| counts[e]).sum();
         let want = (mine as f64 + 190.0 / set.len() as f64) / total as f64;
@@ -233,7 +240,7 @@ fn hybrid_hot_on_every_node_cold_on_their_homes() {
     let n = set.len();
     let counts = vec![100u64, 90, 5, 5, 5, 5, 1, 1, 1];
     let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
-    let a = ExpertAssignment::hybrid(&stats, &[(0, 9)], n, 2).unwrap();
+    let a = ExpertAssignment::hybrid(&stats, &[(0, 9)], &set, 2).unwrap();
     let store = PinStore::new(
         Layout::SplitExperts(set),
         options().assignment(Some(a.clone())),
@@ -246,7 +253,7 @@ fn hybrid_hot_on_every_node_cold_on_their_homes() {
     let mut want = std::collections::BTreeMap::new();
     for (e, w) in d.iter().enumerate() {
         match a.home(0, e).unwrap() {
-            ExpertAssignment::EVERY_NODE => {
+            Home::Hot => {
                 for node in set.iter() {
                     let copy = store.weights_on(node, 0, e).unwrap();
                     assert_eq!(copy, &w[..]);
@@ -259,8 +266,7 @@ fn hybrid_hot_on_every_node_cold_on_their_homes() {
                     *want.entry(node).or_insert(0u64) += slot;
                 }
             }
-            i => {
-                let home = set.nth(i).unwrap();
+            Home::Node(home) => {
                 let h = pages_of(store.weights(0, e).unwrap().as_ptr(), W);
                 assert_eq!(h.on(home), W / numapin::page_size(), "cold {e}: {h:?}");
                 for node in set.iter() {
@@ -305,10 +311,11 @@ fn a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped()
     };
     // Experts 0-3 hot, the others split by index over the set.
     let cold = experts - 4;
-    let homes: Vec<usize> = (0..experts)
+    let ids: Vec<numapin::Node> = set.iter().collect();
+    let homes: Vec<Home> = (0..experts)
         .map(|e| match e {
-            0..4 => ExpertAssignment::EVERY_NODE,
-            _ => (e - 4) * set.len() / cold,
+            0..4 => Home::Hot,
+            _ => Home::Node(ids[(e - 4) * set.len() / cold]),
         })
         .collect();
     let a = ExpertAssignment::new()
@@ -318,8 +325,8 @@ fn a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped()
     let domains = numapin::topology::Topology::get()
         .unwrap()
         .domains_within(&set);
-    let need = |i: usize, node: numapin::Node| -> u64 {
-        let mine = homes.iter().filter(|&&h| h == i).count() as u64 * gib;
+    let need = |node: numapin::Node| -> u64 {
+        let mine = homes.iter().filter(|&&h| h == Home::Node(node)).count() as u64 * gib;
         let domain = domains.iter().find(|d| d.contains(node)).unwrap();
         mine + (4 * gib).div_ceil(domain.len() as u64)
     };
@@ -340,16 +347,13 @@ fn a_hybrid_layer_too_large_for_its_nodes_is_refused_before_anything_is_mapped()
             if set.len() == 1 {
                 assert_eq!(needed, experts as u64 * gib);
             }
-            assert_eq!(needed, need(0, first), "{what}");
-            let same: Vec<numapin::Node> = (set.iter().enumerate())
-                .filter(|&(i, n)| need(i, n) == needed)
-                .map(|(_, n)| n)
-                .collect();
+            assert_eq!(needed, need(first), "{what}");
+            let same: Vec<numapin::Node> = set.iter().filter(|&n| need(n) == needed).collect();
             let named: Vec<numapin::Node> = available.iter().map(|(n, _)| *n).collect();
             assert_eq!(named, same, "{what}");
             assert!(available.iter().all(|(_, free)| *free < needed));
-            for (i, node) in set.iter().enumerate() {
-                let each = format!("{node}: {}", need(i, node));
+            for node in set.iter() {
+                let each = format!("{node}: {}", need(node));
                 assert!(what.contains(&each), "{each} not in {what}");
             }
             assert!(figure.starts_with("MemFree + Inactive(file)"), "{figure}");
@@ -400,8 +404,8 @@ fn the_map_budget_counts_the_hot_copies() {
             other => panic!("expected MapBudget, got {other:?}"),
         }
     };
-    const H: usize = ExpertAssignment::EVERY_NODE;
-    let hybrid = ExpertAssignment::new().layer(0, vec![H, 0, 1, 2, 3, H]);
+    let (h, n) = (Home::Hot, |id: u16| Home::Node(numapin::Node(id)));
+    let hybrid = ExpertAssignment::new().layer(0, vec![h, n(60), n(61), n(62), n(63), h]);
     let by_index = needed(None);
     assert_eq!(needed(Some(hybrid)), by_index + 2 * 3);
 }

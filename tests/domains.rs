@@ -14,7 +14,7 @@ mod common;
 use common::{need_nodes, pages_of};
 use numapin::routing::RoutingStats;
 use numapin::store::{
-    ExpertAssignment, ExpertSource, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
+    ExpertAssignment, ExpertSource, Home, HotCopies, LayerSpec, Layout, PinStore, StoreOptions,
 };
 use numapin::topology::{Domain, Topology};
 use numapin::{Node, NodeHistogram, NodeSet};
@@ -241,7 +241,7 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
     let (n, experts, w) = (nodes.len(), 16, 64 * 1024);
     let counts: Vec<u64> = (0..experts).map(|e| 1000 / (e as u64 + 1)).collect();
     let stats = RoutingStats::from_counts([(0, counts)]).unwrap();
-    let a = ExpertAssignment::hybrid(&stats, &[(0, experts)], n, 2)
+    let a = ExpertAssignment::hybrid(&stats, &[(0, experts)], &nodes, 2)
         .unwrap()
         .hot_copies(HotCopies::PerDomain);
     let options = StoreOptions::default().huge_pages(false).loader_threads(2);
@@ -266,14 +266,12 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
         .collect();
     let report = store.pack_layer(0, &spec, &sources).unwrap();
     assert!(report.placement.is_some_and(|p| p.is_bound()), "{report:?}");
-    let homes: Vec<usize> = (0..experts).map(|e| a.home(0, e).unwrap()).collect();
-    let hot: Vec<usize> = (0..experts)
-        .filter(|&e| homes[e] == ExpertAssignment::EVERY_NODE)
-        .collect();
+    let homes: Vec<Home> = (0..experts).map(|e| a.home(0, e).unwrap()).collect();
+    let hot: Vec<usize> = (0..experts).filter(|&e| homes[e] == Home::Hot).collect();
     assert_eq!(hot, [0, 1]);
     let apart = domains[0].len() > 1;
-    let blocks = (0..n)
-        .filter(|&i| homes.contains(&i) || (i == 0 && !apart))
+    let blocks = (nodes.iter().enumerate())
+        .filter(|&(i, node)| homes.contains(&Home::Node(node)) || (i == 0 && !apart))
         .count();
     let per_kind = blocks + usize::from(apart) + domains.len() - 1;
     assert_eq!(report.mbind_calls, 2 * per_kind, "{report:?}");
@@ -301,7 +299,9 @@ fn hybrid_hot_copies_per_domain_lie_on_their_domains() {
         }
     }
     for e in (0..experts).filter(|e| !hot.contains(e)) {
-        let home = nodes.nth(homes[e]).unwrap();
+        let Home::Node(home) = homes[e] else {
+            panic!("cold expert {e} has no node: {homes:?}");
+        };
         assert_eq!(store.home_node(0, e).unwrap(), Some(home));
         let h = pages_of(store.weights(0, e).unwrap().as_ptr(), w);
         assert_eq!(h.on(home), w / page(), "cold {e}: {h:?}");

@@ -1,5 +1,5 @@
 //! The examples' flags and JSON (`examples/support/`), without running the examples:
-//! the clap types parse as the README and docs/pin_model.md say, `pin_model`'s JSON from
+//! the clap types parse as the README and docs/cli.md say, `pin_model`'s JSON from
 //! a real (small) load carries the schema and both expert counts where xtask's VM check
 //! reads them, and `probe`'s JSON is `Support` in the form the library's `serde` feature
 //! gives it.
@@ -89,7 +89,7 @@ fn every_pin_model_flag_keeps_its_meaning() {
     assert_eq!(args.threads, Some(7));
     assert!(args.no_huge_pages && args.baseline && args.json);
     assert!(!args.purge());
-    assert_eq!(args.read, numapin::store::ReadMode::Buffered, "the default");
+    assert_eq!(args.read, numapin::store::ReadMode::Auto, "the default");
     assert_eq!(args.model, None);
     model_and_plan_flags_keep_their_meaning();
     read_and_layout_flags_keep_their_meaning();
@@ -624,6 +624,74 @@ fn pin_model_share_flags_parse_to_the_share_placed() {
         kind(&["--model", "/m", "--slice", "rows:2/2"]),
         ErrorKind::ValueValidation
     );
+}
+
+/// `pin_model --plan --json`'s timings: per class the load and verify seconds and the
+/// class's bytes over its load seconds; the classes' loads add up to no more than the
+/// whole placement's wall time, and every class with bytes was timed.
+#[cfg(feature = "model")]
+#[test]
+fn pin_model_plan_json_has_load_and_verify_times_per_class() {
+    use numapin::model::Checkpoint;
+    use numapin::store::ReadMode;
+    use support::whole::{WholeJson, WholeTimes};
+    let Some(dir) = std::env::var_os("NUMAPIN_FIXTURES").map(PathBuf::from) else {
+        eprintln!("NOT RUN: pin_model_plan_json_has_load_and_verify_times_per_class");
+        return;
+    };
+    let path = dir.join("st-sharded/model");
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = checkpoint.default_plan(nodes()).unwrap();
+    let started = std::time::Instant::now();
+    let model = checkpoint.place(&plan, StoreOptions::default()).unwrap();
+    let load = started.elapsed();
+    let started = std::time::Instant::now();
+    let verify = model.verify(&checkpoint).unwrap();
+    let times = WholeTimes {
+        load,
+        verify: started.elapsed(),
+    };
+    let report = model.report().unwrap();
+    let json = WholeJson::new(&path, report, &verify, ReadMode::Auto, times);
+    assert_eq!(json.read_mode, "auto");
+    assert!(json.classes.len() >= 2, "{json:?}");
+    let mut loads = 0.0;
+    for c in &json.classes {
+        if c.bytes > 0 {
+            assert!(c.load_seconds > 0.0, "{}: not timed", c.class);
+            assert!(c.verify_seconds > 0.0, "{}: verify not timed", c.class);
+            let rate = c.bytes as f64 / c.load_seconds / 1e9;
+            assert!((c.load_gb_per_s - rate).abs() <= rate * 1e-9, "{}", c.class);
+            // Each file its loads read, with the default (auto) mode's reason.
+            assert!(!c.files.is_empty(), "{}: no file reads", c.class);
+            for f in &c.files {
+                assert!(f.contains(".safetensors: ") && f.contains("(auto: "), "{f}");
+            }
+        }
+        loads += c.load_seconds;
+    }
+    assert!(
+        loads <= json.load_seconds,
+        "{loads} > {}",
+        json.load_seconds
+    );
+    let verifies: f64 = json.classes.iter().map(|c| c.verify_seconds).sum();
+    assert!(
+        verifies <= json.verify_seconds,
+        "{verifies} > {}",
+        json.verify_seconds
+    );
+    let text = serde_json::to_string(&json).unwrap();
+    for key in [
+        "\"load_seconds\"",
+        "\"load_gb_per_s\"",
+        "\"verify_seconds\"",
+    ] {
+        assert!(
+            text.matches(key).count() > json.classes.len(),
+            "{key}: {text}"
+        );
+    }
 }
 
 /// `pin_model --model F --plan default --experts k/2 --slice rows:k/2`: the flags work

@@ -438,7 +438,7 @@ fn balance_at_the_edges() {
 /// a wrap; `ExpertAssignment::balanced` and `hybrid` with 0 nodes or every expert hot.
 #[test]
 fn hostile_routing_json_and_assignments() {
-    use numapin::store::ExpertAssignment;
+    use numapin::store::{ExpertAssignment, Home};
     let deep = format!(
         r#"{{"numapin_routing":1,"layers":{}1{}}}"#,
         "[".repeat(100_000),
@@ -493,35 +493,32 @@ fn hostile_routing_json_and_assignments() {
     assert!(e.contains("layer 3"), "{e}");
 
     let stats = RoutingStats::from_counts([(0, vec![5u64, 1, 1, 9])]).unwrap();
-    assert!(ExpertAssignment::balanced(&stats, &[(0, 4)], 0).is_err());
-    let all_hot = ExpertAssignment::hybrid(&stats, &[(0, 4)], 2, usize::MAX).unwrap();
-    assert_eq!(
-        all_hot.layers().next().unwrap().1,
-        &[ExpertAssignment::EVERY_NODE; 4]
-    );
-    let none_hot = ExpertAssignment::hybrid(&stats, &[(0, 4)], 2, 0).unwrap();
+    let none = numapin::NodeSet::new();
+    assert!(ExpertAssignment::balanced(&stats, &[(0, 4)], &none).is_err());
+    let two = numapin::NodeSet::from_nodes([0, 1]).unwrap();
+    let all_hot = ExpertAssignment::hybrid(&stats, &[(0, 4)], &two, usize::MAX).unwrap();
+    assert_eq!(all_hot.layers().next().unwrap().1, &[Home::Hot; 4]);
+    let none_hot = ExpertAssignment::hybrid(&stats, &[(0, 4)], &two, 0).unwrap();
     let homes = none_hot.layers().next().unwrap().1.to_vec();
-    assert_eq!(homes.iter().filter(|&&h| h == 0).count(), 2, "{homes:?}");
+    let on_0 = homes.iter().filter(|&&h| h == Home::Node(numapin::Node(0)));
+    assert_eq!(on_0.count(), 2, "{homes:?}");
     // Equal counts: the same placement twice.
     let equal = RoutingStats::from_counts([(0, vec![4u64; 4])]).unwrap();
     assert_eq!(
-        ExpertAssignment::hybrid(&equal, &[(0, 4)], 2, 1).unwrap(),
-        ExpertAssignment::hybrid(&equal, &[(0, 4)], 2, 1).unwrap()
+        ExpertAssignment::hybrid(&equal, &[(0, 4)], &two, 1).unwrap(),
+        ExpertAssignment::hybrid(&equal, &[(0, 4)], &two, 1).unwrap()
     );
 }
 
 /// Held: an assignment whose every expert is hot on a one-node split packs and reads
-/// each expert back (the sources are the reference); a home of `usize::MAX - 1` is a
-/// named error; a layer assigned twice keeps the last assignment.
+/// each expert back (the sources are the reference); a home outside the set (node
+/// `u16::MAX`) is a named error; a layer assigned twice keeps the last assignment.
 #[test]
 fn hostile_assignments_pack_or_fail_by_name() {
-    use numapin::store::{ExpertAssignment, ExpertSource, LayerSpec, PinStore, StoreOptions};
+    use numapin::store::{ExpertAssignment, ExpertSource, Home, LayerSpec, PinStore, StoreOptions};
     let set = numapin::NodeSet::allowed().unwrap();
-    let one = set
-        .iter()
-        .next()
-        .map(|n| std::iter::once(n).collect())
-        .unwrap();
+    let first = set.iter().next().unwrap();
+    let one = std::iter::once(first).collect();
     let data: Vec<Vec<u8>> = (0..4)
         .map(|e| (0..8192).map(|i| (e * 13 + i % 241) as u8).collect())
         .collect();
@@ -544,15 +541,16 @@ fn hostile_assignments_pack_or_fail_by_name() {
             .assignment(Some(a))
     };
     let hot = ExpertAssignment::new()
-        .layer(0, vec![0, 0])
-        .layer(0, vec![ExpertAssignment::EVERY_NODE; 4]);
+        .layer(0, vec![Home::Node(first); 2])
+        .layer(0, vec![Home::Hot; 4]);
     let store = PinStore::new(Layout::SplitExperts(one), options(hot)).unwrap();
     store.pack_layer(0, &spec, &sources).unwrap();
     for (e, want) in data.iter().enumerate() {
         assert_eq!(store.weights(0, e).unwrap(), &want[..]);
         assert_eq!(store.home_node(0, e).unwrap(), None, "hot: no single home");
     }
-    let bad = ExpertAssignment::new().layer(0, vec![0, 0, usize::MAX - 1, 0]);
+    let (h, far) = (Home::Node(first), Home::Node(numapin::Node(u16::MAX)));
+    let bad = ExpertAssignment::new().layer(0, vec![h, h, far, h]);
     let store = PinStore::new(Layout::SplitExperts(one), options(bad)).unwrap();
     let e = store
         .pack_layer(0, &spec, &sources)
@@ -575,6 +573,7 @@ fn hostile_shares_are_named_errors() {
     assert!(e.contains("layer 3"), "{e}");
     let own = ExpertShare::per_layer(|layer, _| {
         Err(Error::Parse {
+            what: "expert share",
             input: format!("layer {layer}"),
             part: "x".into(),
             reason: "the function's own".into(),

@@ -46,6 +46,10 @@ fn expected(pieces: &[(usize, u64, usize)], bases: &[u64]) -> Vec<u8> {
 /// What `mode` runs as on the file system of `path`: direct where statx reports a
 /// direct-I/O alignment, else buffered with the reason.
 fn expected_outcome(mode: ReadMode, file: &File) -> (ReadMode, Option<ReadFallback>) {
+    // Auto reads a file it finds cached buffered: these were written just before.
+    if mode == ReadMode::Auto {
+        return (ReadMode::Buffered, None);
+    }
     if mode != ReadMode::Direct {
         return (mode, None);
     }

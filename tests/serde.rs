@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 
 use common::{degrade_here, nodes};
 use numapin::store::{
-    DirectIo, ExpertSource, IoUringFallback, Kind, LayerReport, LayerSpec, Layout, Manifest,
-    ManifestRegion, PinStore, ReadFallback, ReadMode, StoreOptions, StoreStats,
+    DirectIo, ExpertSource, FileRead, IoUringFallback, Kind, LayerReport, LayerSpec, Layout,
+    Manifest, ManifestRegion, PinStore, ReadFallback, ReadMode, Residency, ResidencyProbe,
+    StoreOptions, StoreStats,
 };
 use numapin::{Node, NodeSet};
 
@@ -141,6 +142,16 @@ fn stats_and_report_have_fixed_field_names() {
         read_mode: ReadMode::Buffered,
         read_fallback: Some(ReadFallback::NoDirectIoAlignment),
         direct_io: Some(DirectIo::Threads(IoUringFallback::Denied)),
+        files: vec![FileRead {
+            path: "/m/a".into(),
+            mode: ReadMode::Direct,
+            residency: Some(Residency {
+                cached_pages: 1,
+                pages: 4,
+                probe: ResidencyProbe::Cachestat,
+            }),
+            fallback: None,
+        }],
         policy: Some(MemPolicy::Interleave(set(&[0, 1]))),
         replicas: 1,
         local_bytes: 0,
@@ -150,7 +161,7 @@ fn stats_and_report_have_fixed_field_names() {
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"bounced_bytes":5,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","direct_io":{"threads":"denied"},"policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"bounced_bytes":5,"read_mode":"buffered","read_fallback":"no-direct-io-alignment","direct_io":{"threads":"denied"},"files":[{"path":"/m/a","mode":"direct","residency":{"cached_pages":1,"pages":4,"probe":"cachestat"},"fallback":null}],"policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

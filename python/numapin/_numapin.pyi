@@ -42,6 +42,9 @@ class Cancelled(NumapinError):
 def probe() -> dict[str, Any]:
     """What this process may do here: the probe's facts, its verdict and a summary."""
 
+def main(argv: Sequence[str]) -> int:
+    """The `numapin` command on `argv` (the program name first): its exit status."""
+
 class Progress:
     """Where one layer's load stands. `store` tells apart the stores of a whole-model
     placement, which share one callback and each number their layers from 0."""
@@ -59,7 +62,8 @@ class View:
     """A read-only, zero-copy array over placed memory (buffer protocol and DLPack).
 
     Keeps its store alive. numpy honours the read-only flag; torch.from_dlpack ignores
-    it: never write to a tensor made from a view.
+    it, but the memory itself is read-only (PROT_READ) once placed: a write through such
+    a tensor faults (SIGSEGV) unless the store was made with writable=True.
     """
 
     @property
@@ -73,7 +77,13 @@ class View:
     def address(self) -> int:
         """The address of the first byte, inside the store's region."""
     @property
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes of the elements: elements x itemsize (numpy's meaning), not counting the
+        gaps of a strided view."""
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first byte the view reaches to one past the last: `address +
+        span_bytes` ends the range it reads (nbytes plus a strided view's gaps)."""
     @property
     def readonly(self) -> Literal[True]: ...
     def __dlpack__(
@@ -101,6 +111,7 @@ class PinStore:
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
+        writable: bool = False,
     ) -> None: ...
     @property
     def layout(self) -> str: ...
@@ -144,8 +155,9 @@ class Checkpoint:
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
-        read_mode: Literal["buffered", "direct", "drop-behind"] = "buffered",
+        read_mode: Literal["auto", "buffered", "direct", "drop-behind"] = "auto",
         progress: ProgressCallback | Literal[False] | None = None,
+        writable: bool = False,
     ) -> PlacedModel:
         """Packs every MoE layer's experts (GIL released). progress=None: a tqdm bar when
         tqdm is installed and stderr is a terminal. A raising callback aborts the load;
@@ -162,21 +174,28 @@ class Checkpoint:
         dense_slice: str | None = None,
         whole: list[str] | None = None,
         tensor_parallel: str | None = None,
+        slice_class: dict[str, str | slice] | None = None,
+        slice_pattern: dict[str, str | slice] | None = None,
+        framework_plan: dict[str, str] | None = None,
+        rank: str | None = None,
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
-        read_mode: Literal["buffered", "direct", "drop-behind"] = "buffered",
+        read_mode: Literal["auto", "buffered", "direct", "drop-behind"] = "auto",
         progress: ProgressCallback | Literal[False] | None = None,
+        writable: bool = False,
         **classes: str,
     ) -> WholeModel:
         """Places every tensor (GIL released): routed experts under `experts`
         (split/interleave/replicate/layer-per-node:NODES, unplaced), every dense class
         under `dense` (replicate/interleave:NODES, bind:NODE, unplaced). `plan` is the
         text form ("experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"),
-        overriding experts/dense; keywords named after a class (shared, attention,
+        overriding experts/dense ("default" is the checkpoint's default plan over every
+        node, "default;norms=unplaced" items over it); keywords named after a class (shared, attention,
         dense_mlp, norms, embeddings, head, global) override last. Map budget and node
         memory are checked before anything is reserved. A bad plan (unknown layout,
-        class, a keyword value holding ';' or '=' — one layout each, items go in `plan` —
+        class, a keyword value that is not one layout for its keyword, such as
+        "bind:0;experts=unplaced" — items go in `plan` —
         or a pattern matching no dense tensor) raises InvalidArgument; a progress that
         is not callable, False or None raises TypeError before loading.
 
@@ -187,7 +206,17 @@ class Checkpoint:
         whole); `whole` classes kept whole under `dense_slice` (["embeddings"]);
         `tensor_parallel="k/n"` rank k of a tensor-parallel group of n (column-parallel
         linears, embeddings and head by rows; o_proj/down_proj by columns; expert gate/up
-        by rows, down by columns; norms and routers whole)."""
+        their output dimension, down its input dimension, on the axes each family stores
+        them (DBRX's w2 by rows); norms and routers whole). `expert_slice` with
+        `tensor_parallel` raises InvalidArgument naming both. `slice_class` ({class:
+        slice}) and `slice_pattern` ({glob: slice}, the last matching pattern wins) cut
+        chosen tensors over dense_slice and tensor_parallel; a slice is its text
+        ("rows:0/2", "columns:1/4", "rows:START:LEN") or slice(start, stop), the rows
+        numpy's t[start:stop] holds. `framework_plan` ({module glob: style}, transformers'
+        tp_plan: colwise, rowwise, embedding_rowwise, replicate) with `rank="k/n"` is this
+        rank's share of the dense tensors as the framework cuts them, the routed experts
+        whole under `experts_held`; an unknown style, a cut that does not divide its axis
+        or splits an attention head raises InvalidArgument naming the tensor."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""
@@ -227,13 +256,33 @@ class WholeModel:
     def tensor(self, name: str) -> View:
         """Tensor `name`: dtype, shape in numpy's order (GGUF's ne reversed), raw uint8
         for GGML quant blocks; this thread's node's copy where the class is replicated.
-        A tensor holding every expert of a layer raises InvalidArgument: use expert()."""
+        A per-expert tensor is the part of it held (sliced under expert_slice= or
+        tensor_parallel=, as expert() gives it); one of an expert outside the share
+        raises NotHeld. A tensor holding every expert of a layer (experts.gate_up_proj)
+        is one view with the file's shape, strided by the slot, where the layout keeps it
+        whole (every expert held unsliced, at one stride); elsewhere InvalidArgument
+        naming the layer: use expert() or layer()."""
     def tensors(self) -> list[str]:
         """Every tensor's name, in checkpoint order."""
     def classes(self) -> list[tuple[str, str, int | None]]:
         """(name, class, layer) of every tensor."""
+    @property
+    def layers(self) -> list[int]:
+        """The MoE layers whose routed experts were placed, ascending."""
+    def roles(self, layer: int) -> list[str]:
+        """The layer's roles in slot order under their canonical names, the same for
+        every naming: gate, up, gate_up, down, with .scale/.bias ("gate_up.bias")."""
+    def role_names(self, layer: int) -> dict[str, str]:
+        """{canonical role: the file's name for it} ({"up": "w3"})."""
+    def expert_ids(self, layer: int) -> list[int]:
+        """The global ids of the layer's experts this model holds, ascending."""
+    def locate(self, name: str) -> tuple[int, int | None, str] | None:
+        """(layer, expert, canonical role) of a routed expert's tensor (expert None for
+        a tensor holding every expert of the layer); None for any other tensor;
+        InvalidArgument for a name the checkpoint lacks."""
     def expert(self, layer: int, expert: int) -> dict[str, View]:
-        """{role: view} with each piece's dtype and per-expert shape."""
+        """{role: view} with each piece's dtype and per-expert shape (keyed by the
+        file's role names; role_names(layer) maps the canonical ones to them)."""
     def layer(self, layer: int, role: str, *, through: str | None = None) -> View:
         """[experts, ...] view of one role of every expert the model holds, the slot
         stride as the outer stride (this thread's node's copy where replicated); with
@@ -271,6 +320,7 @@ class ExpertCache:
         nodes: str = "all",
         populate: bool = False,
         huge_pages: bool = False,
+        writable: bool = False,
     ) -> None: ...
     def get(self, layer: int, expert: int) -> CacheEntry | None: ...
     def get_or_load(

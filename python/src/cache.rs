@@ -51,10 +51,12 @@ pub struct CacheEntry {
 #[pymethods]
 impl ExpertCache {
     /// A cache of `slots_per_node` slots on each node of `nodes` (numactl syntax), each
-    /// slot holding `weight_bytes` of weights and `scale_bytes` of scales.
+    /// slot holding `weight_bytes` of weights and `scale_bytes` of scales. The slots are
+    /// read-only between loads unless `writable=True`.
     #[new]
     #[pyo3(signature = (slots_per_node, weight_bytes, scale_bytes = 0, *, nodes = "all",
-                        populate = false, huge_pages = false))]
+                        populate = false, huge_pages = false, writable = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         slots_per_node: usize,
@@ -63,11 +65,13 @@ impl ExpertCache {
         nodes: &str,
         populate: bool,
         huge_pages: bool,
+        writable: bool,
     ) -> PyResult<ExpertCache> {
         let nodes = NodeSet::parse(nodes).py_err()?;
         let options = CacheOptions::default()
             .populate(populate)
-            .huge_pages(huge_pages);
+            .huge_pages(huge_pages)
+            .writable(writable);
         let cache = py
             .detach(|| {
                 numapin::cache::ExpertCache::new(

@@ -108,10 +108,11 @@ impl Checkpoint {
     /// from the files. The GIL is released while loading. `progress(Progress)` is called
     /// from the loader threads (None: a tqdm bar when tqdm is installed and stderr is a
     /// terminal; False: nothing; anything else not callable: TypeError before loading);
-    /// if it raises, the load stops and this raises that exception. Returns the placed
-    /// model.
+    /// if it raises, the load stops and this raises that exception. The placed memory is
+    /// read-only once loaded unless `writable=True`. Returns the placed model.
     #[pyo3(signature = (layout = "interleave:all", *, huge_pages = true, populate = true,
-                        loader_threads = None, read_mode = "buffered", progress = None))]
+                        loader_threads = None, read_mode = "auto", progress = None,
+                        writable = false))]
     #[allow(clippy::too_many_arguments)]
     fn pack(
         &self,
@@ -122,12 +123,14 @@ impl Checkpoint {
         loader_threads: Option<usize>,
         read_mode: &str,
         progress: Option<Bound<'_, PyAny>>,
+        writable: bool,
     ) -> PyResult<PlacedModel> {
         let options = Options {
             huge_pages,
             populate,
             loader_threads,
             read_mode: read_mode.to_owned(),
+            writable,
         };
         let cell = StoreCell::new(layout, &options)?;
         let plan = Arc::new(py.detach(|| self.inner.expert_plan()).py_err()?);
@@ -164,10 +167,12 @@ impl Checkpoint {
     /// `"interleave:0-3"`, ...), every dense class under `dense` (`"replicate:all"`,
     /// `"interleave:all"`, `"bind:0"`, `"unplaced"`); `plan` is the text form
     /// (`"experts=split:all,dense=replicate:all,*.self_attn.*=interleave:all"`), whose
-    /// items override `experts`/`dense`; keyword arguments named after a class
+    /// items override `experts`/`dense` (`"default"`: the checkpoint's default plan over
+    /// every node, `"default;norms=unplaced"` with items over it); keyword arguments named after a class
     /// (`embeddings="interleave:all"`, `attention=...`, `head=...`; also `shared`, `dense_mlp`, `norms`, `global`) override last.
-    /// Each of those keywords is one layout (a value holding `;` or `=` is refused:
-    /// several items go in `plan`).
+    /// Each of those keywords is parsed as one layout for its class, and the plan built
+    /// with typed calls (a value such as `"bind:0;experts=unplaced"` is a bad layout for
+    /// that keyword: several items go in `plan`).
     /// A rank's share (docs/distributed.md): `experts_held` the routed experts this rank
     /// holds (`"0-63"`, `"0-3,8"`, `"1/4"`: the second of four equal parts), looked up by
     /// their global ids; `expert_slice` a slice of each held expert's tensors
@@ -178,13 +183,28 @@ impl Checkpoint {
     /// and SGLang split the weights (column-parallel linears, embeddings and head by
     /// rows; row-parallel `o_proj`/`down_proj` by columns; expert gate/up by rows and
     /// down by columns; norms and routers whole; docs/distributed.md).
+    /// `slice_class={"attention": "rows:0/2"}` a class's slice and
+    /// `slice_pattern={"*.o_proj.*": "columns:1/2"}` the slice of the tensors a name
+    /// pattern matches (the last matching pattern wins), over `dense_slice` and
+    /// `tensor_parallel`; a value is a slice's text (`"rows:k/n"`, `"columns:k/n"`,
+    /// `"rows:START:LEN"`) or `slice(start, stop)`: the rows numpy's `t[start:stop]` holds.
+    /// `framework_plan={"layers.*.self_attn.q_proj": "colwise", ...}` with `rank="k/n"`:
+    /// the framework's own tensor-parallel plan (transformers' `tp_plan` vocabulary:
+    /// colwise rows, rowwise columns, embedding_rowwise vocabulary rows, replicate or
+    /// unnamed whole) as this rank's share of the dense tensors, the routed experts whole
+    /// under `experts_held` (`FrameworkPlan::share`); not with `tensor_parallel`,
+    /// `dense_slice` or `expert_slice`.
     /// Map budget and node memory are checked before anything is reserved. The GIL is
-    /// released while loading; `progress` as in `pack`. Returns a `WholeModel`.
+    /// released while loading; `progress` as in `pack`. Once loaded, the placed memory is
+    /// read-only (`PROT_READ`: a write through a pointer made from a view faults);
+    /// `writable=True` keeps it writable. Returns a `WholeModel`.
     #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
                         experts_held = None, expert_slice = None, dense_slice = None,
-                        whole = None, tensor_parallel = None, huge_pages = true, populate = true,
-                        loader_threads = None, read_mode = "buffered", progress = None,
-                        **classes))]
+                        whole = None, tensor_parallel = None, slice_class = None,
+                        slice_pattern = None, framework_plan = None, rank = None,
+                        huge_pages = true, populate = true,
+                        loader_threads = None, read_mode = "auto", progress = None,
+                        writable = false, **classes))]
     #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
@@ -197,11 +217,16 @@ impl Checkpoint {
         dense_slice: Option<&str>,
         whole: Option<Vec<String>>,
         tensor_parallel: Option<&str>,
+        slice_class: Option<Bound<'_, PyDict>>,
+        slice_pattern: Option<Bound<'_, PyDict>>,
+        framework_plan: Option<Bound<'_, PyDict>>,
+        rank: Option<&str>,
         huge_pages: bool,
         populate: bool,
         loader_threads: Option<usize>,
         read_mode: &str,
         progress: Option<Bound<'_, PyAny>>,
+        writable: bool,
         classes: Option<Bound<'_, PyDict>>,
     ) -> PyResult<crate::whole::WholeModel> {
         let mut overrides = Vec::new();
@@ -210,32 +235,41 @@ impl Checkpoint {
                 // The name first: a keyword typo (`huge_page=False`) is named as one,
                 // not reported as a bool that is not a str.
                 let key = k.extract::<String>()?;
-                crate::whole::check_class(&key)?;
+                crate::whole::dense_class(&key)?;
                 let value = v.extract::<String>().map_err(|_| {
                     pyo3::exceptions::PyTypeError::new_err(format!(
                         "place: {key}= takes a layout string (\"interleave:all\"), not {}",
-                        v.get_type()
-                            .name()
-                            .map_or_else(|_| "this".to_owned(), |n| n.to_string())
+                        crate::whole::type_name(&v)
                     ))
                 })?;
                 overrides.push((key, value));
             }
         }
-        let plan = crate::whole::build_plan(experts, dense, plan, &overrides)?;
+        let plan = crate::whole::build_plan(&self.inner, experts, dense, plan, &overrides)?;
         let share = crate::whole::RankShare {
             experts_held,
             expert_slice,
             dense_slice,
             whole: whole.as_deref().unwrap_or_default(),
             tensor_parallel,
+            class_slices: crate::whole::class_slices(slice_class.as_ref())?,
+            pattern_slices: crate::whole::pattern_slices(slice_pattern.as_ref())?,
         };
-        let plan = share.apply(plan)?;
+        let mut plan = share.apply(plan)?;
+        if let Some(framework) = framework_plan {
+            plan = crate::whole::framework_share(&self.inner, plan, &framework, rank, &share)?;
+        } else if rank.is_some() {
+            return Err(crate::errors::InvalidArgument::new_err(
+                "place: rank= is the rank of a framework_plan= (tensor_parallel=\"k/n\" is \
+                 the preset's)",
+            ));
+        }
         let options = Options {
             huge_pages,
             populate,
             loader_threads,
             read_mode: read_mode.to_owned(),
+            writable,
         };
         crate::whole::place(py, &self.inner, plan, &options, progress)
     }
@@ -299,7 +333,7 @@ impl PlacedModel {
                 InvalidArgument::new_err(format!(
                     "layer {}: no role {:?} (roles: {names:?})",
                     plan.layer(),
-                    crate::whole::clip(role)
+                    crate::errors::clip(role)
                 ))
             })
     }

@@ -72,6 +72,15 @@ create_exception!(
     "A load stopped by its progress callback (raised when the callback did not raise)."
 );
 
+/// At most 200 bytes of `text` (cut at a character boundary), for an error message.
+pub fn clip(text: &str) -> &str {
+    let mut end = text.len().min(200);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// The Python exception for a crate error, with the crate's message.
 pub fn to_py(err: numapin::Error) -> PyErr {
     use numapin::Error as E;

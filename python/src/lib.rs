@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 mod cache;
 mod checkpoint;
 mod errors;
+mod experts_view;
 mod progress;
 mod store;
 mod view;
@@ -27,11 +28,22 @@ fn probe(py: Python<'_>) -> PyResult<Py<PyAny>> {
     store::json_to_py(py, &value)
 }
 
+/// `numapin._numapin.main(argv)`: the `numapin` command (`probe`, `plan`, `place`,
+/// `stat PID`; docs/cli.md), the body of the package's console script. Runs the code the
+/// Rust binary runs (`numapin::cli`) on `argv` (the program name first), with the GIL
+/// released, and returns the exit status: 0, 1 for an error, 2 for a usage error. It
+/// writes to the process's standard output and error directly, past `sys.stdout`.
+#[pyfunction]
+fn main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
+    py.detach(|| numapin::cli::main(argv))
+}
+
 /// The extension module.
 #[pymodule]
 fn _numapin(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
+    m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_class::<view::View>()?;
     m.add_class::<progress::Progress>()?;
     m.add_class::<store::PinStore>()?;

@@ -29,8 +29,10 @@ pub fn callback_of(
         Some(p) if !p.is_instance_of::<PyBool>() && p.is_callable() => Ok(Some(p.unbind())),
         Some(p) => Err(PyTypeError::new_err(format!(
             "progress must be a callable taking a Progress, False or None, not {}",
-            p.repr()
-                .map_or_else(|_| "this".to_owned(), |r| r.to_string())
+            p.repr().map_or_else(
+                |_| "this".to_owned(),
+                |r| crate::errors::clip(&r.to_string()).to_owned()
+            )
         ))),
         None => {
             let auto = py

@@ -59,17 +59,21 @@ pub struct Options {
     pub populate: bool,
     pub loader_threads: Option<usize>,
     pub read_mode: String,
+    /// Keep the regions writable once loaded (`StoreOptions::writable`).
+    pub writable: bool,
 }
 
 impl Options {
     pub(crate) fn build(&self, callbacks: &Callbacks) -> PyResult<StoreOptions> {
         let mode = match self.read_mode.as_str() {
+            "auto" => ReadMode::Auto,
             "buffered" => ReadMode::Buffered,
             "direct" => ReadMode::Direct,
             "drop-behind" | "drop_behind" => ReadMode::DropBehind,
             other => {
                 return Err(crate::errors::InvalidArgument::new_err(format!(
-                    "read_mode {other:?}: expected buffered, direct or drop-behind"
+                    "read_mode {:?}: expected auto, buffered, direct or drop-behind",
+                    crate::errors::clip(other)
                 )));
             }
         };
@@ -77,6 +81,7 @@ impl Options {
             .huge_pages(self.huge_pages)
             .populate(self.populate)
             .read_mode(mode)
+            .writable(self.writable)
             .progress(Some(callbacks.hook()));
         if let Some(threads) = self.loader_threads {
             options = options.loader_threads(threads);
@@ -274,18 +279,20 @@ pub struct PinStore {
 impl PinStore {
     #[new]
     #[pyo3(signature = (layout = "interleave:all", *, huge_pages = true, populate = true,
-                        loader_threads = None))]
+                        loader_threads = None, writable = false))]
     fn new(
         layout: &str,
         huge_pages: bool,
         populate: bool,
         loader_threads: Option<usize>,
+        writable: bool,
     ) -> PyResult<PinStore> {
         let options = Options {
             huge_pages,
             populate,
             loader_threads,
-            read_mode: "buffered".into(),
+            read_mode: "auto".into(),
+            writable,
         };
         Ok(PinStore {
             cell: StoreCell::new(layout, &options)?,
@@ -437,7 +444,8 @@ pub fn parse_kind(kind: &str) -> PyResult<Kind> {
         "weights" => Ok(Kind::Weights),
         "scales" => Ok(Kind::Scales),
         other => Err(crate::errors::InvalidArgument::new_err(format!(
-            "kind {other:?}: expected \"weights\" or \"scales\""
+            "kind {:?}: expected \"weights\" or \"scales\"",
+            crate::errors::clip(other)
         ))),
     }
 }

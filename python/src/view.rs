@@ -184,6 +184,24 @@ impl View {
     fn nbytes(&self) -> usize {
         self.shape.iter().product::<isize>() as usize * self.elem.size
     }
+
+    /// Bytes from the first byte the view reaches to one past the last (the gaps of a
+    /// strided view included; 0 for a view with no elements).
+    fn span_bytes(&self) -> usize {
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        let (mut low, mut high) = (0isize, 0isize);
+        for (&n, &s) in self.shape.iter().zip(&self.strides) {
+            let reach = (n - 1) * s;
+            if reach < 0 {
+                low += reach;
+            } else {
+                high += reach;
+            }
+        }
+        (high - low) as usize + self.elem.size
+    }
 }
 
 /// The DLPack context: the view's keep-alive, dropped when the consumer is done.
@@ -277,7 +295,15 @@ impl View {
         self.nbytes()
     }
 
-    /// Always True: views never write.
+    /// Bytes from the first byte the view reaches to one past the last: `nbytes` plus the
+    /// gaps of a strided view (`address + span_bytes` is the end of the range it reads).
+    #[getter(span_bytes)]
+    fn py_span_bytes(&self) -> usize {
+        self.span_bytes()
+    }
+
+    /// Always True: views never write (and the memory under a placed model's views is
+    /// `PROT_READ` unless it was placed `writable=True`: a write faults).
     #[getter]
     fn readonly(&self) -> bool {
         true
@@ -402,4 +428,19 @@ pub fn experts_layout(
         step *= n as isize;
     }
     (shape, strides)
+}
+
+/// The element type and shape of a tensor of `len` bytes: its own where DLPack has the
+/// dtype and the sizes agree, else raw bytes (GGML quant blocks, sub-byte types).
+pub fn tensor_layout(dtype: numapin::model::Dtype, shape: &[u64], len: usize) -> (Elem, Vec<u64>) {
+    let raw = (RAW, vec![len as u64]);
+    let Some(elem) = elem_of(&dtype.to_string()) else {
+        return raw;
+    };
+    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    if elements.and_then(|n| n.checked_mul(elem.size as u64)) == Some(len as u64) {
+        (elem, shape.to_vec())
+    } else {
+        raw
+    }
 }

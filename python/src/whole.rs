@@ -7,53 +7,81 @@
 
 use std::sync::Arc;
 
+use numapin::NodeSet;
 use numapin::model::{
-    Dtype, ExpertPieceView, ExpertShare, PlacementPlan, Share, TensorClass, TensorSlice,
+    Checkpoint, DenseLayout, Dtype, ExpertShare, FrameworkPlan, PlacementPlan, Share, TensorClass,
+    TensorSlice,
 };
 use numapin::store::{Layout, StoreOptions};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{IntoPy, InvalidArgument};
+use crate::errors::{IntoPy, InvalidArgument, clip};
 use crate::progress::Callbacks;
 use crate::store::{Options, to_dict};
-use crate::view::{Elem, RAW, View, elem_of};
+use crate::view::{View, tensor_layout};
 
-/// The plan from the keywords: `experts` and `dense` first, then `plan` (the text form,
-/// whose items override them), then the per-class keywords.
+/// The plan from the keywords, built with the typed API: `experts` and `dense` first,
+/// then `plan` (the text form, whose items override them), then the per-class keywords.
+/// Each keyword's value is parsed as one layout for that keyword, so a value cannot
+/// carry plan items of its own (`attention="bind:0;experts=unplaced"` is a bad layout
+/// for `attention`, not an item for the experts). A `plan` whose first item is
+/// `default` starts from [`Checkpoint::default_plan`] over every node (as `numapin
+/// place --plan default` does), the items after it applied over it.
 pub fn build_plan(
+    checkpoint: &Checkpoint,
     experts: &str,
     dense: &str,
     plan: Option<&str>,
     classes: &[(String, String)],
 ) -> PyResult<PlacementPlan> {
-    // Each keyword is one layout: a value holding the text form's item separators
-    // would smuggle items of its own (`attention="bind:0;experts=unplaced"` re-laid the
-    // experts). Commas stay: they separate the nodes of a list.
-    let keywords = [("experts", experts), ("dense", dense)];
-    for (key, value) in keywords
-        .into_iter()
-        .chain(classes.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-    {
-        if value.contains([';', '=']) {
-            return Err(InvalidArgument::new_err(format!(
-                "place: {key}={:?} must be one layout (no ';' or '='); several items go in `plan`",
-                clip(value)
-            )));
+    let experts = experts
+        .trim()
+        .parse::<Layout>()
+        .map_err(|e| not_one_layout("experts", experts, &e))?;
+    let mut built = PlacementPlan::new(experts, dense_layout("dense", dense)?);
+    if let Some(text) = plan {
+        let rest = match default_prefix(text) {
+            Some(rest) => {
+                let nodes = NodeSet::parse("all").py_err()?;
+                built = checkpoint.default_plan(nodes).py_err()?;
+                rest
+            }
+            None => text,
+        };
+        if !rest.trim().is_empty() {
+            built = built.apply(rest).py_err()?;
         }
     }
-    let mut text = format!("experts={experts};dense={dense}");
-    if let Some(plan) = plan {
-        text.push(';');
-        text.push_str(plan);
+    for (name, layout) in classes {
+        built = built.class(dense_class(name)?, dense_layout(name, layout)?);
     }
-    for (class, layout) in classes {
-        check_class(class)?;
-        text.push_str(&format!(";{class}={layout}"));
+    Ok(built)
+}
+
+/// The items after a leading `default` item (`"default"`, `"default;attention=bind:0"`),
+/// or `None` when the plan does not start with it.
+fn default_prefix(text: &str) -> Option<&str> {
+    let rest = text.trim_start().strip_prefix("default")?;
+    let rest = rest.trim_start();
+    if rest.is_empty() {
+        return Some(rest);
     }
-    // The starting layouts are replaced by the text's `experts=` and `dense=` items.
-    let start = PlacementPlan::new(Layout::Unplaced, numapin::model::DenseLayout::Unplaced);
-    start.apply(&text).py_err()
+    rest.strip_prefix([';', ','])
+}
+
+/// `value` as the layout of a dense keyword (`dense`, a class name).
+fn dense_layout(key: &str, value: &str) -> PyResult<DenseLayout> {
+    value
+        .parse::<DenseLayout>()
+        .map_err(|e| not_one_layout(key, value, &e))
+}
+
+fn not_one_layout(key: &str, value: &str, e: &numapin::Error) -> PyErr {
+    InvalidArgument::new_err(format!(
+        "place: {key}={:?} is not one layout for {key} (several items go in `plan`): {e}",
+        clip(value)
+    ))
 }
 
 /// A rank's share of the whole model, from `Checkpoint.place`'s keywords.
@@ -68,6 +96,11 @@ pub struct RankShare<'a> {
     pub whole: &'a [String],
     /// `k/n`: rank k of a tensor-parallel group of n (`PlacementPlan::tensor_parallel`).
     pub tensor_parallel: Option<&'a str>,
+    /// `slice_class=`: a class's slice (`PlacementPlan::slice_class`).
+    pub class_slices: Vec<(TensorClass, TensorSlice)>,
+    /// `slice_pattern=`: the slice of the tensors a name pattern matches, in the dict's
+    /// order (`PlacementPlan::slice_pattern`; the last matching pattern wins).
+    pub pattern_slices: Vec<(String, TensorSlice)>,
 }
 
 impl RankShare<'_> {
@@ -98,14 +131,127 @@ impl RankShare<'_> {
             })?;
             plan = plan.whole(class);
         }
+        for (class, slice) in &self.class_slices {
+            plan = plan.slice_class(*class, *slice);
+        }
+        for (glob, slice) in &self.pattern_slices {
+            plan = plan.slice_pattern(glob.clone(), *slice);
+        }
         Ok(plan)
     }
 }
 
-/// A `place` keyword that is not a dense class's name is an error naming it.
-pub fn check_class(class: &str) -> PyResult<()> {
-    match numapin::model::TensorClass::from_name(class) {
-        Some(c) if c != numapin::model::TensorClass::RoutedExperts => Ok(()),
+/// `framework_plan=` with `rank="k/n"`: the framework's plan as this rank's share of the
+/// dense tensors, over `plan` (the routed experts whole under `experts_held`). Refuses
+/// the keywords that cut another way.
+pub fn framework_share(
+    checkpoint: &Checkpoint,
+    plan: PlacementPlan,
+    framework: &Bound<'_, PyDict>,
+    rank: Option<&str>,
+    share: &RankShare<'_>,
+) -> PyResult<PlacementPlan> {
+    let others = [
+        ("tensor_parallel", share.tensor_parallel.is_some()),
+        ("dense_slice", share.dense_slice.is_some()),
+        ("expert_slice", share.expert_slice.is_some()),
+    ];
+    if let Some((other, _)) = others.iter().find(|(_, given)| *given) {
+        return Err(InvalidArgument::new_err(format!(
+            "place: framework_plan= with {other}=: the framework's plan says how each tensor \
+             is cut, {other} another way"
+        )));
+    }
+    let rank = rank.ok_or_else(|| {
+        InvalidArgument::new_err("place: framework_plan= needs rank=\"k/n\" (rank k of n)")
+    })?;
+    let (k, n) = PlacementPlan::parse_rank(rank).py_err()?;
+    let mut built = FrameworkPlan::new();
+    for (glob, style) in framework.iter() {
+        let glob: String = glob.extract().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(
+                "place: framework_plan= keys are module globs (str)",
+            )
+        })?;
+        let style: String = style.extract().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "place: framework_plan[{:?}] is a style (str, \"colwise\")",
+                clip(&glob)
+            ))
+        })?;
+        built = built.style(&glob, &style);
+    }
+    built.share(checkpoint, plan, k, n).py_err()
+}
+
+/// `slice_class=`: `{class: slice}`, each key a dense class, each value a slice
+/// ([`tensor_slice`]).
+pub fn class_slices(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(TensorClass, TensorSlice)>> {
+    let mut slices = Vec::new();
+    for (key, value) in dict.into_iter().flat_map(|d| d.iter()) {
+        let name = key.extract::<String>()?;
+        let class = dense_class(&name)?;
+        slices.push((class, tensor_slice("slice_class", &name, &value)?));
+    }
+    Ok(slices)
+}
+
+/// `slice_pattern=`: `{glob: slice}`, in the dict's order.
+pub fn pattern_slices(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, TensorSlice)>> {
+    let mut slices = Vec::new();
+    for (key, value) in dict.into_iter().flat_map(|d| d.iter()) {
+        let glob = key.extract::<String>()?;
+        let slice = tensor_slice("slice_pattern", &glob, &value)?;
+        slices.push((glob, slice));
+    }
+    Ok(slices)
+}
+
+/// A slice keyword's value: `TensorSlice`'s text (`"rows:0/2"`, `"columns:1/4"`,
+/// `"rows:START:LEN"`), or a Python `slice(start, stop)`: rows `start..stop`, what
+/// numpy's `t[start:stop]` holds (no step, no negative index: the plan is made before
+/// the tensor's extent is known).
+fn tensor_slice(keyword: &str, key: &str, value: &Bound<'_, PyAny>) -> PyResult<TensorSlice> {
+    let bad =
+        |why: String| InvalidArgument::new_err(format!("place: {keyword}[{:?}]: {why}", clip(key)));
+    if let Ok(text) = value.extract::<String>() {
+        return TensorSlice::parse(&text).map_err(|e| bad(e.to_string()));
+    }
+    if !value.is_instance_of::<pyo3::types::PySlice>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "place: {keyword}[{:?}] takes a slice (\"rows:0/2\" or slice(start, stop)), not {}",
+            clip(key),
+            type_name(value)
+        )));
+    }
+    let bound = |name: &str| -> PyResult<Option<u64>> {
+        let v = value.getattr(name)?;
+        if v.is_none() {
+            return Ok(None);
+        }
+        v.extract::<u64>().map(Some).map_err(|_| {
+            bad(format!(
+                "slice {name} {}: row indices are integers ≥ 0",
+                shown(&v)
+            ))
+        })
+    };
+    if !matches!(bound("step")?, None | Some(1)) {
+        return Err(bad("a slice of rows has no step".into()));
+    }
+    let start = bound("start")?.unwrap_or(0);
+    let stop = bound("stop")?.ok_or_else(|| bad("slice(start, stop) needs a stop".into()))?;
+    if stop <= start {
+        return Err(bad(format!("slice({start}, {stop}) holds no row")));
+    }
+    TensorSlice::span(numapin::model::SliceAxis::Rows, start, stop - start)
+        .map_err(|e| bad(e.to_string()))
+}
+
+/// The dense class a `place` keyword names, or an error naming the keyword.
+pub fn dense_class(class: &str) -> PyResult<TensorClass> {
+    match TensorClass::from_name(class) {
+        Some(c) if c != TensorClass::RoutedExperts => Ok(c),
         _ => Err(InvalidArgument::new_err(format!(
             "place: {:?} is not a tensor class (classes: shared, attention, dense_mlp, norms, \
              embeddings, head, global; name patterns go in `plan`)",
@@ -114,32 +260,25 @@ pub fn check_class(class: &str) -> PyResult<()> {
     }
 }
 
-/// At most 200 bytes of `text` (cut at a character boundary), for an error message.
-pub fn clip(text: &str) -> &str {
-    let mut end = text.len().min(200);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
+/// A Python value's type name for an error message, clipped: a class may be made with a
+/// name of any length (`type("x" * 10**6, (), {})`).
+pub fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map_or_else(|_| "this".to_owned(), |n| clip(&n.to_string()).to_owned())
 }
 
-/// The element type and shape of a tensor of `len` bytes: its own where DLPack has the
-/// dtype and the sizes agree, else raw bytes (GGML quant blocks, sub-byte types).
-fn tensor_layout(dtype: Dtype, shape: &[u64], len: usize) -> (Elem, Vec<u64>) {
-    let raw = (RAW, vec![len as u64]);
-    let Some(elem) = elem_of(&dtype.to_string()) else {
-        return raw;
-    };
-    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-    if elements.and_then(|n| n.checked_mul(elem.size as u64)) == Some(len as u64) {
-        (elem, shape.to_vec())
-    } else {
-        raw
-    }
+/// A Python value's `str()` for an error message, clipped (a slice's bounds may be any
+/// object, a megabyte string included).
+pub fn shown(value: &Bound<'_, PyAny>) -> String {
+    value
+        .str()
+        .map_or_else(|_| "this".to_owned(), |s| clip(&s.to_string()).to_owned())
 }
 
 /// A view of `bytes`, which the placed model `keep` owns.
-fn view_of(
+pub fn view_of(
     keep: &Arc<numapin::model::PlacedModel>,
     bytes: &[u8],
     dtype: Dtype,
@@ -149,61 +288,6 @@ fn view_of(
     // SAFETY: `bytes` lies in one of the placed model's stores; the model never releases
     // or re-packs them (no such call) and lives as long as `keep`, which the view holds.
     unsafe { View::contiguous(bytes.as_ptr() as usize, elem, &shape, keep.clone()) }
-}
-
-/// The pieces from role `role` to `through` (or `role` alone) of one expert, in slot
-/// order; an error naming the roles where either is missing or `through` comes first.
-fn role_run<'p, 'a>(
-    pieces: &'p [ExpertPieceView<'a>],
-    layer: usize,
-    role: &str,
-    through: Option<&str>,
-) -> PyResult<&'p [ExpertPieceView<'a>]> {
-    let find = |name: &str| {
-        pieces.iter().position(|p| p.role == name).ok_or_else(|| {
-            let names: Vec<&str> = pieces.iter().map(|p| p.role).collect();
-            InvalidArgument::new_err(format!(
-                "layer {layer}: no role {:?} (roles: {names:?})",
-                clip(name)
-            ))
-        })
-    };
-    let first = find(role)?;
-    let last = match through {
-        Some(t) => find(t)?,
-        None => first,
-    };
-    if last < first || pieces[first].slot != pieces[last].slot {
-        return Err(InvalidArgument::new_err(format!(
-            "layer {layer}: {:?} does not follow {role:?} in the same slot",
-            through.unwrap_or(role)
-        )));
-    }
-    Ok(&pieces[first..=last])
-}
-
-/// The element type, shape and bytes of pieces joined along their first dimension: one
-/// dtype, back to back, the same inner dimensions (raw bytes for GGML quant blocks).
-fn joined_layout(run: &[ExpertPieceView<'_>], layer: usize) -> PyResult<(Elem, Vec<u64>, usize)> {
-    let head = &run[0];
-    let (elem, mut shape) = tensor_layout(head.dtype, &head.shape, head.bytes.len());
-    let mut len = head.bytes.len();
-    for pair in run.windows(2) {
-        let (a, b) = (&pair[0], &pair[1]);
-        let (e, s) = tensor_layout(b.dtype, &b.shape, b.bytes.len());
-        let adjacent = a.bytes.as_ptr() as usize + a.bytes.len() == b.bytes.as_ptr() as usize;
-        let same_inner = shape.get(1..) == s.get(1..) && e.name == elem.name;
-        if !adjacent || !same_inner || shape.is_empty() {
-            return Err(InvalidArgument::new_err(format!(
-                "layer {layer}: {:?} ({} {:?}) and {:?} ({} {:?}) cannot be joined: not back \
-                 to back, or another dtype or inner shape",
-                a.role, a.dtype, a.shape, b.role, b.dtype, b.shape
-            )));
-        }
-        shape[0] += s[0];
-        len += b.bytes.len();
-    }
-    Ok((elem, shape, len))
 }
 
 /// Places `checkpoint` whole under `plan`; the progress callback as in `Checkpoint.pack`.
@@ -266,18 +350,65 @@ pub struct WholeModel {
 #[pymethods]
 impl WholeModel {
     /// Tensor `name` with its dtype and shape (numpy's order; raw `uint8` for GGML quant
-    /// blocks). A tensor holding every expert of a layer has no single run of bytes:
-    /// `InvalidArgument`, read it with `expert(layer, e)`.
+    /// blocks). A per-expert tensor is the part of it the share holds (sliced under a
+    /// slice, as `expert(layer, e)` gives it); one of an expert outside the share raises
+    /// `NotHeld`. A tensor holding every expert of a layer (`experts.gate_up_proj`) is
+    /// one view with the file's shape, strided by the slot, where the layout keeps it
+    /// whole (every expert held unsliced, its pieces at one stride; DBRX's flattened
+    /// `[E·I, H]` only with the pieces back to back); elsewhere `InvalidArgument`: read it
+    /// with `expert(layer, e)` or `layer(l, role)`.
     fn tensor(&self, name: &str) -> PyResult<View> {
         let t = self.inner.tensor(name).py_err()?;
-        let bytes = t.bytes().ok_or_else(|| {
-            InvalidArgument::new_err(format!(
-                "tensor {name:?} holds every expert of layer {:?}: read its experts with \
-                 expert(layer, e)",
-                t.layer()
-            ))
-        })?;
-        Ok(view_of(&self.inner, bytes, t.dtype(), t.shape()))
+        match t.held_bytes() {
+            Ok(bytes) => Ok(view_of(&self.inner, bytes, t.dtype(), t.shape())),
+            Err(e) => {
+                if t.bytes().is_none()
+                    && let Ok(Some(at)) = self.inner.locate(name)
+                    && at.expert.is_none()
+                    && let Some(view) = crate::experts_view::whole_tensor(&self.inner, &t, &at)?
+                {
+                    return Ok(view);
+                }
+                Err(e).py_err()
+            }
+        }
+    }
+
+    /// The MoE layers whose routed experts were placed, ascending.
+    #[getter]
+    fn layers(&self) -> Vec<usize> {
+        self.inner.layers()
+    }
+
+    /// MoE layer `layer`'s roles in slot order under their canonical names, the same
+    /// for every naming: `gate`, `up`, `gate_up`, `down`, and `.scale` / `.bias` after
+    /// a role (`"gate_up.bias"`).
+    fn roles(&self, layer: usize) -> PyResult<Vec<String>> {
+        let roles = self.inner.roles(layer).py_err()?;
+        Ok(roles.iter().map(|r| r.canonical.to_owned()).collect())
+    }
+
+    /// `{canonical role: the file's name for it}` of MoE layer `layer`
+    /// (`{"up": "w3", "gate_up.bias": "gate_up bias"}`).
+    fn role_names<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyDict>> {
+        let dict = PyDict::new(py);
+        for r in self.inner.roles(layer).py_err()? {
+            dict.set_item(r.canonical, r.file)?;
+        }
+        Ok(dict)
+    }
+
+    /// The global ids of MoE layer `layer`'s experts this model holds, ascending.
+    fn expert_ids(&self, layer: usize) -> PyResult<Vec<usize>> {
+        self.inner.expert_ids(layer).py_err()
+    }
+
+    /// `(layer, expert, role)` of a routed expert's tensor (`expert` None for a tensor
+    /// holding every expert of the layer; `role` canonical), None for any other tensor;
+    /// `InvalidArgument` for a name the checkpoint does not have.
+    fn locate(&self, name: &str) -> PyResult<Option<(usize, Option<usize>, String)>> {
+        let at = self.inner.locate(name).py_err()?;
+        Ok(at.map(|a| (a.layer, a.expert, a.role)))
     }
 
     /// Every tensor's name, in checkpoint order.
@@ -324,40 +455,7 @@ impl WholeModel {
     /// block per node (`NumapinError`: read its experts with `expert(layer, e)`).
     #[pyo3(signature = (layer, role, *, through = None))]
     fn layer(&self, layer: usize, role: &str, through: Option<&str>) -> PyResult<View> {
-        let ids = self.inner.expert_ids(layer).py_err()?;
-        let mut firsts = Vec::with_capacity(ids.len());
-        let mut joined = None;
-        for &id in &ids {
-            let pieces = self.inner.expert(layer, id).py_err()?;
-            let run = role_run(&pieces, layer, role, through)?;
-            firsts.push(run[0].bytes.as_ptr() as usize);
-            if joined.is_none() {
-                joined = Some(joined_layout(run, layer)?);
-            }
-        }
-        let Some((elem, inner, len)) = joined else {
-            return Err(InvalidArgument::new_err(format!(
-                "layer {layer}: this model holds none of its experts"
-            )));
-        };
-        let stride = firsts.get(1).map_or(len, |&a| a.wrapping_sub(firsts[0]));
-        let uniform = firsts
-            .iter()
-            .enumerate()
-            .all(|(e, &a)| Some(a) == e.checked_mul(stride).and_then(|o| firsts[0].checked_add(o)));
-        if !uniform || stride < len {
-            return Err(crate::errors::NumapinError::new_err(format!(
-                "layer {layer}: the experts' {role:?} pieces are not at one stride (a layout \
-                 that splits the layer over nodes keeps one block per node): read them with \
-                 expert(layer, e)"
-            )));
-        }
-        let (shape, strides) = crate::view::experts_layout(elem, ids.len(), stride, &inner);
-        // SAFETY: expert i's joined pieces are `len` bytes at `firsts[0] + i × stride`
-        // (checked above for every held expert, `stride ≥ len`), each inside its slot in
-        // the expert store, which the placed model never releases and `self.inner` keeps
-        // alive for as long as the view.
-        Ok(unsafe { View::new(firsts[0], elem, shape, strides, self.inner.clone()) })
+        crate::experts_view::role_view(&self.inner, layer, role, through)
     }
 
     /// The share this rank placed, in words (`"experts 0-63; dense rows:0/2"`), or None

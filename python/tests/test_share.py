@@ -160,3 +160,48 @@ def test_tensor_parallel_ranks_put_back_together_are_numpys(fixture):
         ckpt.place(tensor_parallel="+1/2", progress=False)
     with pytest.raises(numapin.InvalidArgument):
         ckpt.place(tensor_parallel="2/2", progress=False)
+
+
+def test_a_per_expert_tensor_by_name_is_its_held_part(fixture):
+    """Issue 31: under EP+TP (`experts_held="k/2"`, `tensor_parallel="k/2"`),
+    `tensor(name)` of a per-expert tensor is numpy's cut of the file's tensor where the
+    rank holds the expert (gate/up rows, down columns, FP8 scale grids with their weight),
+    and raises NotHeld where it does not; the view of a tensor holding every expert names
+    its layer as a number; `expert_slice=` with `tensor_parallel=` is refused by name."""
+    fx = fixture("st-sharded")
+    want = numpy_tensors(fx.root)
+    ckpt = numapin.Checkpoint(fx.path)
+    ranks = [ckpt.place("interleave:all", "interleave:all", experts_held=f"{k}/2",
+                        tensor_parallel=f"{k}/2", progress=False) for k in (0, 1)]
+    held = refused = 0
+    for tensor, (shape, data) in want.items():
+        parts = tensor.split(".")
+        if "experts" not in parts:
+            continue
+        layer, e = int(parts[2]), int(parts[parts.index("experts") + 1])
+        experts = fx.layers[layer]
+        axis = tp_axis(tensor, shape)
+        full = np.frombuffer(data, dtype=np.uint8).reshape(shape[0], -1)
+        for k, rank in enumerate(ranks):
+            if not k * experts // 2 <= e < (k + 1) * experts // 2:
+                with pytest.raises(numapin.NotHeld, match=f"expert {e}"):
+                    rank.tensor(tensor)
+                refused += 1
+                continue
+            view = np.asarray(rank.tensor(tensor))
+            if axis == "rows":
+                cut, cut_shape = full[k * shape[0] // 2:(k + 1) * shape[0] // 2], \
+                    (shape[0] // 2, shape[1])
+            else:
+                half = full.shape[1] // 2
+                cut, cut_shape = full[:, k * half:(k + 1) * half], (shape[0], shape[1] // 2)
+            assert view.shape == cut_shape, (tensor, k, view.shape)
+            assert view.tobytes() == cut.tobytes(), (tensor, k)
+            held += 1
+    assert held > 0 and refused > 0, (held, refused)
+    gguf = numapin.Checkpoint(fixture("gguf-single").path).place(progress=False)
+    with pytest.raises(numapin.InvalidArgument, match="layer 1") as err:
+        gguf.tensor("blk.1.ffn_gate_exps.weight")
+    assert "Some(" not in str(err.value)
+    with pytest.raises(numapin.InvalidArgument, match="expert_slice=.*tensor_parallel"):
+        ckpt.place(expert_slice="rows:0/2", tensor_parallel="0/2", progress=False)

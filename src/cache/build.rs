@@ -118,5 +118,9 @@ fn node_region(len: usize, node: Node, options: CacheOptions) -> Result<(Region,
     if options.populate {
         region.populate_write()?;
     }
+    if !options.writable {
+        // Loads open the region for their fill (see `miss.rs`).
+        region.set_read_only(true)?;
+    }
     Ok((region, placement))
 }

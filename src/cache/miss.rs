@@ -158,24 +158,30 @@ impl ExpertCache {
             .unwrap_or(0))
     }
 
-    /// Copies the expert into a slot this thread marked `Loading`.
+    /// Copies the expert into a slot this thread marked `Loading`. Each region written
+    /// is opened (whole) for the copy and closed after: loads of other slots may hold it
+    /// open meanwhile, and the last one to close makes it read-only again.
     fn load(&self, slot: u32, source: &ExpertSource<'_>, lens: Lens) -> Result<()> {
         let (weights, scales) = self.ranges(slot);
         let r = &self.regions[slot as usize / self.slots_per_node];
         {
+            let window = r.weights.open_write()?;
             // SAFETY: the slot is Loading: only this thread, which marked it so under the
             // lock, touches its ranges until it publishes. Its word is not READY, so no
             // Entry of it lives or can be made (see slot.rs), and `shrink` releases only
-            // free slots.
+            // free slots. `window` outlives `dest`.
             let dest = unsafe { r.weights.slot_mut_unchecked(weights) }?;
             source.read_tensor(Kind::Weights, &mut dest[..lens.weights])?;
+            window.close()?;
         }
         if let Some(region) = &r.scales
             && lens.scales > 0
         {
+            let window = region.open_write()?;
             // SAFETY: as above, for the slot's scales range.
             let dest = unsafe { region.slot_mut_unchecked(scales) }?;
             source.read_tensor(Kind::Scales, &mut dest[..lens.scales])?;
+            window.close()?;
         }
         Ok(())
     }

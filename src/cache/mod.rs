@@ -89,6 +89,11 @@ pub struct CacheOptions {
     /// Align regions of 2 MiB or more to 2 MiB and advise `MADV_HUGEPAGE`: transparent
     /// huge pages back the region (never rounding a slot up to 2 MiB).
     pub huge_pages: bool,
+    /// Keep the regions writable between loads (default off). Off, they are read-only
+    /// (`mprotect(PROT_READ)`) except while a load fills a slot: a load opens its region
+    /// (whole, so it never splits into more mappings) and the last load in flight closes
+    /// it, so a stray write through an entry's bytes faults.
+    pub writable: bool,
 }
 
 impl CacheOptions {
@@ -103,6 +108,13 @@ impl CacheOptions {
     #[must_use]
     pub fn huge_pages(mut self, on: bool) -> Self {
         self.huge_pages = on;
+        self
+    }
+
+    /// [`CacheOptions::writable`].
+    #[must_use]
+    pub fn writable(mut self, on: bool) -> Self {
+        self.writable = on;
         self
     }
 }

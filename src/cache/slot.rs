@@ -120,7 +120,7 @@ pub(super) struct Slots {
 impl Slots {
     /// `slots` slots, free; one shard per CPU up to [`MAX_SHARDS`]: 4 bytes per slot per
     /// shard, next to a slot's pages of at least 4 KiB each.
-    pub fn new(slots: usize) -> Slots {
+    pub(crate) fn new(slots: usize) -> Slots {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let shards = cpus.next_power_of_two().min(MAX_SHARDS);
         let stride = slots.div_ceil(PER_LINE);
@@ -140,7 +140,7 @@ impl Slots {
     /// Pins `slot` if it is ready and holds `key`; marks it referenced; counts a hit if
     /// asked. Lock-free. `None`: no such slot, not ready, or another key.
     #[inline]
-    pub fn pin(&self, slot: usize, key: Key, count_hit: bool) -> Option<Pin> {
+    pub(crate) fn pin(&self, slot: usize, key: Key, count_hit: bool) -> Option<Pin> {
         let s = self.shared.get(slot)?;
         // Filters only (relaxed, possibly mid-refill): confirmed after the pin.
         if !s.holds(key) || s.word.load(Ordering::Relaxed) & READY == 0 {
@@ -176,7 +176,7 @@ impl Slots {
 
     /// Drops a pin taken by [`Slots::pin`] or [`Slots::publish`].
     #[inline]
-    pub fn unpin(&self, slot: usize, shard: u32) {
+    pub(crate) fn unpin(&self, slot: usize, shard: u32) {
         self.count(shard as usize, slot)
             .fetch_sub(1, Ordering::Release);
     }
@@ -184,7 +184,7 @@ impl Slots {
     /// Publishes a loaded slot, pinned once for the loader's entry (the pin's shard is
     /// returned). Only for a slot that is not ready (free, or evicted by the caller),
     /// under the cache's lock.
-    pub fn publish(&self, slot: usize, key: Key, lens: Lens) -> u32 {
+    pub(crate) fn publish(&self, slot: usize, key: Key, lens: Lens) -> u32 {
         let shard = topology::current_cpu() & self.mask;
         self.count(shard, slot).fetch_add(1, Ordering::Relaxed);
         let s = &self.shared[slot];
@@ -205,7 +205,7 @@ impl Slots {
     /// One step of the clock hand over a ready slot, under the cache's lock. With
     /// `second_chance`, a referenced slot is spared (its bit cleared); without it (the
     /// sweep's last pass, when hits keep setting bits), any unpinned slot is evicted.
-    pub fn clock(&self, slot: usize, second_chance: bool) -> Clock {
+    pub(crate) fn clock(&self, slot: usize, second_chance: bool) -> Clock {
         let s = &self.shared[slot];
         let word = s.word.load(Ordering::Relaxed);
         if word & READY == 0 {
@@ -229,12 +229,12 @@ impl Slots {
     }
 
     /// Ready with no pins now (a snapshot: a hit may pin it a moment later).
-    pub fn evictable(&self, slot: usize) -> bool {
+    pub(crate) fn evictable(&self, slot: usize) -> bool {
         self.shared[slot].word.load(Ordering::Relaxed) & READY != 0 && !self.pinned(slot)
     }
 
     /// Hits counted so far.
-    pub fn hits(&self) -> u64 {
+    pub(crate) fn hits(&self) -> u64 {
         self.hits.iter().map(|h| h.0.load(Ordering::Relaxed)).sum()
     }
 

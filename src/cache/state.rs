@@ -65,7 +65,7 @@ pub(super) struct State {
 impl State {
     /// Every slot free; slot 0 of each node is taken first. `dirty`: pages were faulted
     /// in at creation (populate).
-    pub fn new(nodes: usize, slots_per_node: usize, dirty: bool) -> State {
+    pub(crate) fn new(nodes: usize, slots_per_node: usize, dirty: bool) -> State {
         let total = nodes * slots_per_node;
         State {
             index: HashMap::with_capacity(total),
@@ -98,7 +98,7 @@ impl State {
     /// cleared; the caller finishes with [`State::forget`]). Two passes find a victim
     /// unless every ready slot is pinned, or hits re-reference slots as fast as the hand
     /// clears them: a third pass then takes any unpinned slot. `None`: all are held.
-    pub fn victim(&mut self, node: usize, slots: &Slots) -> Option<u32> {
+    pub(crate) fn victim(&mut self, node: usize, slots: &Slots) -> Option<u32> {
         let n = self.slots_per_node;
         let base = node * n;
         for pass in 0..3 {
@@ -118,7 +118,7 @@ impl State {
 
     /// After [`State::victim`]: the slot leaves the index and the hints, and is free
     /// (not yet on a free list: the caller reuses or frees it).
-    pub fn forget(&mut self, slot: u32, hints: &Hints) {
+    pub(crate) fn forget(&mut self, slot: u32, hints: &Hints) {
         let meta = &mut self.slots[slot as usize];
         self.index.remove(&meta.key);
         if let Some(position) = meta.hint.take() {
@@ -129,7 +129,7 @@ impl State {
     }
 
     /// A free slot back on its node's free list.
-    pub fn free_slot(&mut self, slot: u32) {
+    pub(crate) fn free_slot(&mut self, slot: u32) {
         self.slots[slot as usize].state = SlotState::Free;
         self.nodes[slot as usize / self.slots_per_node]
             .free
@@ -138,7 +138,7 @@ impl State {
 
     /// A free slot of the node, or a victim's; `None` when every slot is held (pinned,
     /// loading, or failed with waiters).
-    pub fn take_slot(&mut self, node: usize, slots: &Slots, hints: &Hints) -> Option<u32> {
+    pub(crate) fn take_slot(&mut self, node: usize, slots: &Slots, hints: &Hints) -> Option<u32> {
         if let Some(slot) = self.nodes[node].free.pop() {
             return Some(slot);
         }
@@ -149,7 +149,7 @@ impl State {
     }
 
     /// Marks a taken slot as being loaded with `key`.
-    pub fn mark_loading(&mut self, slot: u32, key: Key) {
+    pub(crate) fn mark_loading(&mut self, slot: u32, key: Key) {
         let meta = &mut self.slots[slot as usize];
         meta.key = key;
         meta.state = SlotState::Loading;

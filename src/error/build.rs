@@ -22,9 +22,13 @@ impl Error {
         Self::invalid_because(op, Invalid::Other(reason.into()))
     }
 
-    /// An invalid argument with a typed detail.
+    /// An invalid argument with a typed detail; each of its texts cut to
+    /// [`REASON_MAX`] bytes, a backstop behind the call sites' [`quote`](fn@super::quote).
     pub(crate) fn invalid_because(op: &'static str, reason: Invalid) -> Self {
-        Error::InvalidArgument { op, reason }
+        Error::InvalidArgument {
+            op,
+            reason: reason.bounded(),
+        }
     }
 
     /// [`Invalid::Misaligned`].

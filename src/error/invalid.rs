@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use super::quote::{REASON_MAX, clip_owned};
+
 #[cfg(doc)]
 use super::Error;
 
@@ -173,6 +175,40 @@ impl fmt::Display for Invalid {
             Invalid::WrongBacking { found, needed } => write!(f, "{found}; this needs {needed}"),
             Invalid::Other(text) => f.write_str(text),
         }
+    }
+}
+
+impl Invalid {
+    /// Each text field cut to [`REASON_MAX`] bytes (with its length): the backstop behind
+    /// the call sites' [`quote`](super::quote), so that no message repeats the megabytes a
+    /// caller or a file chose.
+    pub(super) fn bounded(mut self) -> Invalid {
+        let cut = |text: &mut String| {
+            if text.len() > REASON_MAX {
+                *text = clip_owned(std::mem::take(text), REASON_MAX);
+            }
+        };
+        match &mut self {
+            Invalid::Misaligned { what, .. }
+            | Invalid::OutOfBounds { what, .. }
+            | Invalid::Overflow { what }
+            | Invalid::TooLarge { what, .. }
+            | Invalid::Mismatch { what, .. }
+            | Invalid::Empty { what }
+            | Invalid::WrongBacking { found: what, .. }
+            | Invalid::Other(what) => cut(what),
+            Invalid::BadValue { value, why, .. } => {
+                cut(value);
+                cut(why);
+            }
+            Invalid::NoSuchNode { what, machine, .. } => {
+                cut(what);
+                if let Some(machine) = machine {
+                    cut(machine);
+                }
+            }
+        }
+        self
     }
 }
 

@@ -12,7 +12,7 @@ use errno::{errno_meaning, errno_name};
 pub use invalid::Invalid;
 use invalid::wide;
 pub(crate) use number::decimal;
-pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list};
+pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list, shown};
 
 use crate::nodeset::{Node, NodeSet};
 
@@ -53,10 +53,14 @@ pub enum Error {
         /// What was wrong, with the offending values.
         reason: Invalid,
     },
-    /// A node string did not parse.
-    #[error("invalid node string {input:?}: {reason} (at {part:?})")]
+    /// A text argument did not parse: a node string, an expert share, a tensor slice, a
+    /// rank.
+    #[error("invalid {what} {input:?}: {reason} (at {part:?})")]
     Parse {
-        /// The whole input.
+        /// What the parser reads (`"node string"`, `"expert share"`, `"tensor slice"`,
+        /// `"tensor-parallel rank"`).
+        what: &'static str,
+        /// The whole input (clipped).
         input: String,
         /// The piece that is wrong.
         part: String,

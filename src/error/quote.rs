@@ -34,6 +34,13 @@ pub(crate) fn clip_owned(mut text: String, max: usize) -> String {
     text
 }
 
+/// A caller- or file-chosen value shown as its `Display` form (a JSON value, a number
+/// given as text), at most [`QUOTE_MAX`] bytes of it and its length:
+/// `["x","x",… (262150 bytes)`. For a string, prefer [`quote`].
+pub(crate) fn shown(value: impl std::fmt::Display) -> String {
+    clip_owned(value.to_string(), QUOTE_MAX)
+}
+
 /// A file-chosen string quoted for a message: `"abc"`, or at most [`QUOTE_MAX`] bytes of
 /// it and its length, `"abc…" (4194304 bytes)`.
 pub(crate) fn quote(text: &str) -> String {

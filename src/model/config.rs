@@ -109,6 +109,31 @@ fn u64_key(config: &serde_json::Map<String, Value>, key: &str, default: u64) -> 
 impl ModelConfig {
     /// `dir/config.json`, if it is there and understood.
     pub(crate) fn read(dir: &Path) -> Option<ModelConfig> {
+        let (bytes, file) = read_config(dir)?;
+        ModelConfig::parse(&bytes, file)
+    }
+}
+
+/// `(num_attention_heads, num_key_value_heads)` of `dir/config.json` (top level, else
+/// its `text_config`; the KV heads default to the attention heads), if it says.
+pub(crate) fn attention_heads(dir: &Path) -> Option<(u64, u64)> {
+    let (bytes, _) = read_config(dir)?;
+    let value: Value = serde_json::from_slice(&bytes).ok()?;
+    let heads = |config: &Value| {
+        let attention = config.get("num_attention_heads")?.as_u64()?;
+        let kv = match config.get("num_key_value_heads") {
+            Some(v) => v.as_u64()?,
+            None => attention,
+        };
+        Some((attention, kv)).filter(|&(a, k)| a > 0 && k > 0)
+    };
+    heads(&value).or_else(|| heads(value.get("text_config")?))
+}
+
+/// The bytes of `dir/config.json` and its path: a regular file of at most
+/// [`MAX_CONFIG`] bytes, else `None`.
+fn read_config(dir: &Path) -> Option<(Vec<u8>, String)> {
+    {
         use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join("config.json");
         let meta = std::fs::metadata(&path).ok()?;
@@ -126,9 +151,11 @@ impl ModelConfig {
         if bytes.len() as u64 > MAX_CONFIG {
             return None;
         }
-        ModelConfig::parse(&bytes, path.display().to_string())
+        Some((bytes, path.display().to_string()))
     }
+}
 
+impl ModelConfig {
     fn parse(bytes: &[u8], file: String) -> Option<ModelConfig> {
         let value: Value = serde_json::from_slice(bytes).ok()?;
         let config = value.as_object()?;

@@ -28,7 +28,7 @@ macro_rules! ggml_types {
             pub const ALL: &'static [GgmlType] = &[$(GgmlType::$name),*];
 
             /// The type with this id, if ggml has it.
-            pub fn from_id(id: u32) -> Option<GgmlType> {
+            pub(crate) fn from_id(id: u32) -> Option<GgmlType> {
                 match id {
                     $($id => Some(GgmlType::$name),)*
                     _ => None,
@@ -100,7 +100,7 @@ impl GgmlType {
     /// Bytes of a tensor of this type with dims `ne` (`ne0` first): `ne0 / block ×
     /// type_size × ne1 × ne2 × …`. `Err` says why when `ne0` is not a multiple of the
     /// block size or the product overflows.
-    pub fn tensor_bytes(self, ne: &[u64]) -> Result<u64, String> {
+    pub(crate) fn tensor_bytes(self, ne: &[u64]) -> Result<u64, String> {
         let block = u64::from(self.block_size());
         let ne0 = ne.first().copied().unwrap_or(1);
         if ne0 % block != 0 {

@@ -52,7 +52,7 @@ pub use ggml::GgmlType;
 pub use gguf::{GgufArray, GgufValue};
 pub use naming::{
     CustomNaming, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
-    PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
+    Orientation, PieceRole, TensorKind, TensorPiece, TensorRef, Vocabulary,
 };
 pub use pack::{ModelReport, ShareReport};
 pub use safetensors::Dtype as SafetensorsDtype;
@@ -61,8 +61,8 @@ pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 pub use verify::{SlotMismatch, VerifyReport};
 pub use whole::{
     Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, DenseSlice, ExpertPieceView,
-    PlacedModel, PlacementCost, PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
-    expert_layout_text,
+    ExpertRole, ExpertTensorRef, FrameworkPlan, FrameworkStyle, PlacedModel, PlacementCost,
+    PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
 };
 
 use crate::error::{CheckpointFault, Error, Result};
@@ -202,6 +202,8 @@ pub struct Checkpoint {
     tensors: Vec<TensorInfo>,
     metadata: Vec<(String, GgufValue)>,
     config: Option<config::ModelConfig>,
+    /// `(num_attention_heads, num_key_value_heads)` from config.json.
+    heads: Option<(u64, u64)>,
 }
 
 impl Checkpoint {
@@ -251,12 +253,49 @@ impl Checkpoint {
             Format::Safetensors => config::ModelConfig::read(dir),
             Format::Gguf => config::ModelConfig::from_gguf(&checkpoint.metadata, path),
         };
+        if checkpoint.format == Format::Safetensors {
+            checkpoint.heads = config::attention_heads(dir);
+        }
         Ok(checkpoint)
+    }
+
+    /// Each file's length now against its length when opened: a file another process
+    /// truncated since is [`CheckpointFault::Truncated`] naming the file and both
+    /// lengths, before anything is placed. (The reads are `pread`s, never a mapping of
+    /// the file, so a truncation during the placement is no SIGBUS either: a read past
+    /// the end is an error; this check makes it one that names the file, not the slot.)
+    pub(crate) fn check_not_truncated(&self) -> Result<()> {
+        for f in &self.files {
+            let now = f
+                .file
+                .metadata()
+                .map_err(|e| Error::io("fstat", display(&f.path), e))?
+                .len();
+            if now < f.len {
+                return Err(Error::checkpoint(
+                    display(&f.path),
+                    None,
+                    CheckpointFault::Truncated,
+                    format!(
+                        "it holds {now} bytes, {} when it was opened: truncated since",
+                        f.len
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The model config read beside the checkpoint, if any was understood.
     pub(crate) fn config(&self) -> Option<&config::ModelConfig> {
         self.config.as_ref()
+    }
+
+    /// `(num_attention_heads, num_key_value_heads)` as the checkpoint's config.json says
+    /// (top level or its `text_config`; the KV heads default to the attention heads),
+    /// `None` without one. A framework plan's cut is checked against them.
+    pub fn attention_heads(&self) -> Option<(u64, u64)> {
+        self.heads
     }
 
     /// The container format.

@@ -210,6 +210,7 @@ impl Checkpoint {
         plan: &ExpertPlan,
         share: Option<&Share>,
     ) -> Result<ModelReport> {
+        self.check_not_truncated()?;
         // Each layer's sources, built once: sized here, packed below.
         let mut layers = Vec::with_capacity(plan.layers().len());
         for layer in plan.layers() {
@@ -288,9 +289,11 @@ impl Checkpoint {
     fn source_of(&self, expert: &super::ExpertPieces) -> Result<ExpertSource<'_>> {
         let piece = |p: &super::TensorPiece| -> Result<Piece<'_>> {
             let file = self.files.get(p.file()).ok_or_else(|| {
-                Error::invalid(
+                Error::bad_value(
                     "Checkpoint::pack",
-                    format!("a piece names file {} of {}", p.file(), self.files.len()),
+                    "a piece's file",
+                    p.file(),
+                    format!("the checkpoint has {} files", self.files.len()),
                 )
             })?;
             let len = usize::try_from(p.len()).map_err(|_| {

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::files::shape_text;
 use super::naming::{
     ExpertAxis, ExpertPieces, ExpertPlan, GateUpLayout, LayerPlan, MAX_EXPERTS_PER_LAYER, Naming,
-    PieceRole, TensorPiece, no_experts,
+    Orientation, PieceRole, TensorPiece, no_experts,
 };
 use super::{Checkpoint, Dtype, TensorInfo};
 use crate::error::{CheckpointFault, Error, Result, quote};
@@ -169,13 +169,20 @@ fn build_plan(naming: &Naming, checkpoint: &Checkpoint) -> Result<ExpertPlan> {
                 (role, naming.role_name(piece, scale))
             })
             .collect();
+        let canonical = required
+            .iter()
+            .map(|&(scale, piece)| naming.canonical_role(piece, scale))
+            .collect();
+        let orientations = orientations(&plan, &lt, &required, gate_up);
         plans.push(LayerPlan {
             layer,
             experts,
             weight_bytes,
             scale_bytes,
             roles,
+            canonical,
             gate_up,
+            orientations,
             share: None,
         });
     }
@@ -450,6 +457,35 @@ fn flattened_count(plan: &Plan<'_>, layer: usize, t: &TensorInfo) -> Result<u64>
             ),
         )),
     }
+}
+
+/// How each of `required`'s roles stores an expert's weight: what the naming says by
+/// the role's tensor name, else the layer's gate_up layout (`[H, 2I]` beside `[I, H]`:
+/// every role `[in, out]`), else `[out, in]`.
+fn orientations(
+    plan: &Plan<'_>,
+    lt: &LayerTensors,
+    required: &BTreeSet<(bool, u8)>,
+    gate_up: Option<GateUpLayout>,
+) -> Vec<Orientation> {
+    let by_shape = match gate_up {
+        Some(GateUpLayout::GateThenUpColumns | GateUpLayout::Interleaved) => Orientation::InOut,
+        _ => Orientation::OutIn,
+    };
+    let roles = if lt.merged.is_empty() {
+        lt.per_expert.values().next()
+    } else {
+        Some(&lt.merged)
+    };
+    required
+        .iter()
+        .map(|role| {
+            roles
+                .and_then(|r| r.get(role))
+                .and_then(|&i| plan.naming.orientation(plan.tensor(i).name()))
+                .unwrap_or(by_shape)
+        })
+        .collect()
 }
 
 /// How the layer's fused gate_up role (if any) holds gate and up, from its shape and

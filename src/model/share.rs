@@ -96,7 +96,7 @@ impl ExpertShare {
     }
 
     /// Whether this is [`ExpertShare::all`].
-    pub fn is_all(&self) -> bool {
+    pub(crate) fn is_all(&self) -> bool {
         matches!(self.0, Spec::All)
     }
 
@@ -205,6 +205,7 @@ impl ExpertShare {
             return Ok(ExpertShare::all());
         }
         let parse_error = |part: &str, reason: &str| Error::Parse {
+            what: "expert share",
             input: crate::error::clip_owned(text.to_owned(), 200),
             part: crate::error::clip_owned(part.to_owned(), 64),
             reason: reason.to_owned(),
@@ -262,7 +263,11 @@ impl ExpertShare {
                 if let Some(r) = ranges.iter().find(|r| r.end > experts) {
                     return Err(Error::OutOfRange {
                         op: OP,
-                        what: format!("expert of layer {layer} in the share {self}"),
+                        // A share of many ranges prints as many (65,536 single experts: 400 KB).
+                        what: format!(
+                            "expert of layer {layer} in the share {}",
+                            crate::error::shown(self)
+                        ),
                         index: r.end.max(experts + 1) - 1,
                         len: experts,
                     });
@@ -273,11 +278,11 @@ impl ExpertShare {
             Spec::PerLayer(f) => {
                 let share = f(layer, experts)?;
                 if let Spec::PerLayer(_) = share.0 {
-                    return Err(Error::invalid(
+                    return Err(Error::bad_value(
                         OP,
-                        format!(
-                            "the per-layer function answered a per-layer share for layer {layer}"
-                        ),
+                        "the per-layer function's share",
+                        format!("for layer {layer}"),
+                        "a per-layer share again: it must answer a share of the layer",
                     ));
                 }
                 return share.resolve(layer, experts);
@@ -286,7 +291,10 @@ impl ExpertShare {
         if ids.is_empty() {
             return Err(Error::empty(
                 OP,
-                format!("experts of layer {layer} (of {experts}) in the share {self}"),
+                format!(
+                    "experts of layer {layer} (of {experts}) in the share {}",
+                    crate::error::shown(self)
+                ),
             ));
         }
         Ok(ids)
@@ -319,7 +327,9 @@ pub struct Share {
     /// The slice of each expert tensor held (`None`: whole tensors).
     pub tensor_slice: Option<TensorSlice>,
     /// Rank `k` of a tensor-parallel group of `n`: each role sliced by the convention
-    /// (gate and up by rows, down by columns), over [`Share::tensor_slice`].
+    /// (gate and up: the output dimension; down: the input dimension, each on the axis
+    /// its [`Orientation`](super::Orientation) puts it). Exclusive with
+    /// [`Share::tensor_slice`]: a share with both is refused when it is cut.
     pub tensor_parallel: Option<(u64, u64)>,
 }
 
@@ -338,15 +348,39 @@ impl Share {
         self
     }
 
-    /// [`Share::tensor_parallel`]: rank `k` of `n`, gate and up cut by rows, down by
-    /// columns (a fused or unknown role is an error when the share is placed).
+    /// [`Share::tensor_parallel`]: rank `k` of `n`, gate and up cut along their output
+    /// dimension, down along its input dimension (rows and columns of `[out, in]`; DBRX's
+    /// `[in, out]` `w2` by rows); a fused or unknown role is an error when the share is
+    /// placed.
     ///
     /// # Errors
-    /// `n` is 0 or `k ≥ n`.
+    /// `n` is 0 or `k ≥ n`; the share has a [`Share::tensor_slice`] already
+    /// ([`Share::exclusive_slices`]).
     pub fn tensor_parallel(mut self, k: u64, n: u64) -> Result<Self> {
         TensorSlice::part(super::SliceAxis::Rows, k, n)?;
         self.tensor_parallel = Some((k, n));
+        self.exclusive_slices()?;
         Ok(self)
+    }
+
+    /// `Ok` unless both [`Share::tensor_slice`] and [`Share::tensor_parallel`] are set:
+    /// each says how to cut every expert tensor, and neither is applied over the other.
+    ///
+    /// # Errors
+    /// [`Invalid::BadValue`](crate::error::Invalid::BadValue) naming both (Python's
+    /// `expert_slice=` with `tensor_parallel=`).
+    pub fn exclusive_slices(&self) -> Result<()> {
+        match (self.tensor_slice, self.tensor_parallel) {
+            (Some(slice), Some((k, n))) => Err(Error::bad_value(
+                "Share",
+                "expert slice with tensor parallelism",
+                format!("slice {slice} and tp:{k}/{n}"),
+                "a tensor slice of every expert (Share::slice, Python's expert_slice=) and \
+                 the tensor-parallel preset (tensor_parallel, which cuts each role its own \
+                 way) are exclusive: give one",
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Whether this is the whole checkpoint (every expert, whole tensors).
@@ -360,7 +394,10 @@ impl fmt::Display for Share {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "experts {}", self.experts)?;
         if let Some((k, n)) = self.tensor_parallel {
-            write!(f, ", slice tp:{k}/{n} (gate, up rows; down columns)")?;
+            write!(
+                f,
+                ", slice tp:{k}/{n} (gate, up: the output dimension; down: the input dimension)"
+            )?;
         } else if let Some(slice) = &self.tensor_slice {
             write!(f, ", slice {slice}")?;
         }
@@ -449,9 +486,11 @@ impl ExpertPlan {
         let mut out = self.clone();
         for layer in &mut out.layers {
             if layer.share.is_some() {
-                return Err(Error::invalid(
+                return Err(Error::bad_value(
                     "ExpertPlan::share",
-                    format!("layer {} is a share already", layer.layer),
+                    "layer",
+                    layer.layer,
+                    "a share already: share the whole plan once",
                 ));
             }
             let of = layer.experts.len();
@@ -462,6 +501,7 @@ impl ExpertPlan {
                 .iter()
                 .filter_map(|&e| layer.experts.get(e).cloned())
                 .collect();
+            share.exclusive_slices()?;
             let slicer = match (share.tensor_parallel, share.tensor_slice) {
                 (Some((k, n)), _) => Some(RoleSlicer::Tp { k, n }),
                 (None, Some(slice)) => Some(RoleSlicer::Uniform(slice)),
@@ -563,10 +603,7 @@ mod tests {
         });
         assert!(nested.resolve(0, 4).is_err());
         let failing = ExpertShare::per_layer(|layer, _| {
-            Err(Error::invalid(
-                "test",
-                format!("no placement for layer {layer}"),
-            ))
+            Err(Error::empty("test", format!("placement for layer {layer}")))
         });
         assert!(
             failing

@@ -16,12 +16,13 @@
 //! [`TensorInfo`] (shape and dtype): dense tensors can take the same slices once the
 //! whole-model plan places them.
 
+pub(crate) mod check;
 mod geometry;
 
 use std::fmt;
 use std::ops::Range;
 
-use super::{Checkpoint, LayerPlan, PieceRole, TensorPiece};
+use super::{Checkpoint, LayerPlan, Orientation, PieceRole, TensorPiece};
 use crate::error::{Error, Result, quote};
 use geometry::geometry;
 pub(crate) use geometry::{Geometry, Run, tensor_geometry};
@@ -136,6 +137,7 @@ impl TensorSlice {
     /// [`Error::Parse`] naming the piece that is wrong; the constructors' errors.
     pub fn parse(text: &str) -> Result<TensorSlice> {
         let parse_error = |part: &str, reason: &str| Error::Parse {
+            what: "tensor slice",
             input: crate::error::clip_owned(text.to_owned(), 200),
             part: crate::error::clip_owned(part.to_owned(), 64),
             reason: reason.to_owned(),
@@ -236,10 +238,23 @@ pub(crate) fn slice_layer(
             .collect()
     };
     let (weight_names, scale_names) = (names(PieceRole::Weight), names(PieceRole::Scale));
+    let orientations = layer
+        .roles
+        .iter()
+        .zip(
+            layer
+                .orientations
+                .iter()
+                .chain(std::iter::repeat(&Orientation::OutIn)),
+        )
+        .filter(|((r, _), _)| *r == PieceRole::Weight)
+        .map(|(_, o)| *o)
+        .collect();
     let cutting = Cutting {
         checkpoint,
         slicer,
         layer: layer.layer,
+        orientations,
     };
     // Every expert of a layer has one shape, so the first expert's pieces say where the
     // cuts fall for all of them.
@@ -260,23 +275,38 @@ pub(crate) fn slice_layer(
 type PieceCuts = Vec<Vec<(u64, u64)>>;
 
 /// A weight role's slice, its extent along the slice's axis and the range of it kept:
-/// what its scale's blocks must line up with.
-type WeightAxis = (TensorSlice, u64, Range<u64>);
+/// what its scale's blocks must line up with; and whether the cut is of the role's input
+/// dimension (row-parallel: a 1-D bias or scale beside it stays whole, as the all-reduce
+/// adds it once).
+type WeightAxis = (TensorSlice, u64, Range<u64>, bool);
 
 /// One layer being cut to a slice: what its errors name.
 struct Cutting<'a> {
     checkpoint: &'a Checkpoint,
     slicer: RoleSlicer,
     layer: usize,
+    /// How each weight role stores an expert's weight (its cut under TP follows it).
+    orientations: Vec<Orientation>,
 }
 
 impl Cutting<'_> {
-    /// The slice weight role `role` gets.
-    fn slice_of(&self, role: &str) -> Result<TensorSlice> {
+    /// The slice weight role `j`, `role`, gets, and whether it cuts the input dimension.
+    /// Under TP the convention's axis is for `[out, in]`; a role stored `[in, out]`
+    /// (DBRX's `w2`) has its input dimension outermost, so the row-parallel down keeps
+    /// rows there, and a column-parallel role columns.
+    fn slice_of(&self, j: usize, role: &str) -> Result<(TensorSlice, bool)> {
         match self.slicer {
-            RoleSlicer::Uniform(slice) => Ok(slice),
+            RoleSlicer::Uniform(slice) => Ok((slice, slice.axis == SliceAxis::Columns)),
             RoleSlicer::Tp { k, n } => match crate::model::whole::tp::expert_axis(role) {
-                Some(axis) => TensorSlice::part(axis, k, n),
+                Some(axis) => {
+                    let input = axis == SliceAxis::Columns;
+                    let axis = match (self.orientations.get(j), axis) {
+                        (Some(Orientation::InOut), SliceAxis::Rows) => SliceAxis::Columns,
+                        (Some(Orientation::InOut), SliceAxis::Columns) => SliceAxis::Rows,
+                        (_, axis) => axis,
+                    };
+                    Ok((TensorSlice::part(axis, k, n)?, input))
+                }
                 None => Err(Error::bad_value(
                     OP,
                     "tensor-parallel expert role",
@@ -317,7 +347,7 @@ impl Cutting<'_> {
         let mut axes = Vec::new();
         for (j, p) in pieces.iter().enumerate() {
             let role = names.get(j).map_or("weight", String::as_str);
-            let slice = self.slice_of(role)?;
+            let (slice, input) = self.slice_of(j, role)?;
             let axis = slice.axis;
             let g = geometry(self.checkpoint, p)?;
             if g.dims.len() < 2 {
@@ -332,7 +362,7 @@ impl Cutting<'_> {
                     .map_err(|why| self.bad(&slice, role, &g, why))?,
             );
             report.push(role_slice(role, true, axis, &range, extent, &g, false));
-            axes.push((slice, extent, range));
+            axes.push((slice, extent, range, input));
         }
         Ok((cuts, axes))
     }
@@ -354,8 +384,9 @@ impl Cutting<'_> {
             let numel: u64 = g.dims.iter().product();
             let paired = weight_axes.get(j % weight_axes.len().max(1));
             let axis = paired.map_or(SliceAxis::Rows, |w| w.0.axis);
-            let whole = numel <= 1 || (g.dims.len() == 1 && axis == SliceAxis::Columns);
-            let Some((slice, n, wrange)) = paired.filter(|_| !whole) else {
+            let input = paired.is_some_and(|w| w.3);
+            let whole = numel <= 1 || (g.dims.len() == 1 && input);
+            let Some((slice, n, wrange, _)) = paired.filter(|_| !whole) else {
                 cuts.push(vec![(0, p.len)]);
                 let all = 0..g.rows;
                 report.push(role_slice(role, false, axis, &all, g.rows, &g, true));

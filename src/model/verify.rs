@@ -93,15 +93,17 @@ impl Checkpoint {
     pub fn verify_share(&self, store: &PinStore, share: &Share) -> Result<VerifyReport> {
         let naming = Naming::detect(self)?;
         let plan = naming.plan(self)?.share(self, share)?;
-        self.verify_plan(store, &plan, ReadMode::Buffered)
+        self.verify_plan(store, &plan, store.read_mode())
     }
 
     /// Re-reads every expert piece from the files and compares it with its place in
     /// `store` (as [`PinStore::slot_map`] says); the bytes between pieces must be zero.
     /// The naming is detected as in [`Checkpoint::pack`].
     ///
-    /// The reads go through the page cache (`pread`, at most 4 MiB at once); see
-    /// [`Checkpoint::verify_in_mode`] to re-read the way a direct or drop-behind load did.
+    /// The reads are made in the store's read mode
+    /// ([`StoreOptions::read_mode`](crate::store::StoreOptions::read_mode)), as its loads
+    /// were: after a direct load the page cache stays as empty as the load left it (at
+    /// most 4 MiB a read); see [`Checkpoint::verify_in_mode`] to choose another.
     ///
     /// # Errors
     /// As [`Checkpoint::verify_with`].
@@ -118,7 +120,7 @@ impl Checkpoint {
     /// The naming's errors (as [`Checkpoint::pack`]); [`Error::NotPacked`] for a layer
     /// the store does not hold; a released slot ([`Error::Released`]); a read that fails.
     pub fn verify_with(&self, store: &PinStore, naming: &Naming) -> Result<VerifyReport> {
-        self.verify_in_mode(store, naming, ReadMode::Buffered)
+        self.verify_in_mode(store, naming, store.read_mode())
     }
 
     /// [`Checkpoint::verify_with`], re-reading the files the way the load read them:
@@ -144,7 +146,7 @@ impl Checkpoint {
     ///
     /// # Errors
     /// As [`Checkpoint::verify_in_mode`].
-    pub fn verify_plan(
+    pub(crate) fn verify_plan(
         &self,
         store: &PinStore,
         plan: &ExpertPlan,
@@ -196,13 +198,16 @@ impl Checkpoint {
                     }
                     report.slots += 1;
                     let places = map.pieces(e, kind).unwrap_or_default();
-                    let found = self.compare_slot(
-                        slot,
-                        pieces,
-                        places,
-                        (&mut buffer, reader, &mut *scratch),
-                        &mut report,
-                    )?;
+                    let found = match self.slice_fault(layer, e, kind, pieces) {
+                        Some(fault) => Some((0, fault)),
+                        None => self.compare_slot(
+                            slot,
+                            pieces,
+                            places,
+                            (&mut buffer, reader, &mut *scratch),
+                            &mut report,
+                        )?,
+                    };
                     if let Some((slot_offset, reason)) = found {
                         report.mismatched_slots += 1;
                         if report.mismatches.len() < VerifyReport::MAX_LISTED {
@@ -219,6 +224,86 @@ impl Checkpoint {
             }
         }
         Ok(report)
+    }
+
+    /// How the pieces of a sliced layer's slot differ from what each role's slice must
+    /// hold, computed from the role's shape, its tensor's bytes and dtype alone
+    /// ([`slice::check`](super::slice::check)): so a slice that placed whole rows, or
+    /// pieces that do not start at row starts, is not called verified because its bytes
+    /// equal the file's at the offsets it chose.
+    fn slice_fault(
+        &self,
+        layer: &super::LayerPlan,
+        expert: usize,
+        kind: Kind,
+        pieces: &[super::TensorPiece],
+    ) -> Option<String> {
+        use super::slice::check::{Part, expected, mismatch};
+        let share = layer.share()?;
+        let weight = kind == Kind::Weights;
+        let mut at = 0usize;
+        for cut in share.slices().iter().filter(|c| c.weight == weight) {
+            let Some(first) = pieces.get(at) else {
+                return Some(format!("{}: no piece where its slice starts", cut.role));
+            };
+            let Some(t) = self.tensors().get(first.tensor()) else {
+                return Some(format!(
+                    "{}: a piece names tensor {} of {}",
+                    cut.role,
+                    first.tensor(),
+                    self.tensors().len()
+                ));
+            };
+            let shape = &cut.shape;
+            let per_expert = super::whole::normalized_shape(t) == *shape;
+            let bytes = if per_expert {
+                Some(t.len())
+            } else {
+                (share.of() > 0 && t.len().is_multiple_of(share.of() as u64))
+                    .then(|| t.len() / share.of() as u64)
+            };
+            let Some(bytes) = bytes else {
+                return Some(format!(
+                    "{}: {} bytes are not {} experts' parts",
+                    cut.role,
+                    t.len(),
+                    share.of()
+                ));
+            };
+            let part = Part {
+                bytes,
+                outer: shape.first().copied().unwrap_or(1),
+                rows: shape.split_last().map_or(1, |(_, r)| r.iter().product()),
+                dtype: t.dtype(),
+            };
+            let slice = (cut.axis, cut.start, cut.len, cut.extent);
+            let want = match expected(part, slice, cut.whole) {
+                Ok(want) => want,
+                Err(why) => return Some(format!("{}: {why}", cut.role)),
+            };
+            let base = t.offset().saturating_add(if per_expert {
+                0
+            } else {
+                (expert as u64).saturating_mul(bytes)
+            });
+            let count = usize::try_from(want.count).unwrap_or(usize::MAX);
+            let mine: Vec<(u64, u64)> = pieces
+                .iter()
+                .skip(at)
+                .take(count)
+                .map(|p| (p.offset(), p.len()))
+                .collect();
+            at = at.saturating_add(count);
+            if let Some(why) = mismatch(&mine, &want, base) {
+                return Some(format!("{}: {why}", cut.role));
+            }
+        }
+        (at != pieces.len() && !share.slices().is_empty()).then(|| {
+            format!(
+                "{} pieces where the slices' geometry has {at}",
+                pieces.len()
+            )
+        })
     }
 
     /// The first difference between `slot` and `pieces` laid out as `places`.
@@ -270,13 +355,11 @@ impl Checkpoint {
                 )));
             }
             let file = self.files.get(piece.file()).ok_or_else(|| {
-                Error::invalid(
+                Error::bad_value(
                     "Checkpoint::verify",
-                    format!(
-                        "a piece names file {} of {}",
-                        piece.file(),
-                        self.files.len()
-                    ),
+                    "a piece's file",
+                    piece.file(),
+                    format!("the checkpoint has {} files", self.files.len()),
                 )
             })?;
             let mut done = 0usize;

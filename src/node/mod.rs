@@ -122,6 +122,7 @@ impl NodeSet {
     pub fn parse_in(input: &str, ctx: &NodeContext) -> Result<NodeSet> {
         // Clipped, as the share and slice parsers do: a megabyte of input is not echoed.
         let fail = |part: &str, reason: &str| Error::Parse {
+            what: "node string",
             input: crate::error::clip_owned(input.to_string(), 200),
             part: crate::error::clip_owned(part.to_string(), 64),
             reason: reason.to_string(),
@@ -252,7 +253,7 @@ impl KernelMask {
     }
 
     /// The mask words, writable (for `get_mempolicy`).
-    pub fn words_mut(&mut self) -> &mut [u64] {
+    pub(crate) fn words_mut(&mut self) -> &mut [u64] {
         &mut self.words[..self.len]
     }
 

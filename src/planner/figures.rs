@@ -6,7 +6,10 @@
 use super::table::{Candidate, PlanRow, PlanTable};
 use super::{Machine, ModelSizes, PlanOptions};
 use crate::routing::{RoutingStats, balance};
-use crate::store::{ExpertAssignment, HotCopies, block};
+use std::collections::BTreeMap;
+
+use crate::node::{Node, NodeSet};
+use crate::store::{ExpertAssignment, HOT, Home, HotCopies, Layout, Placer, SlotOrder, block};
 
 /// Where one expert's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,10 +180,6 @@ impl<'a> Ctx<'a> {
         self.machine.nodes.len()
     }
 
-    fn kinds_total(&self) -> usize {
-        self.model.moe_layers.iter().map(|l| l.kinds()).sum()
-    }
-
     pub(super) fn table(&self) -> PlanTable {
         let rows = Candidate::ALL
             .iter()
@@ -203,86 +202,129 @@ impl<'a> Ctx<'a> {
     fn describe(&self, c: Candidate) -> Described {
         let n = self.n() as u64;
         let other = self.model.other_bytes;
-        let all = other.saturating_add(self.model.expert_bytes());
         let layers = &self.model.moe_layers;
         let uniform = |place: Place| layers.iter().map(|l| vec![place; l.experts]).collect();
-        let even = |bytes: u64| vec![bytes.div_ceil(n); self.n()];
-        let kinds = self.kinds_total();
+        let even = vec![other.div_ceil(n); self.n()];
+        let all = self.all_nodes();
         match c {
             Candidate::Interleave => Described {
                 places: uniform(Place::Interleaved),
-                bytes: even(all),
-                mappings: kinds,
+                ..self.arranged(even, Layout::Interleave(all), None, |_| None)
             },
-            Candidate::LayerPerNode => {
-                let mut bytes = even(other);
-                let places = layers
+            Candidate::LayerPerNode => Described {
+                places: layers
                     .iter()
-                    .map(|l| {
-                        let i = l.layer % self.n();
-                        bytes[i] = bytes[i].saturating_add(layer_bytes(l));
-                        vec![Place::Home(i); l.experts]
-                    })
-                    .collect();
-                Described {
-                    places,
-                    bytes,
-                    mappings: kinds,
-                }
-            }
+                    .map(|l| vec![Place::Home(l.layer % self.n()); l.experts])
+                    .collect(),
+                ..self.arranged(even, Layout::LayerPerNode(all), None, |_| None)
+            },
             Candidate::ReplicatePerNode => Described {
                 places: uniform(Place::Everywhere),
-                bytes: vec![all; self.n()],
-                mappings: kinds * self.n(),
+                ..self.arranged(vec![other; self.n()], Layout::Replicate(all), None, |_| {
+                    None
+                })
             },
-            Candidate::ReplicatePerDomain => {
-                let mut bytes = vec![0; self.n()];
-                for d in &self.domains {
-                    for &i in d {
-                        bytes[i] = all.div_ceil(d.len() as u64);
-                    }
-                }
-                Described {
-                    places: uniform(Place::PerDomain),
-                    bytes,
-                    mappings: kinds * self.domains.len(),
-                }
-            }
-            Candidate::SplitByIndex => self.split(|l| {
-                (0..l.experts)
-                    .map(|e| crate::store::block_of(e, self.n(), l.experts))
-                    .collect()
-            }),
+            Candidate::ReplicatePerDomain => Described {
+                places: uniform(Place::PerDomain),
+                ..self.arranged(
+                    self.domain_shares(other),
+                    Layout::ReplicateDomains(all),
+                    None,
+                    |_| None,
+                )
+            },
+            Candidate::SplitByIndex => self.split(
+                |l| {
+                    (0..l.experts)
+                        .map(|e| crate::store::block_of(e, self.n(), l.experts))
+                        .collect()
+                },
+                true,
+            ),
             Candidate::SplitByLoad => self.split_by_load(),
             Candidate::Hybrid => self.hybrid(false),
             Candidate::HybridPerDomain => self.hybrid(true),
         }
     }
 
-    /// A split layout from each layer's home nodes; non-expert bytes interleaved.
-    fn split(&self, homes: impl Fn(&super::MoeLayerSizes) -> Vec<usize>) -> Described {
-        let n = self.n();
-        let mut bytes = vec![self.model.other_bytes.div_ceil(n as u64); n];
-        let mut mappings = 0;
-        let places = self
-            .model
-            .moe_layers
-            .iter()
-            .map(|l| {
-                let h = homes(l);
-                let mut used = vec![false; n];
-                for &i in &h {
-                    bytes[i] = bytes[i].saturating_add(l.slot_bytes());
-                    used[i] = true;
-                }
-                mappings += l.kinds() * used.iter().filter(|&&u| u).count().max(1);
-                h.into_iter().map(Place::Home).collect()
-            })
+    /// The machine's nodes as a set (the planner's indices are their ranks in it).
+    fn all_nodes(&self) -> NodeSet {
+        self.machine.nodes.iter().map(|n| n.node).collect()
+    }
+
+    /// `bytes` over each domain's nodes: a copy per domain, interleaved over it.
+    fn domain_shares(&self, bytes: u64) -> Vec<u64> {
+        let mut out = vec![0; self.n()];
+        for d in &self.domains {
+            for &i in d {
+                out[i] = bytes.div_ceil(d.len() as u64);
+            }
+        }
+        out
+    }
+
+    /// The bytes per node and the mappings of every MoE layer's experts under `layout`
+    /// (with a hybrid assignment's hot copies shaped `hot`, and `homes` giving a split
+    /// layer's assigned homes, `None`: by index), added to `base` (the non-expert
+    /// bytes per node): the store's own arithmetic
+    /// ([`Placer::arrange`](crate::store::Placer)), on this described machine's domains.
+    fn arranged<'h>(
+        &self,
+        base: Vec<u64>,
+        layout: Layout,
+        hot: Option<HotCopies>,
+        homes: impl Fn(usize) -> Option<&'h [usize]>,
+    ) -> Described {
+        let ids: Vec<NodeSet> = (self.domains.iter())
+            .map(|d| d.iter().map(|&i| self.machine.nodes[i].node).collect())
             .collect();
+        let domains = |set: &NodeSet| ids.iter().map(|d| d.intersection(set)).collect();
+        let placer = Placer::with_domains(layout, hot, domains);
+        let index: BTreeMap<Node, usize> = (self.machine.nodes.iter().enumerate())
+            .map(|(i, n)| (n.node, i))
+            .collect();
+        let mut bytes = base;
+        let mut mappings = 0usize;
+        let page = |b: u64| b.div_ceil(4096).saturating_mul(4096);
+        for (i, l) in self.model.moe_layers.iter().enumerate() {
+            let strides = [
+                Some(page(l.weight_bytes)),
+                (l.scale_bytes > 0).then(|| page(l.scale_bytes)),
+            ];
+            let order = homes(i).and_then(|h| SlotOrder::new(l.layer, h, l.experts, self.n()).ok());
+            let placed = placer.arrange(l.layer, l.experts, strides, order);
+            mappings = mappings.saturating_add(placed.mappings);
+            for (node, b) in placed.node_bytes {
+                if let Some(&at) = index.get(&node) {
+                    bytes[at] = bytes[at].saturating_add(b);
+                }
+            }
+        }
         Described {
-            places,
+            places: Vec::new(),
             bytes,
             mappings,
+        }
+    }
+
+    /// A split layout from each layer's home nodes; non-expert bytes interleaved.
+    /// `by_index`: the homes are the store's own split by index (no assignment).
+    fn split(
+        &self,
+        homes: impl Fn(&super::MoeLayerSizes) -> Vec<usize>,
+        by_index: bool,
+    ) -> Described {
+        let n = self.n();
+        let homes: Vec<Vec<usize>> = self.model.moe_layers.iter().map(homes).collect();
+        let places = (homes.iter())
+            .map(|h| h.iter().map(|&i| Place::Home(i)).collect())
+            .collect();
+        let even = vec![self.model.other_bytes.div_ceil(n as u64); n];
+        Described {
+            places,
+            ..self.arranged(even, Layout::SplitExperts(self.all_nodes()), None, |i| {
+                homes.get(i).filter(|_| !by_index).map(Vec::as_slice)
+            })
         }
     }
 
@@ -319,14 +361,17 @@ impl<'a> Ctx<'a> {
         let room = self.min_room(self.model.other_bytes.div_ceil(n));
         let experts: Vec<usize> = self.model.moe_layers.iter().map(|l| l.experts).collect();
         let caps = self.caps(&experts, room);
-        self.split(|l| {
-            let i = self.index_of(l.layer);
-            match &self.counts[i] {
-                Some(c) => balance(c, &vec![caps[i]; self.n()])
-                    .unwrap_or_else(|_| index_homes(l.experts, self.n())),
-                None => index_homes(l.experts, self.n()),
-            }
-        })
+        self.split(
+            |l| {
+                let i = self.index_of(l.layer);
+                match &self.counts[i] {
+                    Some(c) => balance(c, &vec![caps[i]; self.n()])
+                        .unwrap_or_else(|_| index_homes(l.experts, self.n())),
+                    None => index_homes(l.experts, self.n()),
+                }
+            },
+            false,
+        )
     }
 
     /// The least room any node has for experts once `base` bytes are on it.
@@ -386,18 +431,12 @@ impl<'a> Ctx<'a> {
                 .collect::<Vec<_>>()),
             room.saturating_sub(hot_bytes.div_ceil(widest)),
         );
-        let mut bytes: Vec<u64> = (0..n)
-            .map(|i| other[i].saturating_add(hot_bytes.div_ceil(share[i])))
-            .collect();
-        let first_apart = per_domain && share.first().is_some_and(|&m| m > 1);
-        let groups = if per_domain { self.domains.len() } else { n };
         let hot_place = if per_domain {
             Place::PerDomain
         } else {
             Place::Everywhere
         };
-        let mut mappings = 0;
-        let places = layers
+        let places: Vec<Vec<Place>> = layers
             .iter()
             .enumerate()
             .map(|(i, l)| {
@@ -413,28 +452,30 @@ impl<'a> Ctx<'a> {
                 let mut places = vec![hot_place; l.experts];
                 for (&e, &h) in cold_ids.iter().zip(&homes) {
                     places[e] = Place::Home(h);
-                    bytes[h] = bytes[h].saturating_add(l.slot_bytes());
                 }
-                // As the store builds it: the first copy in one block per node holding
-                // experts (the hot ones in the first node's where its group is that node,
-                // else a range of their own), and a region of the hot ones on every
-                // other group.
-                let hot = cold_ids.len() < l.experts;
-                let mut blocks: Vec<bool> = (0..n).map(|h| homes.contains(&h)).collect();
-                blocks[0] |= hot && !first_apart;
-                let copies = if hot {
-                    groups - 1 + usize::from(first_apart)
-                } else {
-                    0
-                };
-                mappings += l.kinds() * (blocks.iter().filter(|&&b| b).count() + copies);
                 places
             })
             .collect();
+        // Bytes and mappings as the store builds it: the first copy in one block per
+        // node holding experts (the hot ones in the first node's where its group is that
+        // node, else a range of their own), and a region of the hot ones on every other
+        // group.
+        let homes: Vec<Vec<usize>> = (places.iter())
+            .map(|p| p.iter().map(|&place| home_of(place)).collect())
+            .collect();
+        let shape = if per_domain {
+            HotCopies::PerDomain
+        } else {
+            HotCopies::PerNode
+        };
         Described {
             places,
-            bytes,
-            mappings,
+            ..self.arranged(
+                other,
+                Layout::SplitExperts(self.all_nodes()),
+                Some(shape),
+                |i| homes.get(i).map(Vec::as_slice),
+            )
         }
     }
 
@@ -456,16 +497,21 @@ impl<'a> Ctx<'a> {
                 .then(li.cmp(&lj))
         });
         let mut cold: Vec<usize> = layers.iter().map(|l| l.experts).collect();
-        let mut cold_even: u64 = layers
+        // In u128, exact: a sum saturated at u64::MAX (experts of 2^64 bytes, as a
+        // hand-built ModelSizes may say) then less a layer's saving went below zero (a
+        // panic in a debug build). Slots are at most 2^64 bytes, layers at most 2^16
+        // experts: a sum over layers fits.
+        let mut cold_even: u128 = layers
             .iter()
             .zip(&cold)
-            .map(|(l, &k)| l.slot_bytes().saturating_mul(k.div_ceil(n) as u64))
-            .fold(0, u64::saturating_add);
-        let mut hot_bytes = 0u64;
+            .map(|(l, &k)| u128::from(l.slot_bytes()) * k.div_ceil(n) as u128)
+            .fold(0, u128::saturating_add);
+        let (room, widest) = (u128::from(room), u128::from(widest.max(1)));
+        let mut hot_bytes = 0u128;
         let mut hot: Vec<Vec<bool>> = layers.iter().map(|l| vec![false; l.experts]).collect();
         if n > 1 && cold_even <= room {
             for (i, e) in ranked {
-                let s = layers[i].slot_bytes();
+                let s = u128::from(layers[i].slot_bytes());
                 let k = cold[i];
                 let saved = if k.div_ceil(n) > (k - 1).div_ceil(n) {
                     s
@@ -473,16 +519,19 @@ impl<'a> Ctx<'a> {
                     0
                 };
                 let more = hot_bytes.saturating_add(s);
-                let next = more.div_ceil(widest).saturating_add(cold_even - saved);
+                let next = more
+                    .div_ceil(widest)
+                    .saturating_add(cold_even.saturating_sub(saved));
                 if next <= room {
                     hot_bytes = more;
-                    cold_even -= saved;
+                    cold_even = cold_even.saturating_sub(saved);
                     cold[i] -= 1;
                     hot[i][e] = true;
                 }
             }
         }
-        (hot, hot_bytes)
+        // At most room × widest (2^64 × 2^10): saturated into u64 as the other figures.
+        (hot, u64::try_from(hot_bytes).unwrap_or(u64::MAX))
     }
 
     fn row(&self, candidate: Candidate, d: Described) -> PlanRow {
@@ -542,8 +591,8 @@ impl<'a> Ctx<'a> {
                         let homes = places
                             .iter()
                             .map(|p| match p {
-                                Place::Home(h) => *h,
-                                _ => ExpertAssignment::EVERY_NODE,
+                                Place::Home(h) => Home::Node(self.machine.nodes[*h].node),
+                                _ => Home::Hot,
                             })
                             .collect();
                         a.layer(l.layer, homes)
@@ -586,9 +635,13 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// Bytes of all of a layer's expert slots.
-fn layer_bytes(l: &super::MoeLayerSizes) -> u64 {
-    l.slot_bytes().saturating_mul(l.experts as u64)
+/// An expert's slot position for [`SlotOrder`]: its node's index, or [`HOT`] for a hot
+/// one.
+fn home_of(place: Place) -> usize {
+    match place {
+        Place::Home(h) => h,
+        _ => HOT,
+    }
 }
 
 /// Expert `e` of `k` on the `e × n / k`-th node: the store's split by index.

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, shown};
 use crate::nodeset::Node;
 use crate::topology::Topology;
 
@@ -20,7 +20,9 @@ pub struct MachineNode {
     pub node: Node,
     /// Its domain (socket): an index into [`Machine::domains`].
     pub domain: usize,
-    /// Free memory, in bytes.
+    /// Free memory, in bytes. [`Machine::live`] reads the store's figure, `MemFree +
+    /// Inactive(file)` of the node's meminfo (free pages plus the clean page cache the
+    /// kernel reclaims first), so that a row that fits is a layout `place` accepts.
     pub free_bytes: u64,
     /// Whether it has CPUs: threads that read experts run only on nodes with CPUs (CXL or
     /// HBM memory nodes have none).
@@ -115,12 +117,12 @@ impl Machine {
     /// `max_map_count` defaults to 65530 (Linux's default).
     ///
     /// # Errors
-    /// Text past 16 MiB; not JSON, a version other than 1, no nodes, a node id twice or past the kernel's
+    /// Text past 16 MiB; not JSON, an object key given twice, a version other than 1, no nodes, a node id twice or past the kernel's
     /// limit, a missing or non-integer field, a distance matrix of the wrong size, no node
     /// with CPUs, or a domain with no memory — each naming what was wrong.
     pub fn from_json(text: &str) -> Result<Machine> {
         crate::routing::check_len(OP, text)?;
-        let root: Value = serde_json::from_str(text)
+        let root: Value = crate::routing::strict::from_str(text)
             .map_err(|e| Error::bad_value(OP, "topology description", "the text", e.to_string()))?;
         check_version(&root)?;
         let nodes = read_nodes(&root)?;
@@ -263,8 +265,7 @@ fn check_version(root: &Value) -> Result<()> {
         return Err(Error::bad_value(
             OP,
             "numapin_topology",
-            root.get("numapin_topology")
-                .map_or("nothing".into(), Value::to_string),
+            root.get("numapin_topology").map_or("nothing".into(), shown),
             "the format version must be 1",
         ));
     }
@@ -295,7 +296,7 @@ fn read_node(i: usize, v: &Value, domain_ids: &mut Vec<Option<u64>>) -> Result<M
             Error::bad_value(
                 OP,
                 key,
-                v.get(key).map_or("nothing".into(), Value::to_string),
+                v.get(key).map_or("nothing".into(), shown),
                 format!("nodes[{i}].{key} must be an integer from 0"),
             )
         })
@@ -332,7 +333,7 @@ fn read_node(i: usize, v: &Value, domain_ids: &mut Vec<Option<u64>>) -> Result<M
             Error::bad_value(
                 OP,
                 "cpus",
-                c,
+                shown(c),
                 format!("nodes[{i}].cpus must be true or false"),
             )
         })?,
@@ -352,7 +353,7 @@ fn read_map_limit(root: &Value) -> Result<usize> {
         Some(v) => v
             .as_u64()
             .and_then(|m| usize::try_from(m).ok())
-            .ok_or_else(|| Error::bad_value(OP, "max_map_count", v, "an integer from 0"))?,
+            .ok_or_else(|| Error::bad_value(OP, "max_map_count", shown(v), "an integer from 0"))?,
     })
 }
 
@@ -388,7 +389,12 @@ fn read_distances(d: &Value, n: usize) -> Result<Vec<Vec<u32>>> {
                 .as_u64()
                 .and_then(|x| u32::try_from(x).ok())
                 .filter(|&x| x > 0)
-                .ok_or_else(|| bad(format!("distances[{i}][{j}] = {v}: a positive integer")))?;
+                .ok_or_else(|| {
+                    bad(format!(
+                        "distances[{i}][{j}] = {}: a positive integer",
+                        shown(v)
+                    ))
+                })?;
             r.push(x);
         }
         out.push(r);

@@ -192,4 +192,6 @@ pub fn plan(
 }
 
 #[cfg(test)]
+mod agree;
+#[cfg(test)]
 mod tests;

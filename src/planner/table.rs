@@ -104,7 +104,7 @@ impl PlanRow {
     /// What to give a store to build this row: for [`Candidate::SplitByLoad`],
     /// [`Candidate::Hybrid`] and [`Candidate::HybridPerDomain`] (whose assignment asks
     /// for [`HotCopies::PerDomain`](crate::store::HotCopies::PerDomain)), the experts'
-    /// homes as indices into the planned nodes (hot: [`ExpertAssignment::EVERY_NODE`]), for
+    /// homes as node ids of the planned nodes (hot: [`Home::Hot`](crate::store::Home::Hot)), for
     /// `Layout::SplitExperts(nodes)` with `StoreOptions::assignment`; `None` for the
     /// other layouts.
     pub fn assignment(&self) -> Option<&ExpertAssignment> {

@@ -200,7 +200,7 @@ impl MemPolicy {
     ///
     /// # Errors
     /// A mode this crate does not know.
-    pub fn from_kernel(mode: i32, nodes: NodeSet) -> Result<(MemPolicy, ModeFlags)> {
+    pub(crate) fn from_kernel(mode: i32, nodes: NodeSet) -> Result<(MemPolicy, ModeFlags)> {
         let flags = ModeFlags::from_bits_retain(mode & sys::MPOL_MODE_FLAGS);
         let policy = match mode & !sys::MPOL_MODE_FLAGS {
             sys::MPOL_DEFAULT => MemPolicy::Default,
@@ -215,9 +215,11 @@ impl MemPolicy {
             sys::MPOL_INTERLEAVE => MemPolicy::Interleave(nodes),
             sys::MPOL_WEIGHTED_INTERLEAVE => MemPolicy::WeightedInterleave(nodes),
             other => {
-                return Err(Error::invalid(
+                return Err(Error::bad_value(
                     "get_mempolicy",
-                    format!("the kernel reported mode {other}, which this crate does not know"),
+                    "mode",
+                    other,
+                    "the kernel reported a mode this crate does not know",
                 ));
             }
         };
@@ -264,7 +266,7 @@ impl MemPolicy {
             Error::bad_value(
                 "MemPolicy::from_str",
                 "memory policy",
-                format!("{input:?}"),
+                crate::error::quote(input),
                 why,
             )
         };

@@ -166,7 +166,8 @@ impl Region {
     /// As [`Region::release_unchecked`]: no reference to the page-rounded range may live
     /// during the call.
     unsafe fn release_pages(&self, op: &'static str, range: Range<usize>) -> Result<()> {
-        self.writable(op)?;
+        // Giving pages back is no write: a region read-only at rest releases as it is.
+        self.backing_writable(op)?;
         self.check_range(op, &range)?;
         let page = page_size();
         if !range.start.is_multiple_of(page) {
@@ -180,6 +181,12 @@ impl Region {
             Backing::Memfd(_) => sys::MADV_REMOVE,
             _ => sys::MADV_DONTNEED,
         };
+        // Kernels before 6.7 refuse MADV_REMOVE on a mapping without PROT_WRITE (EACCES):
+        // a memfd region read-only at rest is opened for the call.
+        let window = match self.backing {
+            Backing::Memfd(_) => Some(self.open_write()?),
+            _ => None,
+        };
         // SAFETY: inside our own mapping; the caller guarantees no reference to the
         // (page-rounded) range lives during the call.
         unsafe {
@@ -189,7 +196,8 @@ impl Region {
                 advice,
             )
         }
-        .map_err(|e| self.madvise_error(e, advice))
+        .map_err(|e| self.madvise_error(e, advice))?;
+        window.map_or(Ok(()), super::WriteWindow::close)
     }
 
     fn madvise_error(&self, errno: Errno, advice: i32) -> Error {

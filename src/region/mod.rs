@@ -22,6 +22,7 @@ mod lock;
 mod map;
 mod name;
 mod pages;
+mod protect;
 mod shmem;
 
 pub use advise::Advice;
@@ -30,6 +31,7 @@ pub use bind::bind_range;
 pub(crate) use name::invalid_name_reason;
 pub(crate) use pages::page_histogram;
 pub use pages::{MoveReport, NodeHistogram, PagesSource, migrate_process, resident_pages};
+pub use protect::WriteWindow;
 pub use shmem::{HugePageSize, Seals};
 
 use std::ffi::c_void;
@@ -88,6 +90,8 @@ pub struct Region {
     /// Bytes of `PROT_NONE` guard mapped right before and right after the region
     /// ([`Region::anonymous_fenced`]; 0 otherwise), unmapped with it.
     fence: usize,
+    /// Read-only at rest, and the write windows open ([`Region::set_read_only`]).
+    protection: std::sync::Mutex<protect::Protection>,
 }
 
 // SAFETY: a Region exclusively owns its mapping; the raw pointer is not shared with any
@@ -108,6 +112,7 @@ impl Region {
             backing,
             locked: AtomicBool::new(false),
             fence: 0,
+            protection: Default::default(),
         }
     }
 
@@ -169,7 +174,8 @@ impl Region {
     /// The bytes, writable.
     ///
     /// # Errors
-    /// The region is a read-only file mapping.
+    /// The region is a read-only file mapping or sealed view, or is read-only at rest
+    /// ([`Region::set_read_only`]) with no write window open.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         self.writable("Region::as_mut_slice")?;
         // SAFETY: mapped read-write for the lifetime of `self`, and `&mut self` makes
@@ -177,7 +183,23 @@ impl Region {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
     }
 
+    /// Refuses a write to a region whose backing is read-only, or that is read-only at
+    /// rest ([`Region::set_read_only`]) with no write window open.
     fn writable(&self, op: &'static str) -> Result<()> {
+        self.backing_writable(op)?;
+        if self.protection_state().writable_now() {
+            return Ok(());
+        }
+        Err(Error::wrong_backing(
+            op,
+            "the region is read-only (mprotect PROT_READ) and no write window is open",
+            "a writable region, or a write window open on it (Region::open_write)",
+        ))
+    }
+
+    /// Refuses a region whose backing cannot be written (a file mapping, a sealed view, a
+    /// lost mapping), whatever its protection.
+    fn backing_writable(&self, op: &'static str) -> Result<()> {
         const WRITABLE: &str = "a writable anonymous or memfd mapping";
         match self.backing {
             Backing::File => Err(Error::wrong_backing(
@@ -368,10 +390,17 @@ impl Region {
     /// [`Region::slot`] or another `slot_mut_unchecked` overlapping `range`, and no
     /// [`Region::release_unchecked`] of an overlapping range. The caller keeps the ranges
     /// it hands out apart (slot states under a lock, a free list).
+    /// For a region read-only at rest, a write window opened before the call
+    /// ([`Region::open_write`]) outlives the slice.
+    ///
+    /// A region that is read-only at rest ([`Region::set_read_only`]) must have a write
+    /// window open ([`Region::open_write`]) for as long as the returned slice lives: the
+    /// call refuses it when none is open, and closing the last window while the slice
+    /// lives makes a write through it fault.
     ///
     /// # Errors
     /// The range is reversed or reaches past the region, or the region is not writable
-    /// (a file mapping, a sealed view).
+    /// (a file mapping, a sealed view, or read-only with no write window open).
     // The point of this function: `&mut` from `&self`, with exclusivity promised by the
     // caller per range (the `# Safety` contract) instead of by the borrow checker.
     #[allow(clippy::mut_from_ref)]

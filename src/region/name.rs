@@ -73,7 +73,7 @@ impl Region {
             return Err(Error::bad_value(OP, "name", format!("{shown:?}"), why));
         }
         let c_name = CString::new(name)
-            .map_err(|_| Error::bad_value(OP, "name", format!("{name:?}"), "holds a NUL"))?;
+            .map_err(|_| Error::bad_value(OP, "name", crate::error::quote(name), "holds a NUL"))?;
         // SAFETY: the range is this region's own mapping and `c_name` is NUL-terminated;
         // naming changes no memory.
         let named = unsafe {

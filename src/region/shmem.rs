@@ -133,9 +133,10 @@ fn add_seals(op: &'static str, file: &File, seals: Seals) -> Result<()> {
                  FUTURE_WRITE to keep such a mapping writable and refuse new writers"
             ),
         ),
-        Errno::PERM => Error::invalid(
+        Errno::PERM => Error::wrong_backing(
             op,
             format!("{seals:?}: the memfd is sealed against new seals (F_SEAL_SEAL, EPERM)"),
+            "a memfd that takes new seals",
         ),
         e => Error::os("fcntl", e, format_args!("F_ADD_SEALS {seals:?}")),
     })

@@ -7,7 +7,7 @@
 //! ```
 //! `layer` is the checkpoint's layer index of an MoE layer; `counts[e]` is how many
 //! times the router picked expert `e` (integers from 0 to 2^64 - 1). Other keys are
-//! ignored. What duplicate, missing and overflowing counts do is in the
+//! ignored; a key given twice in one object is refused. What duplicate, missing and overflowing counts do is in the
 //! [module docs](super).
 
 use std::path::Path;
@@ -15,7 +15,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::RoutingStats;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, shown};
 
 const OP: &str = "RoutingStats::from_json";
 
@@ -55,12 +55,12 @@ impl RoutingStats {
     /// Reads the JSON format above.
     ///
     /// # Errors
-    /// Text past 16 MiB; text that is not JSON, a missing or wrongly typed key, a version other than 1, a
+    /// Text past 16 MiB; text that is not JSON or gives an object key twice, a missing or wrongly typed key, a version other than 1, a
     /// count that is negative, fractional, not a number or past `u64::MAX`; then as
     /// [`RoutingStats::from_counts`]. Each error names the layer entry and position.
     pub fn from_json(text: &str) -> Result<RoutingStats> {
         check_len(OP, text)?;
-        let root: Value = serde_json::from_str(text)
+        let root: Value = super::strict::from_str(text)
             .map_err(|e| Error::bad_value(OP, "routing statistics", "the text", e.to_string()))?;
         match root.get("numapin_routing") {
             Some(v) if v.as_u64() == Some(1) => {}
@@ -68,7 +68,7 @@ impl RoutingStats {
                 return Err(Error::bad_value(
                     OP,
                     "numapin_routing",
-                    other.map_or("nothing".to_string(), Value::to_string),
+                    other.map_or("nothing".to_string(), shown),
                     "the format version must be 1",
                 ));
             }
@@ -77,8 +77,7 @@ impl RoutingStats {
             return Err(Error::bad_value(
                 OP,
                 "layers",
-                root.get("layers")
-                    .map_or("nothing".into(), Value::to_string),
+                root.get("layers").map_or("nothing".into(), shown),
                 "an array of {\"layer\": N, \"counts\": [...]} objects",
             ));
         };
@@ -92,9 +91,7 @@ impl RoutingStats {
                     Error::bad_value(
                         OP,
                         "layer",
-                        entry
-                            .get("layer")
-                            .map_or("nothing".into(), Value::to_string),
+                        entry.get("layer").map_or("nothing".into(), shown),
                         format!("layers[{i}].layer must be a layer index"),
                     )
                 })?;
@@ -102,9 +99,7 @@ impl RoutingStats {
                 return Err(Error::bad_value(
                     OP,
                     "counts",
-                    entry
-                        .get("counts")
-                        .map_or("nothing".into(), Value::to_string),
+                    entry.get("counts").map_or("nothing".into(), shown),
                     format!("layers[{i}] (layer {layer}).counts must be an array"),
                 ));
             };
@@ -114,7 +109,7 @@ impl RoutingStats {
                     Error::bad_value(
                         OP,
                         "count",
-                        v,
+                        shown(v),
                         format!(
                             "layers[{i}] (layer {layer}) expert {e}: a count is an integer \
                              from 0 to {}",

@@ -24,6 +24,8 @@
 mod balance;
 #[cfg(feature = "model")]
 mod json;
+#[cfg(feature = "model")]
+pub(crate) mod strict;
 
 use std::collections::BTreeMap;
 
@@ -67,7 +69,7 @@ impl RoutingStats {
     ///
     /// # Errors
     /// As [`RoutingStats::from_counts`].
-    pub fn add_layer(&mut self, layer: usize, counts: &[u64]) -> Result<()> {
+    pub(crate) fn add_layer(&mut self, layer: usize, counts: &[u64]) -> Result<()> {
         if counts.is_empty() {
             return Err(Error::empty(OP, format!("counts of layer {layer}")));
         }

@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 
 use rustix::io::Errno;
 
-use super::read::{Segment, path_of};
+use super::segment::{Segment, path_of};
 use super::uring::{CHUNK, MAX_BUFS, Request, Ring};
 use crate::error::{Error, Result};
 

@@ -9,6 +9,8 @@ pub(crate) mod load;
 mod mode;
 pub(crate) mod progress;
 pub(crate) mod read;
+mod resident;
+mod segment;
 mod uring;
 
 use std::fs::File;
@@ -17,7 +19,9 @@ use crate::error::{Error, Result};
 
 pub use behind::DROP_BEHIND_EVERY;
 pub use load::{LOADER_THREAD_MAPS, MAX_READ};
-pub use mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
+pub use mode::{
+    DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency, ResidencyProbe,
+};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
 
 /// Which tensor of an expert.

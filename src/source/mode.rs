@@ -4,15 +4,20 @@
 
 use std::fmt;
 
+pub use super::resident::ResidencyProbe;
+
 use crate::error::{Error, Result};
 
 /// How [`PinStore::pack_layer`](crate::store::PinStore::pack_layer) reads file pieces.
+///
+/// The default, [`ReadMode::Auto`], looks at each file's page-cache residency first and
+/// reads buffered what is cached, direct what is not.
 ///
 /// Reading a cold model through the page cache leaves a second full copy of it cached
 /// next to the placed one; where the model is most of RAM the kernel must evict that copy
 /// while loading. [`ReadMode::Direct`] and [`ReadMode::DropBehind`] keep it bounded.
 ///
-/// `FromStr` and `Display` use the names `buffered`, `direct` and `drop-behind`.
+/// `FromStr` and `Display` use the names `auto`, `buffered`, `direct` and `drop-behind`.
 ///
 /// # Example
 /// ```
@@ -29,9 +34,16 @@ use crate::error::{Error, Result};
     serde(rename_all = "kebab-case")
 )]
 pub enum ReadMode {
+    /// Per file, by its page-cache residency (`cachestat(2)`, or `mincore(2)` on a
+    /// mapping of the file where the kernel has no `cachestat`, before Linux 6.5):
+    /// [`ReadMode::Buffered`] when at least half of its pages are cached (reading them
+    /// again from the device would be slower than copying them), [`ReadMode::Direct`]
+    /// otherwise (with its fallbacks). The report says per file which ran and why
+    /// ([`LayerReport::files`](crate::store::LayerReport::files)).
+    #[default]
+    Auto,
     /// `pread` through the page cache: fastest when the file is cached already, and the
     /// file stays cached after the load.
-    #[default]
     Buffered,
     /// `pread` on a second descriptor opened with `O_DIRECT` (the caller's descriptor is
     /// never changed): the page cache is not touched. Reads are aligned to the file's
@@ -62,11 +74,17 @@ pub enum ReadMode {
 
 impl ReadMode {
     /// Every mode.
-    pub const ALL: [ReadMode; 3] = [ReadMode::Buffered, ReadMode::Direct, ReadMode::DropBehind];
+    pub const ALL: [ReadMode; 4] = [
+        ReadMode::Auto,
+        ReadMode::Buffered,
+        ReadMode::Direct,
+        ReadMode::DropBehind,
+    ];
 
     /// The mode's name (`"drop-behind"`), as `Display` and `FromStr` spell it.
     pub fn name(self) -> &'static str {
         match self {
+            ReadMode::Auto => "auto",
             ReadMode::Buffered => "buffered",
             ReadMode::Direct => "direct",
             ReadMode::DropBehind => "drop-behind",
@@ -83,7 +101,8 @@ impl fmt::Display for ReadMode {
 impl std::str::FromStr for ReadMode {
     type Err = Error;
 
-    /// `buffered`, `direct` or `drop-behind` (ASCII case ignored; `drop_behind` too).
+    /// `auto`, `buffered`, `direct` or `drop-behind` (ASCII case ignored; `drop_behind`
+    /// too).
     fn from_str(s: &str) -> Result<ReadMode> {
         let wanted = s.trim().to_ascii_lowercase().replace('_', "-");
         ReadMode::ALL
@@ -93,8 +112,8 @@ impl std::str::FromStr for ReadMode {
                 Error::bad_value(
                     "ReadMode",
                     "read mode",
-                    format!("{s:?}"),
-                    "expected buffered, direct or drop-behind",
+                    crate::error::quote(s),
+                    "expected auto, buffered, direct or drop-behind",
                 )
             })
     }
@@ -211,6 +230,64 @@ impl fmt::Display for IoUringFallback {
     }
 }
 
+/// A file's page-cache residency, as [`ReadMode::Auto`] measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Residency {
+    /// Pages of the file in the page cache.
+    pub cached_pages: u64,
+    /// Pages of the file (its size in base pages, rounded up).
+    pub pages: u64,
+    /// The call that counted them.
+    pub probe: ResidencyProbe,
+}
+
+impl Residency {
+    /// Whether [`ReadMode::Auto`] reads the file buffered: at least half its pages are
+    /// cached (an empty file is).
+    pub fn mostly_cached(&self) -> bool {
+        self.cached_pages.saturating_mul(2) >= self.pages
+    }
+}
+
+/// How one file of a load was read, and why
+/// ([`LayerReport::files`](crate::store::LayerReport::files)).
+///
+/// `Display` prints `/m/shard-1.safetensors: direct (auto: 0 of 262144 pages cached,
+/// by cachestat)`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct FileRead {
+    /// The file's path (`/proc/self/fd`'s name for it; `fd N` without one).
+    pub path: String,
+    /// How it was read: never [`ReadMode::Auto`], which picks one of the others.
+    pub mode: ReadMode,
+    /// Its residency, where [`ReadMode::Auto`] measured it.
+    pub residency: Option<Residency>,
+    /// Why it was read buffered although direct reads were asked for (or picked).
+    pub fallback: Option<ReadFallback>,
+}
+
+impl fmt::Display for FileRead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.mode)?;
+        match (&self.residency, &self.fallback) {
+            (Some(r), _) => write!(
+                f,
+                " (auto: {} of {} pages cached, by {}",
+                r.cached_pages,
+                r.pages,
+                r.probe.name()
+            )?,
+            (None, _) => f.write_str(" (asked")?,
+        }
+        match &self.fallback {
+            Some(why) => write!(f, "; fell back: {why})"),
+            None => f.write_str(")"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +303,6 @@ mod tests {
         );
         let e = "o_direct".parse::<ReadMode>().unwrap_err();
         assert!(e.to_string().contains("\"o_direct\""), "{e}");
-        assert_eq!(ReadMode::default(), ReadMode::Buffered);
+        assert_eq!(ReadMode::default(), ReadMode::Auto);
     }
 }

@@ -13,14 +13,16 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
 use super::behind::{self, Advised, DROP_BEHIND_EVERY, Stream, dont_need};
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
-use super::mode::{DirectIo, IoUringFallback, ReadFallback, ReadMode};
+use super::mode::{DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode};
+use super::resident::residency;
+pub(crate) use super::segment::Segment;
+use super::segment::path_of;
 use super::uring::{self, Ring};
 use crate::error::{Error, Result};
 
@@ -75,6 +77,8 @@ pub(crate) struct Reader<'a> {
     streams: HashMap<usize, Stream>,
     /// How far earlier fills of the same store advised their files away.
     advised: Option<&'a Advised>,
+    /// How each file is read and why, in first-use order, for the report.
+    reads: Vec<FileRead>,
 }
 
 fn key(file: &File) -> usize {
@@ -93,6 +97,7 @@ impl<'a> Reader<'a> {
             late: Mutex::new(None),
             streams: HashMap::new(),
             advised: None,
+            reads: Vec::new(),
         }
     }
 
@@ -142,13 +147,17 @@ impl<'a> Reader<'a> {
             requested: mode,
             ..Reader::buffered()
         };
-        if mode == ReadMode::Buffered {
-            return Ok(reader);
-        }
+        let mut seen = std::collections::HashSet::new();
         for file in files {
-            if reader.index.contains_key(&key(file)) {
+            if !seen.insert(key(file)) {
                 continue;
             }
+            let mut read = FileRead {
+                path: path_of(file),
+                mode,
+                residency: None,
+                fallback: None,
+            };
             let how = match mode {
                 ReadMode::Buffered => How::Buffered,
                 ReadMode::DropBehind => How::DropBehind(Mutex::new(Behind {
@@ -158,15 +167,39 @@ impl<'a> Reader<'a> {
                 // A descriptor that cannot be read through (write-only, `O_PATH`) is
                 // read as given: the kernel refuses it (`EBADF`) exactly as in the other
                 // modes, where reopening it would read what it refuses.
-                ReadMode::Direct if !readable(file)? => How::Buffered,
-                ReadMode::Direct => match open_direct(file)? {
-                    Ok(direct) => How::Direct(direct),
-                    Err(why) => {
-                        reader.fallback.get_or_insert(why);
+                ReadMode::Direct | ReadMode::Auto if !readable(file)? => How::Buffered,
+                ReadMode::Direct | ReadMode::Auto => {
+                    let cached = match mode {
+                        ReadMode::Auto => {
+                            let r = residency(file)?;
+                            read.residency = Some(r);
+                            r.mostly_cached()
+                        }
+                        _ => false,
+                    };
+                    if cached {
                         How::Buffered
+                    } else {
+                        match open_direct(file)? {
+                            Ok(direct) => How::Direct(direct),
+                            Err(why) => {
+                                reader.fallback.get_or_insert(why);
+                                read.fallback = Some(why);
+                                How::Buffered
+                            }
+                        }
                     }
-                },
+                }
             };
+            read.mode = match how {
+                How::Buffered => ReadMode::Buffered,
+                How::Direct(_) => ReadMode::Direct,
+                How::DropBehind(_) => ReadMode::DropBehind,
+            };
+            reader.reads.push(read);
+            if mode == ReadMode::Buffered {
+                continue;
+            }
             reader.index.insert(key(file), reader.files.len());
             reader.files.push(Source { file, how });
         }
@@ -200,12 +233,31 @@ impl<'a> Reader<'a> {
     }
 
     /// What ran: the requested mode, or [`ReadMode::Buffered`] when a file fell back
-    /// (with the first file's reason).
+    /// (with the first file's reason). For [`ReadMode::Auto`]: the one mode every file
+    /// was read in, or `Auto` where some were read buffered and some directly.
     pub(crate) fn outcome(&self) -> (ReadMode, Option<ReadFallback>) {
-        match self.fallback {
-            Some(why) => (ReadMode::Buffered, Some(why)),
-            None => (self.requested, None),
+        if let Some(why) = self.fallback {
+            return (ReadMode::Buffered, Some(why));
         }
+        if self.requested != ReadMode::Auto {
+            return (self.requested, None);
+        }
+        let direct = self
+            .reads
+            .iter()
+            .filter(|r| r.mode == ReadMode::Direct)
+            .count();
+        let mode = match direct {
+            0 => ReadMode::Buffered,
+            n if n == self.reads.len() => ReadMode::Direct,
+            _ => ReadMode::Auto,
+        };
+        (mode, None)
+    }
+
+    /// How each file was read and why, in the order the fill named them.
+    pub(crate) fn file_reads(&self) -> Vec<FileRead> {
+        self.reads.clone()
     }
 
     /// A bounce buffer for one loader thread (empty unless a file is read directly), with
@@ -393,14 +445,6 @@ fn buffered(file: &File, offset: u64, dest: &mut [u8], what: &dyn Fn() -> String
     })
 }
 
-/// The file's path as `/proc/self/fd` names it, for error messages (`fd N` without
-/// procfs, or for a descriptor that has no path).
-pub(super) fn path_of(file: &File) -> String {
-    let fd = file.as_raw_fd();
-    std::fs::read_link(format!("/proc/self/fd/{fd}"))
-        .map_or_else(|_| format!("fd {fd}"), |p| p.display().to_string())
-}
-
 /// A drop-behind read of a file the fill did not announce: the span read so far, rounded
 /// out to whole folios, once [`DROP_BEHIND_EVERY`] bytes were read since the last advice.
 fn unannounced(behind: &Mutex<Behind>, offset: u64, end: u64) -> Option<(u64, u64)> {
@@ -415,11 +459,4 @@ fn unannounced(behind: &Mutex<Behind>, offset: u64, end: u64) -> Option<(u64, u6
     let low = b.low - b.low % FOLIO_MAX;
     let high = b.high.saturating_add(FOLIO_MAX - 1) / FOLIO_MAX * FOLIO_MAX;
     Some((low, high))
-}
-
-/// One destination of a batch: `dest.len()` bytes of `file` at `offset`.
-pub(crate) struct Segment<'f, 'd> {
-    pub(crate) file: &'f File,
-    pub(crate) offset: u64,
-    pub(crate) dest: &'d mut [u8],
 }

@@ -74,7 +74,10 @@ impl PinStore {
         let l = self.layer(layer)?;
         let slot = l.slot_of(layer, expert)?;
         let arena = l.arena(kind).ok_or_else(|| {
-            Error::invalid("PinStore", format!("layer {layer} has no {}", kind.name()))
+            Error::empty(
+                "PinStore",
+                format!("{} region in layer {layer}", kind.name()),
+            )
         })?;
         if slot >= arena.slots() {
             return Err(out_of_range(layer, expert, arena.slots()));
@@ -133,7 +136,9 @@ impl PinStore {
     /// into its own slot, under the policy the region kept, its pieces laid out as in
     /// [`PinStore::pack_layer`] (the slot map follows). Loaded tensors are left as they
     /// are. A replicated layer reloads the first copy from `source` and copies it to the
-    /// other replicas, each copy made on the replica's node.
+    /// other replicas, each copy made on the replica's node. A region read-only at rest
+    /// ([`StoreOptions::writable`](super::StoreOptions::writable) off) is opened, whole,
+    /// for the fill and made read-only again after, whether the fill worked or not.
     ///
     /// # Errors
     /// As [`PinStore::release_kind`] (including [`Error::Frozen`]), a source larger than
@@ -170,16 +175,15 @@ impl PinStore {
                 continue;
             }
             let tensor = source.tensor(kind);
-            let jobs = slot_map::jobs(
-                &places,
-                arena.slot_mut(expert)?,
-                tensor,
-                (layer, expert, kind),
-            )?;
-            for job in jobs {
-                load::fill_slot(job)?;
-            }
-            arena.mark_loaded(expert, len);
+            // A read-only region is opened, whole, for the fill and closed after.
+            arena.writing(|arena| {
+                let dest = arena.slot_mut(expert)?;
+                for job in slot_map::jobs(&places, dest, tensor, (layer, expert, kind))? {
+                    load::fill_slot(job)?;
+                }
+                arena.mark_loaded(expert, len);
+                Ok(())
+            })?;
             if let Some(map) = self.layers.get_mut(layer).and_then(|l| l.slot_map_mut()) {
                 map.set(expert, kind, places);
             }

@@ -187,6 +187,27 @@ impl Arena {
         Ok(len)
     }
 
+    /// Makes the region read-only at rest (`mprotect(PROT_READ)` of the whole region),
+    /// or writable again.
+    pub(crate) fn set_read_only(&mut self, read_only: bool) -> Result<()> {
+        self.region.set_read_only(read_only)
+    }
+
+    /// Runs `fill` with the region writable, the whole region opened for it and closed
+    /// after (also when `fill` fails), so that it never splits into more mappings. A
+    /// region writable at rest is left as it is.
+    pub(crate) fn writing<T>(&mut self, fill: impl FnOnce(&mut Arena) -> Result<T>) -> Result<T> {
+        if !self.region.is_read_only() {
+            return fill(self);
+        }
+        self.region.set_read_only(false)?;
+        let filled = fill(self);
+        let closed = self.region.set_read_only(true);
+        let value = filled?;
+        closed?;
+        Ok(value)
+    }
+
     pub(crate) fn populate(&mut self) -> Result<()> {
         self.region.populate_write()
     }

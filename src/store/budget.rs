@@ -122,9 +122,12 @@ impl PinStore {
         // Replicas and split blocks are mappings too: a region per kind per copy, a
         // mapping per block of a split region.
         // A hybrid store's hot copies: counted as if every layer had hot experts.
-        let per_layer = (1 + usize::from(spec.scale_bytes > 0))
-            * self.copies()
-            * (self.layout.maps_per_region(spec.experts) + self.hot_maps_bound());
+        // The mappings are the one arithmetic's (`layout::Placer`); they do not depend on
+        // the strides, only on which kinds have a region.
+        let kinds = 1 + usize::from(spec.scale_bytes > 0);
+        let maps = (self.placer).mappings(spec.experts, [true, spec.scale_bytes > 0]);
+        let hot = kinds * self.copies() * self.hot_maps_bound();
+        let per_layer = maps.saturating_add(hot);
         let needed = layers.checked_mul(per_layer).ok_or_else(|| {
             Error::overflow(
                 "PinStore::check_model_budget",

@@ -132,6 +132,14 @@ impl Layer {
             .flatten()
     }
 
+    /// Every arena of every copy, writable (the first copy's, then the other replicas').
+    pub(crate) fn all_arenas_mut(&mut self) -> impl Iterator<Item = &mut Arena> {
+        self.arenas
+            .iter_mut()
+            .chain(self.replicas.iter_mut().flat_map(|(_, a)| a.iter_mut()))
+            .flatten()
+    }
+
     /// The layer with its pieces' layout.
     pub(crate) fn with_slot_map(mut self, map: SlotMap) -> Layer {
         self.slot_map = Some(map);

@@ -65,7 +65,7 @@ pub struct Manifest {
 }
 
 /// The header line: the format's name and version.
-pub const MANIFEST_HEADER: &str = "numapin-store 2";
+pub(crate) const MANIFEST_HEADER: &str = "numapin-store 2";
 
 const OP: &str = "Manifest::parse";
 

@@ -23,14 +23,18 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use crate::source::{
-    DROP_BEHIND_EVERY, DirectIo, ExpertSource, IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ,
-    PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode,
+    DROP_BEHIND_EVERY, DirectIo, ExpertSource, FileRead, IoUringFallback, Kind, LOADER_THREAD_MAPS,
+    MAX_READ, PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback, ReadMode, Residency,
+    ResidencyProbe,
 };
-pub use assign::{ExpertAssignment, HotCopies, NodeShare};
+pub use assign::{ExpertAssignment, Home, HotCopies, NodeShare};
+pub(crate) use assign::{HOT, SlotOrder};
 use layer::Layer;
 pub(crate) use layer::ids_text;
+#[cfg(test)]
+pub(crate) use layout::ARRANGED;
 pub use layout::Layout;
-pub(crate) use layout::{block, block_of};
+pub(crate) use layout::{LayerPlacement, Placer, block, block_of};
 pub use manifest::{Manifest, ManifestRegion};
 pub use options::{MAX_ALIGN, SlotAlign, StoreOptions};
 pub use shared::Export;
@@ -40,7 +44,6 @@ pub use spec::{LayerReport, LayerSpec};
 pub use stats::{PAGE_SAMPLE, StoreStats};
 // For whole-model plans (`model::whole`), which check every store's needs at once.
 pub(crate) use budget::HEAP_MARGIN;
-pub(crate) use replica::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
 use crate::error::{Error, Result};
 use crate::nodeset::NodeSet;
@@ -68,10 +71,9 @@ use crate::policy::{MemPolicy, Placement};
 /// ```
 pub struct PinStore {
     layout: Layout,
-    /// The nodes of each copy a layer gets ([`Layout::copy_groups`]; empty: one copy).
-    copy_groups: Vec<NodeSet>,
-    /// The groups a hybrid layer's hot experts get a copy on (empty: no assignment).
-    hot_groups: Vec<NodeSet>,
+    /// The one arithmetic of placement: the copies' groups, the hot copies' groups, and
+    /// each layer's blocks and figures ([`layout::Placer`]).
+    placer: layout::Placer,
     options: StoreOptions,
     state: State,
     layers: table::Table<Box<Layer>>,
@@ -112,6 +114,12 @@ enum State {
 const PACK: &str = "PinStore::pack_layer";
 
 impl PinStore {
+    /// The read mode its loads use ([`StoreOptions::read_mode`]): verifies re-read the
+    /// files the same way.
+    pub(crate) fn read_mode(&self) -> ReadMode {
+        self.options.read_mode
+    }
+
     /// A store with no layers yet.
     ///
     /// # Errors
@@ -120,8 +128,6 @@ impl PinStore {
     /// [`Layout::ReplicateDomains`]) the machine's domains cannot be read.
     pub fn new(layout: Layout, options: StoreOptions) -> Result<PinStore> {
         layout.check(options.shared)?;
-        let copy_groups =
-            layout.copy_groups(|set| Ok(crate::topology::Topology::get()?.domains_within(set)))?;
         if options.loader_threads == 0 {
             return Err(Error::empty(
                 "PinStore::new",
@@ -145,16 +151,14 @@ impl PinStore {
                 ),
             ));
         }
-        let hot_groups = match (&options.assignment, layout.blocks()) {
-            (Some(a), Some(set)) => assign::hot_groups(a.hot_copy_shape(), set, |set| {
-                Ok(crate::topology::Topology::get()?.domains_within(set))
-            })?,
-            _ => Vec::new(),
-        };
+        let hot = options
+            .assignment
+            .as_ref()
+            .map(ExpertAssignment::hot_copy_shape);
+        let placer = layout::Placer::live(layout, hot)?;
         Ok(PinStore {
             layout,
-            copy_groups,
-            hot_groups,
+            placer,
             state: State::Open,
             layers: table::Table::new(),
             packing: Mutex::new(BTreeSet::new()),
@@ -184,7 +188,7 @@ impl PinStore {
     /// whose blocks each get their node; the first copy's for [`Layout::Replicate`] and
     /// [`Layout::ReplicateDomains`]).
     pub fn policy_for(&self, layer: usize) -> Option<MemPolicy> {
-        self.layout.region_policy(layer, &self.copy_groups)
+        self.layout.region_policy(layer, &self.placer.copy_groups)
     }
 
     /// The nodes each copy of a layer lives on, the first copy's first: one node per copy
@@ -193,22 +197,22 @@ impl PinStore {
     /// layouts that make one copy. What the layout asks for; where placement is denied or
     /// unsupported, one unplaced copy is built ([`PinStore::replica_nodes`] is then empty).
     pub fn copy_groups(&self) -> &[NodeSet] {
-        &self.copy_groups
+        &self.placer.copy_groups
     }
 
     /// The groups the copies of a layer live on: the layout's ([`PinStore::copy_groups`]),
     /// or a hybrid layer's hot copies' ([`PinStore::hot_groups`]).
     fn groups(&self) -> &[NodeSet] {
-        if self.copy_groups.is_empty() {
-            &self.hot_groups
+        if self.placer.copy_groups.is_empty() {
+            &self.placer.hot_groups
         } else {
-            &self.copy_groups
+            &self.placer.copy_groups
         }
     }
 
     /// Copies of each layer the layout makes (1 but for the replicating layouts).
     fn copies(&self) -> usize {
-        self.copy_groups.len().max(1)
+        self.placer.copy_groups.len().max(1)
     }
 
     fn note_placement(&self, placement: Placement) -> Placement {

@@ -46,7 +46,8 @@ pub struct StoreOptions {
     /// slot; [`SlotAlign::HugePage`] lets `release` give back whole huge pages, at up to
     /// 2 MiB of padding per slot.
     pub slot_align: SlotAlign,
-    /// How [`PinStore::pack_layer`] reads file pieces (default [`ReadMode::Buffered`]);
+    /// How [`PinStore::pack_layer`] reads file pieces (default [`ReadMode::Auto`]:
+    /// buffered what is cached, direct what is not, per file);
     /// [`LayerReport::read_mode`] says what ran. [`PinStore::ensure`] always reads
     /// buffered.
     pub read_mode: ReadMode,
@@ -85,6 +86,13 @@ pub struct StoreOptions {
     /// expert lives on, for the layers it names (default none: every layer split by
     /// index). Only with `SplitExperts`, and not with [`StoreOptions::shared`].
     pub assignment: Option<ExpertAssignment>,
+    /// Keep the arenas writable once loaded (default off). Off, each layer's regions are
+    /// made read-only (`mprotect(PROT_READ)` of each whole region) once the layer is
+    /// loaded, so a stray write through a pointer an engine made from a view faults
+    /// (`SIGSEGV`) instead of changing what every reader sees. [`PinStore::ensure`]
+    /// opens a region for its fill and closes it after, whole, so a region never splits
+    /// into more mappings. On: the regions stay `PROT_READ | PROT_WRITE`.
+    pub writable: bool,
 }
 
 /// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
@@ -223,6 +231,13 @@ impl StoreOptions {
         self.assignment = assignment;
         self
     }
+
+    /// [`StoreOptions::writable`].
+    #[must_use]
+    pub fn writable(mut self, on: bool) -> Self {
+        self.writable = on;
+        self
+    }
 }
 
 impl Default for StoreOptions {
@@ -234,12 +249,13 @@ impl Default for StoreOptions {
             vma_budget: None,
             shared: false,
             slot_align: SlotAlign::Page,
-            read_mode: ReadMode::Buffered,
+            read_mode: ReadMode::Auto,
             io_uring: true,
             progress: None,
             piece_align: 1,
             piece_congruence: 0,
             assignment: None,
+            writable: false,
         }
     }
 }

@@ -171,6 +171,7 @@ impl PinStore {
             read_mode,
             read_fallback,
             direct_io,
+            files: reader.file_reads(),
             policy,
             replicas: 1 + replicas.len(),
             local_bytes: filled.local_bytes + built.local_bytes,
@@ -184,11 +185,18 @@ impl PinStore {
         };
         let mut packed = Layer::new(*spec, arenas).with_slot_map(map).with_ids(ids);
         let first = match hot {
-            0 => self.copy_groups.first().and_then(|g| g.nth(0)),
+            0 => self.placer.copy_groups.first().and_then(|g| g.nth(0)),
             _ => self.layout.nodes().and_then(|set| set.nth(0)),
         };
         if bound && let Some(first) = first {
             packed = packed.with_replicas(first, replicas);
+        }
+        if !self.options.writable {
+            // Loaded: from here on a stray write faults. Whole regions, so no mapping
+            // splits (`ensure` opens a region whole for its fill).
+            for arena in packed.all_arenas_mut() {
+                arena.set_read_only(true)?;
+            }
         }
         self.layers
             .set(layer, Box::new(packed))
@@ -211,31 +219,36 @@ impl PinStore {
         order: Option<&assign::SlotOrder>,
     ) -> Result<()> {
         let copies = self.copies();
-        if !self.copy_groups.is_empty() {
+        if !self.placer.copy_groups.is_empty() {
             let align = self.options.slot_align.bytes()?;
             let needed = replica::copy_bytes(spec, align)?;
             self.check_replica_memory(format!("layer {layer}'s replica"), needed)?;
         }
-        let per_region = match self.layout.blocks() {
-            Some(set) => {
-                self.check_split_memory(layer, spec, &set, order)?;
-                self.split_maps(&set, spec.experts, order)
-            }
-            None => self.layout.maps_per_region(spec.experts),
-        };
-        let maps = (spec.kinds().count())
-            .checked_mul(per_region)
-            .and_then(|m| m.checked_mul(copies));
-        let maps = maps.ok_or_else(|| {
-            Error::overflow(
-                PACK,
-                format!("layer {layer}: the mappings of {copies} copies"),
-            )
-        })?;
+        // Where the layer's bytes go and the mappings of every copy: the one arithmetic's
+        // answer, asked once.
+        let placed =
+            (self.placer).arrange(layer, spec.experts, self.strides(spec)?, order.cloned());
+        if let Some(set) = self.layout.blocks() {
+            self.check_split_memory(layer, &set, &placed)?;
+        }
+        let maps = placed.mappings;
         if maps > spec.kinds().count() {
             self.check_budget(format!("layer {layer} ({copies} copies)"), maps)?;
         }
         Ok(())
+    }
+
+    /// Each kind's slot stride in this store (`None`: the layer has no region of it), as
+    /// [`layout::Placer`](super::layout::Placer) takes them.
+    pub(super) fn strides(&self, spec: &LayerSpec) -> Result<[Option<u64>; 2]> {
+        let align = self.options.slot_align.bytes()?;
+        let mut out = [None; 2];
+        for kind in spec.kinds() {
+            let s = arena::stride_for(spec.bytes(kind), align)
+                .ok_or_else(|| Error::overflow(PACK, format!("{spec:?}: a slot's stride")))?;
+            out[kind.index()] = Some(s as u64);
+        }
+        Ok(out)
     }
 
     /// Step 2: binds the layer's regions, block by block for a split layout, or each
@@ -249,8 +262,8 @@ impl PinStore {
         order: Option<&assign::SlotOrder>,
     ) -> Result<(Option<Placement>, usize)> {
         Ok(match (policy, self.layout.blocks()) {
-            (_, Some(set)) => {
-                let ranges = self.split_bindings(&set, experts, order);
+            (_, Some(_)) => {
+                let ranges = self.split_bindings(experts, order);
                 let (p, calls) = self.bind_blocks(arenas, &ranges)?;
                 (Some(p), calls)
             }

@@ -7,16 +7,8 @@
 //! [`Layout::Replicate`], a domain's nodes for [`Layout::ReplicateDomains`]. Each copy is
 //! known by its group's lowest node (the node [`PinStore::replica_nodes`] lists).
 //!
-//! # Which per-node figure the memory check uses
-//!
-//! `MemFree + Inactive(file)` from `/sys/devices/system/node/nodeN/meminfo`. `MemFree`
-//! alone leaves out the page cache, and loading a model fills the page cache with the
-//! model file itself: a node whose memory is "used" by the file just read can still take
-//! a replica, because the kernel drops those clean, inactive pages first when a bound
-//! allocation needs room. `FilePages` (all page cache) would promise too much: active,
-//! dirty and mapped file pages (the binaries, a shared model mapping in use) are not
-//! given up quickly, and a bind that counts on them ends in reclaim storms or the OOM
-//! killer. Anonymous memory (other processes' heaps) and swap are not counted.
+//! The memory checks read [`crate::topology::available_bytes`] (its module docs say
+//! which figure, and why).
 
 #[cfg(doc)]
 use super::Layout;
@@ -28,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
 use crate::source::Tensor;
 use crate::source::load::{self, OnNode};
-use crate::topology::{self, Topology};
+use crate::topology::{self, FIGURE, Topology, available_bytes};
 
 /// What [`PinStore::build_replicas`] made.
 #[derive(Default)]
@@ -43,42 +35,6 @@ pub(super) struct Built {
     pub(super) off_node_loaders: usize,
     /// The nodes the copying loaders ran on (see [`load::Filled::loader_nodes`]).
     pub(super) loader_nodes: Vec<Node>,
-}
-
-/// The figure [`Error::NodeMemory`] compares against.
-pub(crate) const FIGURE: &str = "MemFree + Inactive(file) from the node's meminfo (free pages \
-     plus the clean page cache the kernel reclaims first, such as the model file just read; \
-     active, dirty or mapped cache is not counted)";
-
-/// Bytes node `node` can give a bound allocation (see the module docs); `None` where sysfs
-/// has no meminfo for it (a kernel without NUMA).
-///
-/// # Errors
-/// The file exists but cannot be read or parsed.
-pub(crate) fn available_bytes(node: Node) -> Result<Option<u64>> {
-    let path = format!("/sys/devices/system/node/node{node}/meminfo");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("read", path, e)),
-    };
-    let field = |name: &'static str| -> Result<u64> {
-        // "Node 0 MemFree:   123456 kB"
-        text.lines()
-            .find_map(|line| {
-                let (_, rest) = line.split_once(name)?;
-                rest.split_whitespace().next()?.parse::<u64>().ok()
-            })
-            .map(|kib| kib.saturating_mul(1024))
-            .ok_or_else(|| Error::Unparsable {
-                path: path.clone(),
-                what: name,
-                found: text.chars().take(64).collect(),
-            })
-    };
-    Ok(Some(
-        field("MemFree:")?.saturating_add(field("Inactive(file):")?),
-    ))
 }
 
 /// The bytes one copy of a layer of `spec` maps (every region, padding included).
@@ -107,8 +63,9 @@ impl PinStore {
     /// unplaced copy is built then), pass.
     ///
     /// The per-node figure is `MemFree + Inactive(file)` (free pages plus clean page cache
-    /// the kernel drops first; see the `replica` module docs for why not `MemFree` or
-    /// `FilePages`).
+    /// the kernel drops first; not `MemFree`, which leaves out the model file just read,
+    /// nor `FilePages`, which counts active and dirty cache the kernel keeps). The
+    /// planner's live machine and the probe read the same figure.
     ///
     /// # Errors
     /// [`Error::NodeMemory`] naming each node's available bytes and the figure used; the
@@ -121,7 +78,7 @@ impl PinStore {
 
     /// [`PinStore::check_model_memory`] for `needed` bytes per copy.
     pub(super) fn check_replica_memory(&self, what: String, needed: u64) -> Result<()> {
-        if self.copy_groups.is_empty()
+        if self.placer.copy_groups.is_empty()
             || crate::calls::NumaCall::Mbind.support()? != crate::calls::MempolicySupport::Available
         {
             return Ok(());
@@ -129,7 +86,7 @@ impl PinStore {
         // An interleaved copy puts an equal share of its pages on each node of its group.
         let share = |group: &NodeSet| needed.div_ceil(group.len().max(1) as u64);
         let mut nodes = Vec::new();
-        for group in &self.copy_groups {
+        for group in &self.placer.copy_groups {
             for node in group.iter() {
                 if let Some(bytes) = available_bytes(node)? {
                     nodes.push((node, bytes, share(group), group.len()));
@@ -172,7 +129,7 @@ impl PinStore {
         first: &Arenas,
     ) -> Result<Built> {
         let mut built = Built::default();
-        for group in self.copy_groups.iter().skip(1) {
+        for group in self.placer.copy_groups.iter().skip(1) {
             let Some(lead) = group.nth(0) else { continue };
             let (copy, calls, filled) = self.build_copy(layer, spec, group, first)?;
             built.mbind_calls += calls;
@@ -393,6 +350,45 @@ impl PinStore {
         Ok(*self.layer(layer)?.replica_nodes())
     }
 
+    /// Every copy of one tensor of expert `expert` (its global id): `(node, bytes)` for
+    /// each copy that holds it, the first copy first (each replica known by its lowest
+    /// node; a hybrid layer's split copy by the expert's home node); one entry with no
+    /// node where the layer is not replicated, or has no tensor of `kind` (empty bytes).
+    ///
+    /// # Errors
+    /// As [`PinStore::weights`]: a copy's slot released is [`Error::Released`].
+    pub(crate) fn copies_of(
+        &self,
+        layer: usize,
+        expert: usize,
+        kind: Kind,
+    ) -> Result<Vec<(Option<Node>, &[u8])>> {
+        let l = self.layer(layer)?;
+        if l.replica_nodes().is_empty() || l.arena(kind).is_none() {
+            return Ok(vec![(None, self.slot(layer, expert, kind)?)]);
+        }
+        let slot = l.slot_of(layer, expert)?;
+        let split = self.layout.blocks().is_some();
+        let mut copies = Vec::new();
+        for (i, (lead, arenas)) in l.replicas().enumerate() {
+            let Some(arena) = arenas[kind.index()].as_ref().filter(|a| a.holds(slot)) else {
+                continue; // a hybrid layer's hot copy, for a cold expert
+            };
+            let node = match (split, i) {
+                (true, 0) => self.home_node(layer, expert)?,
+                _ => Some(lead),
+            };
+            let bytes = arena.slot(slot).ok_or(Error::Released {
+                op: "PinStore",
+                layer,
+                expert,
+                kind: kind.name(),
+            })?;
+            copies.push((node, bytes));
+        }
+        Ok(copies)
+    }
+
     fn slot_near(&self, node: Node, layer: usize, expert: usize, kind: Kind) -> Result<&[u8]> {
         let l = self.layer(layer)?;
         let nodes = l.replica_nodes();
@@ -455,7 +451,7 @@ impl PinStore {
             for (node, arena) in others {
                 if arena.holds(expert) && arena.loaded(expert).is_none() {
                     let _on_node = OnNode::enter(node);
-                    arena.copy_slot_from(first, expert)?;
+                    arena.writing(|arena| arena.copy_slot_from(first, expert))?;
                 }
             }
         }
@@ -494,7 +490,7 @@ pub(super) fn node_bytes(
     }
     let experts = layer.experts();
     // The first copy's hot range, where it is interleaved over the first hot group.
-    let first_hot = (store.hot_groups.first())
+    let first_hot = (store.placer.hot_groups.first())
         .filter(|g| replicated && g.len() > 1)
         .copied();
     let mut hot_bytes = 0;

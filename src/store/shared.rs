@@ -92,7 +92,8 @@ impl PinStore {
         for (layer, l) in self.layers.iter() {
             for (kind, arena) in l.arenas_by_kind() {
                 let file = arena.sealed_file().ok_or_else(|| {
-                    Error::invalid(OP, format!("layer {layer} {} is not sealed", kind.name()))
+                    let found = format!("layer {layer} {} is not sealed", kind.name());
+                    Error::wrong_backing(OP, found, "sealed regions (StoreOptions::shared)")
                 })?;
                 files.push(
                     file.try_clone()
@@ -139,7 +140,7 @@ impl PinStore {
             store
                 .layers
                 .set(layer, Box::new(attached))
-                .map_err(|_| Error::invalid(ATTACH, format!("layer {layer} appears twice")))?;
+                .map_err(|_| Error::bad_value(ATTACH, "layer", layer, "appears twice"))?;
         }
         Ok(store)
     }
@@ -159,9 +160,11 @@ fn attach_regions(
         let arena = Arena::attach(r, file)?;
         let place = &mut pending.entry(r.layer).or_default()[r.kind.index()];
         if place.replace(arena).is_some() {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 ATTACH,
-                format!("layer {} {} appears twice", r.layer, r.kind.name()),
+                "layer",
+                format!("{} {}", r.layer, r.kind.name()),
+                "appears twice",
             ));
         }
     }
@@ -217,12 +220,14 @@ fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
 fn attached_layer(layer: usize, arenas: [Option<Arena>; 2]) -> Result<Layer> {
     let weights = arenas[Kind::Weights.index()]
         .as_ref()
-        .ok_or_else(|| Error::invalid(ATTACH, format!("layer {layer} has no weights region")))?;
+        .ok_or_else(|| Error::empty(ATTACH, format!("weights region in layer {layer}")))?;
     let experts = weights.slots();
-    if arenas.iter().flatten().any(|a| a.slots() != experts) {
-        return Err(Error::invalid(
+    if let Some(other) = arenas.iter().flatten().find(|a| a.slots() != experts) {
+        return Err(Error::mismatch(
             ATTACH,
-            format!("layer {layer}: its regions differ in slots"),
+            format!("slots of layer {layer}'s regions: the weights' against another's"),
+            experts,
+            other.slots(),
         ));
     }
     let spec = LayerSpec {

@@ -114,6 +114,9 @@ pub struct LayerReport {
     /// How the direct reads were issued: through `io_uring`, or on blocking loader threads
     /// and why ([`DirectIo::Threads`]); `None` where no file was read directly.
     pub direct_io: Option<DirectIo>,
+    /// How each source file was read and why, in the order the sources name them
+    /// (for [`ReadMode::Auto`]: each file's page-cache residency and the mode it picked).
+    pub files: Vec<crate::source::FileRead>,
     /// The layer's policy (`None` for [`Layout::Unplaced`] and [`Layout::SplitExperts`],
     /// whose blocks each have their own; the first copy's for [`Layout::Replicate`]).
     pub policy: Option<MemPolicy>,

@@ -74,6 +74,15 @@ pub struct StoreStats {
 pub const PAGE_SAMPLE: usize = 1 << 16;
 
 impl PinStore {
+    /// The address span of every region of every copy of every layer, for counting the
+    /// mappings that several stores share (`diag::maps_overlapping`).
+    pub(crate) fn spans(&self) -> Vec<(usize, usize)> {
+        self.layers
+            .iter()
+            .flat_map(|(_, l)| l.all_arenas().map(Arena::span))
+            .collect()
+    }
+
     /// Measures the store: loaded figures, its mappings in `/proc/self/smaps`, `mbind`
     /// calls, and resident pages per node from a bounded `move_pages` sample (or from
     /// `numa_maps` where the page calls are denied).
@@ -91,10 +100,7 @@ impl PinStore {
             super::replica::node_bytes(self, index, layer, &mut node_bytes);
         }
         let layers: Vec<&Layer> = self.layers.iter().map(|(_, l)| &**l).collect();
-        let spans: Vec<(usize, usize)> = layers
-            .iter()
-            .flat_map(|l| l.all_arenas().map(Arena::span))
-            .collect();
+        let spans = self.spans();
         let total_pages: usize = spans
             .iter()
             .map(|(a, b)| (b - a) / crate::page::page_size())

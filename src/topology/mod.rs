@@ -17,8 +17,10 @@ use crate::node::{self, Node, NodeSet};
 mod domains;
 #[cfg(test)]
 pub(crate) mod fake_sysfs;
+mod memory;
 
 pub use domains::Domain;
+pub(crate) use memory::{FIGURE, available_bytes};
 
 /// The sysfs directory [`Topology::read`] reads (`node/` and `cpu/` below it).
 const SYSFS_SYSTEM: &str = "/sys/devices/system";
@@ -71,14 +73,17 @@ impl Topology {
         for n in online.iter() {
             let dir = system.join(format!("node/node{n}")).display().to_string();
             let cpulist = read_optional(format!("{dir}/cpulist"))?;
-            for cpu in parse_cpu_list(&cpulist).ok_or_else(|| Error::Unparsable {
+            let cpus = parse_cpu_list(&cpulist).map_err(|(what, found)| Error::Unparsable {
                 path: format!("{dir}/cpulist"),
-                what: "a CPU list",
-                found: cpulist.chars().take(64).collect(),
-            })? {
-                if cpu >= topology.cpu_node.len() {
-                    topology.cpu_node.resize(cpu + 1, None);
-                }
+                what,
+                found,
+            })?;
+            if let Some(last) = cpus.last()
+                && last >= topology.cpu_node.len()
+            {
+                topology.cpu_node.resize(last + 1, None);
+            }
+            for cpu in cpus.iter() {
                 topology.cpu_node[cpu] = Some(n);
             }
             let text = read_optional(format!("{dir}/distance"))?;
@@ -259,12 +264,72 @@ fn read_optional(path: impl AsRef<Path>) -> Result<String> {
     }
 }
 
-/// A kernel CPU list (`0-3,8,10-11`); `None` if malformed. Ranges are bounded (a CPU id
-/// past 1 << 20 is refused) so a corrupt file cannot ask for a huge table.
-fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
-    const MAX_CPU: usize = 1 << 20;
-    let ranges = node::parse_kernel_ranges(text, MAX_CPU)?;
-    Some(ranges.into_iter().flat_map(|(lo, hi)| lo..=hi).collect())
+/// CPU ids a CPU list may name: below 2^20 (x86-64 kernels build with `NR_CPUS` <= 8,192), so
+/// that a corrupt file cannot ask for a huge table.
+const MAX_CPU: usize = 1 << 20;
+
+/// The CPUs of a kernel CPU list, one bit per id below [`MAX_CPU`] (128 KiB at most): a
+/// list naming the same range many times costs no more than once (issue 31: a cpulist
+/// repeating `0-1048575` 2,000 times, 20 KB, allocated ~16 GB as a list of ids).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct CpuBits {
+    words: Vec<u64>,
+}
+
+impl CpuBits {
+    /// Sets the ids `lo..=hi` (below [`MAX_CPU`]) a word at a time.
+    fn insert_range(&mut self, lo: usize, hi: usize) {
+        if self.words.len() <= hi / 64 {
+            self.words.resize(hi / 64 + 1, 0);
+        }
+        for w in lo / 64..=hi / 64 {
+            let from = if w == lo / 64 { lo % 64 } else { 0 };
+            let to = if w == hi / 64 { hi % 64 } else { 63 };
+            self.words[w] |= (u64::MAX >> (63 - (to - from))) << from;
+        }
+    }
+
+    /// The ids, ascending.
+    fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.words.iter().enumerate().flat_map(|(w, &word)| {
+            (0..64)
+                .filter(move |b| word & (1 << b) != 0)
+                .map(move |b| w * 64 + b)
+        })
+    }
+
+    /// How many CPUs.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The highest id, if any.
+    fn last(&self) -> Option<usize> {
+        let w = self.words.iter().rposition(|&w| w != 0)?;
+        Some(w * 64 + 63 - self.words[w].leading_zeros() as usize)
+    }
+}
+
+/// A kernel CPU list (`0-3,8,10-11`) as a set of CPUs; `Err((what, found))` for
+/// [`Error::Unparsable`]: a malformed list, or the first item naming an id from
+/// [`MAX_CPU`] up, by name.
+fn parse_cpu_list(text: &str) -> std::result::Result<CpuBits, (&'static str, String)> {
+    let clipped = |t: &str| t.chars().take(64).collect::<String>();
+    let ranges =
+        node::parse_kernel_ranges(text, usize::MAX).ok_or(("a CPU list", clipped(text)))?;
+    let mut bits = CpuBits::default();
+    for (lo, hi) in ranges {
+        if hi >= MAX_CPU {
+            let item = match lo == hi {
+                true => format!("{hi}"),
+                false => format!("{lo}-{hi}"),
+            };
+            return Err(("a CPU list of ids below 1048576 (2^20)", item));
+        }
+        bits.insert_range(lo, hi);
+    }
+    Ok(bits)
 }
 
 #[cfg(test)]
@@ -273,11 +338,39 @@ mod tests {
 
     #[test]
     fn cpu_lists_parse_and_garbage_does_not() {
-        assert_eq!(parse_cpu_list("0-2,5\n"), Some(vec![0, 1, 2, 5]));
-        assert_eq!(parse_cpu_list(""), Some(vec![]));
+        let ids = |text| parse_cpu_list(text).map(|b| b.iter().collect::<Vec<_>>());
+        assert_eq!(ids("0-2,5\n"), Ok(vec![0, 1, 2, 5]));
+        assert_eq!(ids(""), Ok(vec![]));
+        assert_eq!(
+            ids("63-64,127,5,1-3,128"),
+            Ok(vec![1, 2, 3, 5, 63, 64, 127, 128])
+        );
         for bad in ["3-1", "x", "0-", "99999999999", "0-1048576"] {
-            assert_eq!(parse_cpu_list(bad), None, "{bad}");
+            assert!(parse_cpu_list(bad).is_err(), "{bad}");
         }
+        // An id past the ceiling is refused by name: the item, not the list's head.
+        let (what, found) = parse_cpu_list("0-3,7,1048576").unwrap_err();
+        assert_eq!(found, "1048576");
+        assert!(what.contains("below 1048576"), "{what}");
+        assert_eq!(parse_cpu_list("1-2,5-1048577").unwrap_err().1, "5-1048577");
+    }
+
+    /// Issue 31: `0-1048575` 2,000 times (20 KB) aborted the process allocating ~16 GB
+    /// (a list of ids with every duplicate); as a set it is 2^20 CPUs in 128 KiB.
+    #[test]
+    fn a_range_repeated_is_counted_once() {
+        let hostile = vec!["0-1048575"; 2000].join(",");
+        assert_eq!(hostile.len(), 2000 * 10 - 1);
+        let bits = parse_cpu_list(&hostile).unwrap();
+        assert_eq!(bits.len(), 1 << 20);
+        assert_eq!(bits.words.len(), (1 << 20) / 64);
+        let fake = fake_sysfs::FakeSysfs::new();
+        fake.nodes(&[hostile.as_str(), "5,5,5,5"], &[&[10, 20], &[20, 10]]);
+        let t = Topology::read_from(fake.path()).unwrap();
+        // CPU 5 is named by both nodes: the later node's, as before.
+        assert_eq!(t.cpus_of(Node(0)).len(), (1 << 20) - 1);
+        assert_eq!(t.cpus_of(Node(1)), vec![5]);
+        assert_eq!(t.node_of_cpu((1 << 20) - 1), Some(Node(0)));
     }
 
     #[test]

@@ -34,6 +34,7 @@
 //! - [`move_pages(2)`](https://man7.org/linux/man-pages/man2/move_pages.2.html)
 //! - [`migrate_pages(2)`](https://man7.org/linux/man-pages/man2/migrate_pages.2.html)
 //! - [`madvise(2)`](https://man7.org/linux/man-pages/man2/madvise.2.html)
+//! - [`mprotect(2)`](https://man7.org/linux/man-pages/man2/mprotect.2.html)
 
 #![no_std]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -432,6 +433,41 @@ pub unsafe fn madvise(addr: *mut c_void, len: usize, advice: c_int) -> Result<()
     check(ret).map(drop)
 }
 
+/// `PROT_READ`: pages may be read.
+pub const PROT_READ: c_int = g::PROT_READ as c_int;
+/// `PROT_WRITE`: pages may be written.
+pub const PROT_WRITE: c_int = g::PROT_WRITE as c_int;
+/// `PROT_NONE`: pages may not be accessed.
+pub const PROT_NONE: c_int = g::PROT_NONE as c_int;
+
+/// `int mprotect(void *addr, size_t len, int prot)` — sets the access protection of the
+/// pages of a range (a write to a page without `PROT_WRITE` raises `SIGSEGV`).
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `EINVAL`: `addr` not page-aligned, or `prot` has bits the kernel does not know;
+/// - `ENOMEM`: part of the range is not mapped, or the change would split a mapping
+///   beyond `vm.max_map_count`;
+/// - `EACCES`: the protection asked is more than the mapping allows (`PROT_WRITE` on a
+///   file opened read-only, or on a memfd sealed against writing);
+/// - `EPERM`: a seccomp profile, or `PROT_EXEC` where the system forbids it.
+///
+/// # Safety
+///
+/// `[addr, addr + len)` belongs to the caller. Removing `PROT_WRITE` (or `PROT_READ`)
+/// makes a later write (or read) of the range fault: no live reference may write (or
+/// read) it meanwhile.
+///
+/// # References
+/// - [`mprotect(2)`](https://man7.org/linux/man-pages/man2/mprotect.2.html)
+#[inline]
+pub unsafe fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> Result<(), Errno> {
+    // SAFETY: the caller owns the range and keeps references within the new protection.
+    let ret = unsafe { libc::syscall(g::__NR_mprotect as c_long, addr, len, prot as c_long) };
+    check(ret).map(drop)
+}
+
 /// `PR_SET_VMA` (since Linux 5.17): the `prctl` option that names anonymous mappings.
 pub const PR_SET_VMA: c_int = 0x5356_4d41;
 /// `PR_SET_VMA_ANON_NAME`: the `PR_SET_VMA` sub-option that sets the name.
@@ -537,5 +573,53 @@ pub use linux_raw_sys::general::procmap_query;
 pub unsafe fn ioctl_procmap_query(fd: c_int, q: *mut procmap_query) -> Result<(), Errno> {
     // SAFETY: the caller guarantees `q` and its name buffer; the kernel writes only there.
     let ret = unsafe { libc::syscall(g::__NR_ioctl as c_long, fd as c_long, PROCMAP_QUERY, q) };
+    check(ret).map(drop)
+}
+
+/// `struct cachestat_range` (Linux 6.5): `len` bytes at `off`; `len` 0 reaches the end of
+/// the file.
+pub use linux_raw_sys::general::cachestat_range;
+
+/// `struct cachestat` (Linux 6.5): pages of a range in the page cache (`nr_cache`),
+/// dirty, under writeback, evicted and recently evicted.
+pub use linux_raw_sys::general::cachestat;
+
+/// `int cachestat(unsigned int fd, struct cachestat_range *range, struct cachestat
+/// *cstat, unsigned int flags)` — how many pages of a file's range are in the page cache
+/// (since Linux 6.5). `flags` must be 0.
+///
+/// # Errors
+///
+/// The kernel's errno, unchanged:
+/// - `ENOSYS`: a kernel before 6.5 (or a filter that answers so);
+/// - `EBADF`: `fd` is not an open descriptor;
+/// - `EOPNOTSUPP`: `fd` is a hugetlbfs file;
+/// - `EINVAL`: `flags` is not 0;
+/// - `EFAULT`: `range` or `cstat` is not accessible.
+///
+/// # Safety
+///
+/// `range` points to a readable `cachestat_range` and `cstat` to a writable `cachestat`;
+/// the call reads the first and writes only the second.
+///
+/// # References
+/// - [`cachestat(2)`](https://man7.org/linux/man-pages/man2/cachestat.2.html)
+#[inline]
+pub unsafe fn cachestat(
+    fd: c_int,
+    range: *const cachestat_range,
+    cstat: *mut cachestat,
+    flags: c_uint,
+) -> Result<(), Errno> {
+    // SAFETY: the caller guarantees `range` and `cstat`; the kernel writes only `cstat`.
+    let ret = unsafe {
+        libc::syscall(
+            g::__NR_cachestat as c_long,
+            fd as c_long,
+            range,
+            cstat,
+            flags as c_long,
+        )
+    };
     check(ret).map(drop)
 }

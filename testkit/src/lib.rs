@@ -8,4 +8,5 @@
 
 pub mod baseline;
 pub mod cache;
-pub mod synthetic;
+/// The synthetic model, which `numapin place` writes too (`numapin::cli::synthetic`).
+pub use numapin::cli::synthetic;

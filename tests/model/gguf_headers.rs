@@ -196,3 +196,94 @@ fn gguf_split_part_missing_or_disagreeing() {
         [0, 1]
     );
 }
+
+/// A sparse 1 TiB file (issue 31): a header claiming `tensors` tensor infos and `kvs`
+/// key/values, `entries` written after it, the rest zeros; the typed error it gives.
+fn sparse_tib(
+    name: &str,
+    tensors: u64,
+    kvs: u64,
+    entries: &[u8],
+) -> (CheckpointFault, Option<String>, String) {
+    let dir = std::env::temp_dir().join(format!("numapin-sparse-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sparse.gguf");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    let mut head = b"GGUF".to_vec();
+    head.extend_from_slice(&3u32.to_le_bytes());
+    head.extend_from_slice(&tensors.to_le_bytes());
+    head.extend_from_slice(&kvs.to_le_bytes());
+    // The entries written out (zeros: key "" of type u8 = 0, or a tensor "" of no
+    // dimensions, F32, offset 0); the rest of the TiB is a hole of zeros.
+    head.extend_from_slice(entries);
+    file.write_all_at(&head, 0).unwrap();
+    file.set_len(1 << 40).unwrap();
+    let out = gguf::parse(&file, "sparse.gguf");
+    std::fs::remove_dir_all(&dir).unwrap();
+    match out {
+        Err(Error::Checkpoint {
+            kind,
+            tensor,
+            reason,
+            ..
+        }) => (kind, tensor, reason),
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
+}
+
+/// Every key or name `""` (the file's zeros): refused at the second entry with the typed
+/// error; before, the walk went on through the zeros (still running after 60 s).
+#[test]
+fn gguf_sparse_tib_of_empty_keys_refused_at_the_second() {
+    let (kind, _, reason) = sparse_tib("keys", 0, 1 << 36, &[0; 4 * 24]);
+    assert_eq!(kind, CheckpointFault::Header, "{reason}");
+    assert_eq!(reason, r#"key "" appears twice"#);
+    // Tensor infos alike (2^35 of 24 bytes fit the TiB): the name refused as read.
+    let (kind, tensor, reason) = sparse_tib("tensors", 1 << 35, 0, &[0; 4 * 24]);
+    assert_eq!(
+        (kind, tensor.as_deref()),
+        (CheckpointFault::Duplicate, Some(""))
+    );
+    assert!(reason.contains("appears twice"), "{reason}");
+}
+
+/// Each count fits the file alone, not both: refused before any entry is read, naming
+/// both (before, each was checked against the whole file and the walk began).
+#[test]
+fn gguf_counts_that_fit_alone_but_not_together() {
+    let mut bytes = GgufBuilder::new().bytes();
+    let left = bytes.len() as u64 - 24;
+    bytes[8..16].copy_from_slice(&(left / 24).to_le_bytes());
+    bytes[16..24].copy_from_slice(&(left / 13).to_le_bytes());
+    let (kind, _, reason) = gguf_fault(&bytes);
+    assert_eq!(kind, CheckpointFault::Header, "{reason}");
+    assert!(
+        reason.contains(&format!("key/value count {}", left / 13))
+            && reason.contains(&format!("tensor count {}", left / 24)),
+        "{reason}"
+    );
+}
+
+/// Zeros are valid array elements: one key/value claiming 2^39 `u8`s (they fit the sparse
+/// TiB) is refused before its walk, at the header's ceiling; before, the walk read and
+/// kept 512 GiB of zeros.
+#[test]
+fn gguf_sparse_tib_array_refused_at_the_header_ceiling() {
+    let mut entry = gstr("a");
+    entry.extend_from_slice(&9u32.to_le_bytes()); // array
+    entry.extend_from_slice(&0u32.to_le_bytes()); // of u8
+    entry.extend_from_slice(&(1u64 << 39).to_le_bytes());
+    let (kind, _, reason) = sparse_tib("array", 0, 1, &entry);
+    assert_eq!(kind, CheckpointFault::Header, "{reason}");
+    assert!(
+        reason.contains(r#"array of 549755813888 elements of "a""#)
+            && reason.contains(&gguf::MAX_HEADER_BYTES.to_string()),
+        "{reason}"
+    );
+}

@@ -10,6 +10,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod dry_run;
+mod figures;
+mod verify_mode;
 
 use common::{fixtures, numpy_tensors, open_fixture, pages_of_bytes};
 
@@ -460,8 +462,8 @@ fn dense_replicas_and_experts_on_their_nodes() {
     }
 }
 
-/// A pattern holding one of the text form's separators would print a plan that reads
-/// back as another: placing or pricing it is refused, naming the pattern.
+/// A pattern holding one of the text form's separators is written quoted in the text
+/// form (see tests/plan_text.rs); one that matches no tensor is refused, naming it.
 #[test]
 fn a_pattern_holding_a_separator_is_refused_naming_it() {
     let Some(dir) = fixtures("a_pattern_holding_a_separator_is_refused_naming_it") else {

@@ -39,7 +39,7 @@ pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
     let text = String::from_utf8_lossy(&out.stdout);
     let mut found: Vec<TestBinary> = text
         .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"test\":true"))
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && is_test_harness(l))
         .filter_map(|l| {
             let path = json_field(l, "executable")?;
             let name = json_field(l, "name")?;
@@ -67,9 +67,30 @@ pub fn build(release: bool) -> Result<Vec<TestBinary>, String> {
     Ok(found)
 }
 
+/// Whether an artifact line is a test harness: its profile says `"test":true`. The
+/// target's own `"test":true` (every bin target is testable) is not enough: the plain
+/// `numapin` binary, built for tests/cli's `CARGO_BIN_EXE_numapin`, carries it too and
+/// is no test binary.
+fn is_test_harness(line: &str) -> bool {
+    line.split_once("\"profile\":{")
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .is_some_and(|(profile, _)| profile.contains("\"test\":true"))
+}
+
 /// Builds one example of the numapin package in release mode and returns its executable,
 /// as cargo reports it (so `CARGO_TARGET_DIR` and `build.target-dir` are honoured).
 pub fn build_example(name: &str) -> Result<PathBuf, String> {
+    build_release("example", name)
+}
+
+/// Builds one binary of the numapin package (`numapin`) in release mode and returns its
+/// executable, as [`build_example`] does.
+pub fn build_bin(name: &str) -> Result<PathBuf, String> {
+    build_release("bin", name)
+}
+
+/// `cargo build --release --package numapin --KIND NAME`: the executable cargo reports.
+fn build_release(kind: &str, name: &str) -> Result<PathBuf, String> {
     let mut cmd = crate::cargo();
     cmd.current_dir(crate::root())
         .args([
@@ -77,7 +98,7 @@ pub fn build_example(name: &str) -> Result<PathBuf, String> {
             "--release",
             "--package",
             "numapin",
-            "--example",
+            &format!("--{kind}"),
             name,
             "--message-format=json",
         ])
@@ -91,12 +112,13 @@ pub fn build_example(name: &str) -> Result<PathBuf, String> {
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
         .filter(|l| {
-            l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"kind\":[\"example\"]")
+            l.contains("\"reason\":\"compiler-artifact\"")
+                && l.contains(&format!("\"kind\":[\"{kind}\"]"))
         })
         .filter(|l| json_field(l, "name").is_some_and(|n| n == name))
         .find_map(|l| json_field(l, "executable"))
         .map(PathBuf::from)
-        .ok_or_else(|| format!("cargo reported no executable for example {name}"))
+        .ok_or_else(|| format!("cargo reported no executable for {kind} {name}"))
 }
 
 /// The string value of `"key":"..."` (first occurrence), unescaping `\"` and `\\`.

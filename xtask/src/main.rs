@@ -1,8 +1,11 @@
 //! `cargo xtask <task>`: the project's build and test tasks, in plain Rust.
 //!
 //! - `test`: `check-layers`, the checkpoint fixtures, the host suite, the Python suite,
-//!   then `test-container`, then `test-numa`.
+//!   the frameworks suite, then `test-container`, then `test-numa`.
 //! - `test-python`: the Python package built into the fixture venv, and its pytest suite.
+//! - `test-frameworks`: torch, transformers and accelerate in a venv of their own
+//!   (`target/frameworks-venv`), fixtures written by transformers' `save_pretrained`, and
+//!   `python/tests/frameworks` (`numapin.transformers` against transformers' own load).
 //! - `check-layers`: the import graph points down a declared list of layers; every
 //!   syscall is in `sys/`.
 //! - `fixtures`: checkpoint fixtures written by the official safetensors and gguf-py
@@ -17,6 +20,7 @@ mod binaries;
 mod container;
 mod cpio;
 mod fixtures;
+mod frameworks;
 mod layering;
 mod numa_vm;
 mod python;
@@ -37,10 +41,12 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask <task>
-  test              check-layers, fixtures, host tests, test-python, then
-                    test-container, then test-numa
+  test              check-layers, fixtures, host tests, test-python,
+                    test-frameworks, then test-container, then test-numa
   test-python       the Python package (maturin develop into the fixture venv) and its
                     pytest suite; the container stage runs the suite again
+  test-frameworks   torch, transformers, accelerate in target/frameworks-venv, fixtures
+                    by save_pretrained, and python/tests/frameworks
   fixtures          checkpoint fixtures (safetensors, GGUF) into target/fixtures, written
                     by the official writers in a venv (target/fixtures-venv)
   test-host         the workspace tests on this host only
@@ -61,11 +67,13 @@ fn try_main() -> Result<(), String> {
             fixtures::run_fixtures()?;
             test_host()?;
             python::run_tests()?;
+            frameworks::run_tests()?;
             container::run(&[])?;
             numa_vm::run()
         }
         Some("test-host") => test_host(),
         Some("test-python") => python::run_tests(),
+        Some("test-frameworks") => frameworks::run_tests(),
         Some("check-layers") => layering::run(),
         Some("fixtures") => fixtures::run_fixtures().map(|_| ()),
         Some("test-container") => container::run(rest),

@@ -4,7 +4,8 @@
 //! there, the tests compare against them), adds maturin and pytest from PyPI, builds the
 //! extension into it with `maturin develop` (a debug build, sharing the target dir), and
 //! runs `python/tests` with `NUMAPIN_FIXTURES`. The container stage runs the same suite
-//! again in each sandbox ([`pytest_args`]). torch is never installed here.
+//! again in each sandbox ([`pytest_args`]). torch is never installed here: the tests that
+//! need it (`python/tests/frameworks`) are `cargo xtask test-frameworks`'s, ignored here.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -28,7 +29,8 @@ pub fn installed() -> Option<PathBuf> {
 }
 
 /// The pytest invocation, as arguments after the interpreter: quiet, no cache directory
-/// (the sandboxes may not write the checkout), the package's tests.
+/// (the sandboxes may not write the checkout), the package's tests but the frameworks'
+/// (they need torch: `cargo xtask test-frameworks`).
 pub fn pytest_args() -> Vec<String> {
     let tests = root().join("python").join("tests");
     vec![
@@ -37,6 +39,7 @@ pub fn pytest_args() -> Vec<String> {
         "-q".into(),
         "-p".into(),
         "no:cacheprovider".into(),
+        format!("--ignore={}", tests.join("frameworks").display()),
         tests.display().to_string(),
     ]
 }

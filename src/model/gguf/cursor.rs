@@ -2,7 +2,7 @@
 //! checked against the bytes left in the file, and no reservation larger than
 //! [`RESERVE_BYTES`] for a count the file states.
 
-use super::{GgufArray, GgufValue, MAX_NESTING, MAX_STRING, RESERVE_BYTES};
+use super::{GgufArray, GgufValue, MAX_HEADER_BYTES, MAX_NESTING, MAX_STRING, RESERVE_BYTES};
 use crate::error::{CheckpointFault, Error, Result, quote};
 use crate::model::files::ReadAt;
 
@@ -51,7 +51,8 @@ impl<'a> Cursor<'a> {
         Error::checkpoint(self.file, tensor, kind, why)
     }
 
-    fn remaining(&self) -> u64 {
+    /// The bytes from the cursor to the end of the file.
+    pub(super) fn remaining(&self) -> u64 {
         self.len.saturating_sub(self.pos)
     }
 
@@ -90,12 +91,29 @@ impl<'a> Cursor<'a> {
         )
     }
 
-    /// Copies `out.len()` bytes at the cursor and advances.
-    fn fill(&mut self, out: &mut [u8], what: &str) -> Result<()> {
-        let n = out.len() as u64;
+    /// `n` bytes from the cursor within the file and [`MAX_HEADER_BYTES`].
+    fn span_fits(&self, n: u64, what: &str) -> Result<()> {
         if n > self.remaining() {
             return Err(self.past_end(n, what));
         }
+        if self.pos.saturating_add(n) > MAX_HEADER_BYTES {
+            return Err(self.fault(
+                None,
+                CheckpointFault::Header,
+                format!(
+                    "{what} ({n} bytes at offset {}) reaches past {MAX_HEADER_BYTES} bytes, \
+                     the most a GGUF header may span",
+                    self.pos
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes at the cursor and advances.
+    fn fill(&mut self, out: &mut [u8], what: &str) -> Result<()> {
+        let n = out.len() as u64;
+        self.span_fits(n, what)?;
         if out.len() > WINDOW {
             self.src
                 .read_exact_at(out, self.pos)
@@ -145,9 +163,7 @@ impl<'a> Cursor<'a> {
                 ),
             ));
         }
-        if n > self.remaining() {
-            return Err(self.past_end(n, what));
-        }
+        self.span_fits(n, what)?;
         // Grown window by window as the bytes are read: `n` is only what the file says.
         let mut bytes = Vec::with_capacity((n as usize).min(WINDOW));
         while (bytes.len() as u64) < n {
@@ -256,6 +272,8 @@ impl<'a> Cursor<'a> {
                 ),
             ));
         }
+        // Within the file, checked above (the fault says so); within the header's ceiling.
+        self.span_fits(n * min, &format!("array of {n} elements of {}", quote(key)))?;
         let what = format!("element of {}", quote(key));
         Ok(match elem {
             0 => GgufArray::U8(self.typed(n, &what, u8::from_le_bytes)?),

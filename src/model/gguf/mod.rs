@@ -8,14 +8,16 @@
 //! left in the file before anything is allocated for it. That is not enough on its own:
 //! a sparse file holds as many (zero) bytes as it claims, so no reservation made for a
 //! count the file states is larger than [`RESERVE_BYTES`]; vectors grow as their entries
-//! are parsed, and a string's buffer grows as its bytes are read.
+//! are parsed, and a string's buffer grows as its bytes are read. A key or tensor name is
+//! refused when it is read a second time (the zeros of a sparse file read as `""`), and
+//! nothing past [`MAX_HEADER_BYTES`] is read as header (zeros are valid array elements).
 
 mod cursor;
 mod split;
 
 use cursor::Cursor;
 pub(super) use split::open;
-pub use split::{SplitInfo, check_part, split_info, split_name, split_paths};
+pub use split::{SplitInfo, split_paths};
 
 use crate::error::{CheckpointFault, Error, Result, quote};
 use crate::model::files::{ReadAt, check_layout};
@@ -23,18 +25,29 @@ use crate::model::ggml::GgmlType;
 use crate::model::{Dtype, TensorInfo};
 
 /// `"GGUF"`, the first four bytes.
-pub const MAGIC: [u8; 4] = *b"GGUF";
+pub(crate) const MAGIC: [u8; 4] = *b"GGUF";
 /// `general.alignment` when the key is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// `GGML_MAX_DIMS`.
 pub const MAX_DIMS: u32 = 4;
 /// The longest string accepted (key, value or tensor name): longer is absurd.
-pub const MAX_STRING: u64 = 64 << 20;
+pub(crate) const MAX_STRING: u64 = 64 << 20;
 /// How deep arrays may nest.
-pub const MAX_NESTING: usize = 8;
+pub(crate) const MAX_NESTING: usize = 8;
+/// The most bytes a header (key/values and tensor infos) may span: the largest headers
+/// seen (a 262,144-token vocabulary with its scores, types and merges) take a few tens of
+/// MiB. A sparse file holds as many zero bytes as its length claims, and zeros are valid
+/// array elements: without a ceiling, one array claiming 2^39 `u8`s in a 1 TiB sparse
+/// file would be walked and held in memory.
+pub const MAX_HEADER_BYTES: u64 = 256 << 20;
 /// The most bytes reserved ahead for a count a file states (key/values, tensor infos,
 /// array elements); past it a vector grows as entries are actually parsed.
 pub const RESERVE_BYTES: usize = 64 << 10;
+
+/// The fewest bytes a key/value takes: key length (8), value type (4), a u8 (1).
+const KV_MIN_BYTES: u64 = 13;
+/// The fewest bytes a tensor info takes: name length (8), n_dims (4), type (4), offset (8).
+const TENSOR_MIN_BYTES: u64 = 24;
 
 /// A GGUF metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,30 +216,48 @@ fn read_preamble(r: &mut Cursor<'_>) -> Result<(u32, u64, u64)> {
     }
     let tensor_count = r.u64("tensor count")?;
     let kv_count = r.u64("key/value count")?;
-    // A key/value takes at least 8 + 4 + 1 bytes, a tensor info 8 + 4 + 4 + 8.
-    r.count_fits(kv_count, 13, "key/value count")?;
-    r.count_fits(tensor_count, 24, "tensor count")?;
+    // A key/value takes at least 8 + 4 + 1 bytes, a tensor info 8 + 4 + 4 + 8: both
+    // counts together within the bytes left (the tensor count again once the key/values
+    // are read, against what they left).
+    r.count_fits(kv_count, KV_MIN_BYTES, "key/value count")?;
+    r.count_fits(tensor_count, TENSOR_MIN_BYTES, "tensor count")?;
+    let both = kv_count
+        .saturating_mul(KV_MIN_BYTES)
+        .saturating_add(tensor_count.saturating_mul(TENSOR_MIN_BYTES));
+    if both > r.remaining() {
+        return Err(r.fault(
+            None,
+            CheckpointFault::Header,
+            format!(
+                "key/value count {kv_count} ({KV_MIN_BYTES}+ bytes each) and tensor count \
+                 {tensor_count} ({TENSOR_MIN_BYTES}+ bytes each) are beyond what the file can \
+                 hold ({} bytes left at offset {})",
+                r.remaining(),
+                r.pos()
+            ),
+        ));
+    }
     Ok((version, tensor_count, kv_count))
 }
 
-/// `count` key/values in file order, no key twice.
+/// `count` key/values in file order, no key twice: a key is refused as soon as it is read
+/// a second time (a sparse file claiming 2^36 key/values, every key `""`, was walked to
+/// the end before, issue 31).
 fn read_metadata(r: &mut Cursor<'_>, count: u64) -> Result<Vec<(String, GgufValue)>> {
     let mut metadata = Vec::with_capacity(r.capacity::<(String, GgufValue)>(count));
+    let mut keys = std::collections::HashSet::with_capacity(metadata.capacity());
     for _ in 0..count {
         let key = r.string("key")?;
-        let value_type = r.u32("value type")?;
-        let value = r.value(value_type, &key, 0)?;
-        metadata.push((key, value));
-    }
-    let mut keys = std::collections::HashSet::with_capacity(metadata.len());
-    for (key, _) in &metadata {
-        if !keys.insert(key.as_str()) {
+        if !keys.insert(key.clone()) {
             return Err(r.fault(
                 None,
                 CheckpointFault::Header,
-                format!("key {} appears twice", quote(key)),
+                format!("key {} appears twice", quote(&key)),
             ));
         }
+        let value_type = r.u32("value type")?;
+        let value = r.value(value_type, &key, 0)?;
+        metadata.push((key, value));
     }
     Ok(metadata)
 }
@@ -255,12 +286,23 @@ struct RawTensor {
     offset: u64,
 }
 
-/// `count` tensor infos: names, dimensions (at most [`MAX_DIMS`], each a valid int64),
+/// `count` tensor infos (the count within the bytes left after the key/values; no name
+/// twice, refused as read): names, dimensions (at most [`MAX_DIMS`], each a valid int64),
 /// known ggml types and offsets.
 fn read_tensor_infos(r: &mut Cursor<'_>, count: u64) -> Result<Vec<RawTensor>> {
+    r.count_fits(count, TENSOR_MIN_BYTES, "tensor count")?;
     let mut infos = Vec::with_capacity(r.capacity::<RawTensor>(count));
+    let mut names = std::collections::HashSet::with_capacity(infos.capacity());
     for _ in 0..count {
         let name = r.string("tensor name")?;
+        // Refused as read, not after the walk (a sparse file's zeros are "" names).
+        if !names.insert(name.clone()) {
+            return Err(r.fault(
+                Some(&name),
+                CheckpointFault::Duplicate,
+                "the name appears twice in the file",
+            ));
+        }
         let n_dims = r.u32("n_dims")?;
         if n_dims > MAX_DIMS {
             return Err(r.fault(

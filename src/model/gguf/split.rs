@@ -29,6 +29,7 @@ pub(in crate::model) fn open(path: &Path) -> Result<Checkpoint> {
         tensors,
         metadata,
         config: None,
+        heads: None,
     })
 }
 
@@ -94,7 +95,10 @@ pub struct SplitInfo {
 /// # Errors
 /// [`CheckpointFault::Header`] when a key is not a non-negative integer, `split.count` is
 /// 0, or `split.no` is missing or not below `split.count`.
-pub fn split_info(metadata: &[(String, GgufValue)], file: &str) -> Result<Option<SplitInfo>> {
+pub(crate) fn split_info(
+    metadata: &[(String, GgufValue)],
+    file: &str,
+) -> Result<Option<SplitInfo>> {
     let get = |key: &str| -> Result<Option<u64>> {
         match metadata.iter().find(|(k, _)| k == key) {
             None => Ok(None),
@@ -127,7 +131,7 @@ pub fn split_info(metadata: &[(String, GgufValue)], file: &str) -> Result<Option
 }
 
 /// `(prefix, no, count)` from `prefix-00001-of-00003.gguf` (no from 1).
-pub fn split_name(path: &Path) -> Option<(String, u64, u64)> {
+pub(crate) fn split_name(path: &Path) -> Option<(String, u64, u64)> {
     part_name(path, ".gguf")
 }
 
@@ -197,7 +201,7 @@ pub fn split_paths(path: &Path, split: &SplitInfo) -> Result<Vec<PathBuf>> {
 ///
 /// # Errors
 /// [`CheckpointFault::Split`] when the part has no split keys or they disagree.
-pub fn check_part(
+pub(crate) fn check_part(
     file: &str,
     info: Option<&SplitInfo>,
     no: usize,

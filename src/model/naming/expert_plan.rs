@@ -120,8 +120,12 @@ pub struct LayerPlan {
     pub(crate) scale_bytes: u64,
     /// The naming's roles for this layer, in slot order, weights then scales.
     pub(crate) roles: Vec<(PieceRole, String)>,
+    /// The same roles' canonical names ([`Naming::canonical_role`](super::Naming::canonical_role)).
+    pub(crate) canonical: Vec<String>,
     /// How a fused gate_up role holds gate and up, when the layer has one.
     pub(crate) gate_up: Option<GateUpLayout>,
+    /// How each role (as `roles`) stores an expert's weight.
+    pub(crate) orientations: Vec<super::Orientation>,
     /// The share held, in a plan cut to one ([`ExpertPlan::share`]).
     pub(crate) share: Option<crate::model::share::LayerShare>,
 }
@@ -152,6 +156,30 @@ impl LayerPlan {
     /// the naming calls them (`"gate_proj"`, ..., `"gate_proj scale"`, ...).
     pub fn roles(&self) -> impl Iterator<Item = (PieceRole, &str)> + '_ {
         self.roles.iter().map(|(r, n)| (*r, n.as_str()))
+    }
+
+    /// The same roles under their canonical names, in [`LayerPlan::roles`]' order
+    /// (`"gate"`, `"up"`, `"down"`, `"gate.scale"`, ...: the same for every naming,
+    /// [`Naming::canonical_role`](super::Naming::canonical_role)).
+    pub fn canonical_roles(&self) -> impl Iterator<Item = &str> + '_ {
+        self.canonical.iter().map(String::as_str)
+    }
+
+    /// The index in [`LayerPlan::roles`] of the role called `name`, by its canonical
+    /// name or as the file's naming calls it.
+    pub fn role_index(&self, name: &str) -> Option<usize> {
+        self.canonical
+            .iter()
+            .position(|c| c == name)
+            .or_else(|| self.roles.iter().position(|(_, n)| n == name))
+    }
+
+    /// How each role stores an expert's weight, in [`LayerPlan::roles`]' order (a scale
+    /// or bias as its weight): what the naming says by name
+    /// ([`Naming::orientation`](super::Naming::orientation)), else the layer's shapes
+    /// (`[H, 2I]` gate_up beside `[I, H]` down: `[in, out]`; otherwise `[out, in]`).
+    pub fn orientations(&self) -> &[super::Orientation] {
+        &self.orientations
     }
 
     /// How the layer's fused gate_up role holds gate and up (`None`: no gate_up role).

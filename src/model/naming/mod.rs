@@ -60,6 +60,33 @@ pub enum TensorKind {
     Bias,
 }
 
+/// How one expert's part of a weight is stored: which of its two axes is the layer's
+/// output. A tensor-parallel cut follows it: a column-parallel role (gate, up) keeps part
+/// of the output dimension, a row-parallel role (down) part of the input dimension,
+/// whichever axis that is in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub enum Orientation {
+    /// `[out, in]` (row-major), applied as `x @ W.T`: torch's `nn.Linear` and every
+    /// per-expert checkpoint, GGUF (`ne` reversed), the `[E, 2I, H]` / `[E, H, I]`
+    /// stacked experts, DBRX's `w1` and `v1`.
+    OutIn,
+    /// `[in, out]`, applied as `x @ W`: DBRX's flattened `experts.mlp.w2` (`[E·I, H]`),
+    /// the `[E, H, 2I]` / `[E, I, H]` experts of Llama4, Qwen3-VL-MoE and gpt-oss.
+    InOut,
+}
+
+impl Orientation {
+    /// `"[out, in]"` or `"[in, out]"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Orientation::OutIn => "[out, in]",
+            Orientation::InOut => "[in, out]",
+        }
+    }
+}
+
 type Classify = dyn Fn(&str) -> Option<TensorRef> + Send + Sync;
 
 /// A naming a user builds: a name and a closure from tensor name to [`TensorRef`].
@@ -238,6 +265,22 @@ impl Naming {
         }
     }
 
+    /// How the tensor called `name` stores each expert's weight, when its name says
+    /// ([`Orientation`]): the per-expert presets and GGUF `[out, in]`; in
+    /// [`Naming::Generic`], DBRX's flattened tensors by their word
+    /// ([`Vocabulary::flattened_input_first`]) and per-expert tensors `[out, in]`.
+    /// `None` where the name does not say: tensors holding every expert under one name
+    /// in both orientations (`experts.gate_up_proj` is `[E, 2I, H]` in transformers v5,
+    /// `[E, H, 2I]` in Llama4's hub checkpoint), whose layer's shapes decide
+    /// ([`LayerPlan::orientations`]), and custom namings.
+    pub fn orientation(&self, name: &str) -> Option<Orientation> {
+        match self {
+            Naming::PerExpert | Naming::Mixtral | Naming::GgufMerged => Some(Orientation::OutIn),
+            Naming::Generic => Self::GENERIC_VOCABULARY.orientation(name),
+            Naming::Fused | Naming::Custom(_) => None,
+        }
+    }
+
     /// The preset that recognises the most tensors of `checkpoint`.
     ///
     /// # Errors
@@ -281,6 +324,39 @@ impl Naming {
             .get(usize::from(piece))
             .map_or_else(|| format!("piece {piece}"), |n| (*n).to_owned());
         if scale { format!("{base} scale") } else { base }
+    }
+
+    /// The canonical name of the role `(piece, scale)`, the same for every preset:
+    /// `gate`, `up`, `gate_up`, `down`, and a role's scale or bias with `.scale` /
+    /// `.bias` (`"gate_up.bias"`: gpt-oss's `gate_up_proj_bias`, which
+    /// [`Naming::role_name`] calls `"gate_up bias"`; Mixtral's `w3` is `"up"`, the fused
+    /// preset's `gate_up_proj` `"gate_up"`). A custom naming has no vocabulary to map
+    /// to: its roles keep [`Naming::role_name`]'s names.
+    ///
+    /// ```
+    /// use numapin::model::Naming;
+    /// assert_eq!(Naming::Mixtral.canonical_role(1, false), "up");
+    /// assert_eq!(Naming::PerExpert.canonical_role(2, true), "down.scale");
+    /// assert_eq!(Naming::Fused.canonical_role(0, false), "gate_up");
+    /// let bias = Naming::GENERIC_BIAS_PIECE + 2;
+    /// assert_eq!(Naming::Generic.canonical_role(bias, true), "gate_up.bias");
+    /// ```
+    pub fn canonical_role(&self, piece: u8, scale: bool) -> String {
+        let names: &[&str] = match self {
+            Naming::PerExpert | Naming::Mixtral | Naming::GgufMerged => &["gate", "up", "down"],
+            Naming::Fused => &["gate_up", "down"],
+            Naming::Generic => &GENERIC_ROLES,
+            Naming::Custom(_) => return self.role_name(piece, scale),
+        };
+        let (piece, suffix) = match (self, scale) {
+            (Naming::Generic, true) if piece >= BIAS => (piece - BIAS, ".bias"),
+            (_, true) => (piece, ".scale"),
+            (_, false) => (piece, ""),
+        };
+        match names.get(usize::from(piece)) {
+            Some(base) => format!("{base}{suffix}"),
+            None => self.role_name(piece, scale),
+        }
     }
 
     /// The roles, as `(scale, piece)`, every expert of a layer must have, given those

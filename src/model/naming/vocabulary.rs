@@ -40,6 +40,7 @@ impl Naming {
             ("_scales", TensorKind::Scale),
             ("_bias", TensorKind::Bias),
         ],
+        flattened_input_first: &["w2"],
     };
 }
 
@@ -92,6 +93,10 @@ pub struct Vocabulary {
     pub kind_words: &'static [(&'static str, TensorKind)],
     /// A tensor holding every expert: its kind, from the suffix after its role's word.
     pub merged_kind_suffixes: &'static [(&'static str, TensorKind)],
+    /// The expert words of flattened tensors (`experts.mlp.{word}`, `[E·I, H]`) stored
+    /// input dimension first, `[in, out]` per expert (DBRX's `w2`, applied as `x @ W`);
+    /// the other flattened words are `[out, in]` (`w1`, `v1`, applied as `x @ W.T`).
+    pub flattened_input_first: &'static [&'static str],
 }
 
 impl Vocabulary {
@@ -186,6 +191,23 @@ impl Vocabulary {
                 let piece = Self::lookup(self.expert_words, rest.strip_suffix(suffix)?)?;
                 at(piece, kind, None, ExpertAxis::Outermost)
             })
+    }
+
+    /// How tensor `name` stores each expert's weight, when its name says: a flattened
+    /// tensor by [`Vocabulary::flattened_input_first`], a per-expert tensor
+    /// (`experts.{E}.…`) `[out, in]`; `None` for the rest (a tensor holding every expert
+    /// outermost is stored either way under one name: its layer's shapes decide).
+    pub(super) fn orientation(&self, name: &str) -> Option<super::Orientation> {
+        let (r, axis) = self.classify(name)?;
+        if axis == ExpertAxis::Flattened {
+            let word = name.rsplit('.').next().unwrap_or(name);
+            return Some(if self.flattened_input_first.contains(&word) {
+                super::Orientation::InOut
+            } else {
+                super::Orientation::OutIn
+            });
+        }
+        r.expert.map(|_| super::Orientation::OutIn)
     }
 
     fn kind(words: &[(&str, TensorKind)], word: &str) -> Option<TensorKind> {

@@ -299,19 +299,23 @@ struct Index {
 ///
 /// # Errors
 /// [`CheckpointFault::Header`] when it is not UTF-8, not JSON with a `weight_map` of
-/// strings, or names a shard outside its directory.
-pub fn parse_index(bytes: &[u8], file: &str) -> Result<Vec<(String, String)>> {
+/// strings, gives a key twice in an object, or names a shard outside its directory.
+pub(crate) fn parse_index(bytes: &[u8], file: &str) -> Result<Vec<(String, String)>> {
     let fault = |tensor: Option<&str>, why: String| {
         Error::checkpoint(file, tensor, CheckpointFault::Header, why)
     };
     let text = std::str::from_utf8(bytes)
         .map_err(|e| fault(None, format!("the index is not UTF-8: {e}")))?;
-    let index: Index = serde_json::from_str(text).map_err(|e| {
-        fault(
-            None,
-            format!("the index is not a safetensors index: {}", json_error(&e)),
-        )
-    })?;
+    // Read strictly first: a tensor given twice in `weight_map` would otherwise keep its
+    // last shard without a word (serde_json's map), where the headers refuse a name twice.
+    let index: Index = crate::routing::strict::from_str(text)
+        .and_then(serde_json::from_value)
+        .map_err(|e| {
+            fault(
+                None,
+                format!("the index is not a safetensors index: {}", json_error(&e)),
+            )
+        })?;
     for (tensor, shard) in &index.weight_map {
         if shard.is_empty() || shard.contains('/') || shard == "." || shard == ".." {
             return Err(fault(

@@ -213,5 +213,6 @@ fn open_files(paths: Vec<PathBuf>) -> Result<Checkpoint> {
         tensors,
         metadata: Vec::new(),
         config: None,
+        heads: None,
     })
 }

@@ -49,10 +49,10 @@ impl Run {
 
 /// The geometry of expert piece `piece` (a merged tensor's experts axis removed).
 pub(crate) fn geometry(checkpoint: &Checkpoint, piece: &TensorPiece) -> Result<Geometry> {
-    let t: &TensorInfo = checkpoint
-        .tensors()
-        .get(piece.tensor)
-        .ok_or_else(|| Error::invalid(OP, format!("a piece names tensor {}", piece.tensor)))?;
+    let t: &TensorInfo = checkpoint.tensors().get(piece.tensor).ok_or_else(|| {
+        let why = format!("the checkpoint has {} tensors", checkpoint.tensors().len());
+        Error::bad_value(OP, "a piece's tensor", piece.tensor, why)
+    })?;
     tensor_geometry(t, piece.len)
 }
 
@@ -185,6 +185,16 @@ impl Geometry {
                     return Err(format!(
                         "columns {}..{} cut through its {}: a cut falls on a multiple of {unit}",
                         range.start, range.end, self.unit_name
+                    ));
+                }
+                if !self.cols.is_multiple_of(unit) {
+                    // A row that ends inside a packed unit: the next row starts inside
+                    // a byte, so no byte range holds any row's columns.
+                    return Err(format!(
+                        "a row of {} elements is not a whole number of its {}: its rows \
+                         do not start on a byte, so no byte range holds a column slice \
+                         (slice by rows, or keep it whole)",
+                        self.cols, self.unit_name
                     ));
                 }
                 let row = (self.cols / unit) * unit_bytes;

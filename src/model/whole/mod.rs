@@ -4,8 +4,10 @@
 //! and a report per class.
 //!
 //! The rooms: `classes` (what a name is for), `plan` (layouts per class and pattern),
-//! `assign` (a plan applied to a checkpoint and priced, nothing reserved), `place` (the
-//! checks, then the stores), `views` (lookups), `report` (what was done and verified).
+//! `shape` (a tensor's shape, block and dense slice: the leaf the others read), `assign` (a
+//! plan applied to a checkpoint and priced, nothing reserved), `place` (the checks, then
+//! the stores), `views` (lookups), `report` (what was done and verified: the figures),
+//! `measure` (how they are taken: mappings, classes, every copy re-read).
 //!
 //! # Shape: one store per class and layout
 //! Dense tensors reuse [`PinStore`](crate::store::PinStore): each (class, model layer,
@@ -37,15 +39,25 @@
 
 mod assign;
 mod classes;
+mod expert_tensors;
+mod framework;
 mod glob;
+mod measure;
 mod place;
 mod plan;
 mod report;
+mod shape;
+mod structure;
+mod text;
 pub(crate) mod tp;
 mod views;
 
 pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};
 pub use classes::TensorClass;
-pub use plan::{DenseLayout, PlacementPlan, expert_layout_text};
+pub use framework::{FrameworkPlan, FrameworkStyle};
+pub use plan::{DenseLayout, PlacementPlan};
 pub use report::{ClassMeasured, WholeReport, WholeVerify};
-pub use views::{Block, DenseSlice, ExpertPieceView, PlacedModel, TensorView};
+pub(crate) use shape::normalized_shape;
+pub use shape::{Block, DenseSlice};
+pub use structure::{ExpertRole, ExpertTensorRef};
+pub use views::{ExpertPieceView, PlacedModel, TensorView};

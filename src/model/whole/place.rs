@@ -8,16 +8,18 @@ use super::assign::{Assigned, DENSE_ALIGN, Group, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use super::report::WholeReport;
-use super::views::{DenseStore, Place, PlacedModel, PlacedTensor, normalized_shape};
+use super::shape::normalized_shape;
+use super::views::{DenseStore, Place, PlacedModel, PlacedTensor};
 use crate::diag;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, quote};
 use crate::model::{Checkpoint, SliceAxis};
 use crate::node::{Node, NodeSet};
 use crate::source::direct::dio_mem_alignment;
 use crate::store::{
-    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, NODE_MEMORY_FIGURE, Piece, PieceLayout,
-    PinStore, ReadMode, StoreOptions, available_bytes,
+    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, Piece, PieceLayout, PinStore, ReadMode,
+    StoreOptions,
 };
+use crate::topology::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
 const OP: &str = "Checkpoint::place";
 
@@ -29,7 +31,7 @@ impl Checkpoint {
     /// as [`Checkpoint::place`] does: the two count the same padding.
     ///
     /// # Errors
-    /// As [`Checkpoint::place`]'s plan errors: a pattern that matches no dense tensor, a
+    /// As [`Checkpoint::place`]'s plan errors: a pattern that chooses no dense tensor, a
     /// tensor whose bytes are not its dtype × shape, the expert naming's errors.
     pub fn placement_cost(
         &self,
@@ -204,10 +206,15 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::MapBudget`], [`Error::NodeMemory`] with the figures, before any
-    /// allocation; a pattern that matches no dense tensor ([`Error::InvalidArgument`] naming it);
-    /// [`Error::Checkpoint`] for a tensor whose bytes are not its dtype × shape and for
-    /// the expert naming's faults; what [`PinStore::pack_layer`] returns.
+    /// allocation; a pattern (or slice pattern) that chooses no dense tensor
+    /// ([`Error::InvalidArgument`] naming it: it matches none, or every one it matches is
+    /// claimed by a later pattern, named too);
+    /// [`Error::Checkpoint`] for a tensor whose bytes are not its dtype × shape, for
+    /// the expert naming's faults and for a file truncated since it was opened
+    /// ([`CheckpointFault::Truncated`](crate::error::CheckpointFault::Truncated)); what
+    /// [`PinStore::pack_layer`] returns.
     pub fn place(&self, plan: &PlacementPlan, options: StoreOptions) -> Result<PlacedModel> {
+        self.check_not_truncated()?;
         let (assigned, slot) = self.assigned(plan, &options)?;
         let cost = assigned.cost(self, plan, slot);
         check_budget(&cost, &options)?;
@@ -223,27 +230,34 @@ impl Checkpoint {
                 store: PinStore::new(layout.store_layout(), dense_options.clone())?,
                 reads: 0,
                 bounced: 0,
+                load_nanos: 0,
+                files: Vec::new(),
             });
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
         for g in &assigned.groups {
             self.pack_group(&assigned, g, &mut stores, &mut places)?;
         }
+        let mut expert_load_nanos = 0;
         let (experts, expert_report) = match &assigned.naming {
             Some(naming) => {
                 let store = PinStore::new(plan.experts, options.clone())?;
+                let started = std::time::Instant::now();
                 let report = match &plan.share {
                     Some(share) => self.pack_share_with(&store, naming, share)?,
                     None => self.pack_with(&store, naming)?,
                 };
+                expert_load_nanos = nanos_since(started);
                 (Some(store), Some(report))
             }
             None => (None, None),
         };
-        if let (Some(store), Some(plan)) = (&experts, &assigned.experts) {
-            super::views::expert_places(store, plan, self, &mut places)?;
+        let mut tensors = self.placed_tensors(&assigned, &mut places);
+        if let (Some(store), Some(plan), Some(naming)) =
+            (&experts, &assigned.experts, &assigned.naming)
+        {
+            super::expert_tensors::expert_tensors(store, plan, naming, &mut tensors)?;
         }
-        let tensors = self.placed_tensors(&assigned, &mut places);
         let mut model = PlacedModel {
             by_name: tensors
                 .iter()
@@ -253,11 +267,21 @@ impl Checkpoint {
             tensors,
             stores,
             experts,
+            expert_load_nanos,
+            expert_files: expert_report
+                .iter()
+                .flat_map(|r| &r.layer_reports)
+                .flat_map(|l| &l.files)
+                .fold(Vec::new(), |mut all, f| {
+                    note_file(&mut all, f);
+                    all
+                }),
             expert_plan: assigned.experts,
             naming: assigned.naming,
             report: None,
         };
         let measured = model.measure()?;
+        let mappings = model.mappings()?;
         model.report = Some(WholeReport {
             plan: plan.to_string(),
             share: plan.share_text(),
@@ -267,6 +291,7 @@ impl Checkpoint {
             bytes: self.tensors.iter().map(|t| t.len()).sum(),
             cost,
             measured,
+            mappings,
             experts: expert_report,
         });
         Ok(model)
@@ -306,7 +331,12 @@ impl Checkpoint {
         }];
         let spec = LayerSpec::fitting(&sources)?;
         let dense = &mut stores[g.store];
+        let started = std::time::Instant::now();
         let report = dense.store.pack_layer(g.slot_layer, &spec, &sources)?;
+        dense.load_nanos += nanos_since(started);
+        for f in &report.files {
+            note_file(&mut dense.files, f);
+        }
         dense.reads += report.reads;
         dense.bounced += report.bounced_bytes;
         let map = dense.store.slot_map(g.slot_layer)?;
@@ -380,13 +410,16 @@ impl Checkpoint {
     fn piece(&self, index: usize, offset: u64, bytes: u64) -> Result<Piece<'_>> {
         let t = &self.tensors[index];
         let file = self.files.get(t.file()).ok_or_else(|| {
-            Error::invalid(
+            Error::bad_value(
                 OP,
-                format!("a tensor names file {} of {}", t.file(), self.files.len()),
+                "a tensor's file",
+                t.file(),
+                format!("the checkpoint has {} files", self.files.len()),
             )
         })?;
-        let len = usize::try_from(bytes)
-            .map_err(|_| Error::overflow(OP, format!("{}: {bytes} bytes as a usize", t.name())))?;
+        let len = usize::try_from(bytes).map_err(|_| {
+            Error::overflow(OP, format!("{}: {bytes} bytes as a usize", quote(t.name())))
+        })?;
         Ok(Piece::new(file.file(), offset, len))
     }
 }
@@ -455,4 +488,17 @@ fn check_memory(cost: &PlacementCost) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Wall nanoseconds since `started` (saturating at `u64::MAX`, 584 years).
+pub(crate) fn nanos_since(started: std::time::Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Adds `f` to `all` unless a read of the same path is there already (the first load's
+/// decision stands for the file).
+pub(crate) fn note_file(all: &mut Vec<crate::store::FileRead>, f: &crate::store::FileRead) {
+    if !all.iter().any(|a| a.path == f.path) {
+        all.push(f.clone());
+    }
 }

@@ -1,11 +1,12 @@
 //! [`PlacementPlan`]: a layout per tensor class, overrides by class and by name pattern,
 //! and the text form `pin_model --plan` takes.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 use super::classes::TensorClass;
 use super::glob::{collapse_stars, glob_match};
-use crate::error::{Error, Result};
+use super::text::Item;
+use crate::error::{Error, Result, quote};
 use crate::model::{Share, TensorSlice};
 use crate::node::{Node, NodeSet};
 use crate::store::Layout;
@@ -37,22 +38,6 @@ impl DenseLayout {
         }
     }
 
-    /// Copies of each group (the nodes of [`DenseLayout::Replicate`], else 1).
-    pub(crate) fn copies(self) -> usize {
-        match self {
-            DenseLayout::Replicate(set) => set.len().max(1),
-            _ => 1,
-        }
-    }
-
-    /// `mbind` calls per group: one per copy, none unplaced.
-    pub(crate) fn mbind_calls(self) -> usize {
-        match self {
-            DenseLayout::Unplaced => 0,
-            other => other.copies(),
-        }
-    }
-
     fn parse(text: &str) -> Result<DenseLayout> {
         let (kind, nodes) = text.split_once(':').unwrap_or((text, ""));
         let set = || NodeSet::parse(nodes);
@@ -60,18 +45,36 @@ impl DenseLayout {
             "replicate" => DenseLayout::Replicate(set()?),
             "interleave" => DenseLayout::Interleave(set()?),
             "bind" => DenseLayout::Bind(Node(crate::error::decimal::<u16>(nodes).ok_or_else(
-                || Error::bad_value("PlacementPlan", "bind node", nodes, "not a node number"),
+                || {
+                    Error::bad_value(
+                        "PlacementPlan",
+                        "bind node",
+                        quote(nodes),
+                        "not a node number",
+                    )
+                },
             )?)),
             "unplaced" if nodes.is_empty() => DenseLayout::Unplaced,
             _ => {
                 return Err(Error::bad_value(
                     "PlacementPlan",
                     "dense layout",
-                    text,
+                    quote(text),
                     "not replicate:NODES, interleave:NODES, bind:NODE or unplaced",
                 ));
             }
         })
+    }
+}
+
+impl std::str::FromStr for DenseLayout {
+    type Err = Error;
+
+    /// One layout in the text form [`fmt::Display`] prints: `replicate:NODES`,
+    /// `interleave:NODES`, `bind:NODE`, `unplaced` (NODES in numactl syntax). Anything
+    /// else, a second item included (`bind:0;experts=unplaced`), is an error.
+    fn from_str(text: &str) -> Result<DenseLayout> {
+        DenseLayout::parse(text.trim())
     }
 }
 
@@ -90,7 +93,7 @@ impl fmt::Display for DenseLayout {
 /// The text form of an expert [`Layout`] (its `Display`): `split:NODES`,
 /// `interleave:NODES`, `replicate:NODES`, `replicate-domains:NODES`,
 /// `layer-per-node:NODES`, `unplaced`.
-pub fn expert_layout_text(layout: &Layout) -> String {
+pub(crate) fn expert_layout_text(layout: &Layout) -> String {
     layout.to_string()
 }
 
@@ -275,6 +278,7 @@ impl PlacementPlan {
     /// [`Error::Parse`] for text that is not `k/n`; `n` is 0 or `k ≥ n`.
     pub fn parse_rank(text: &str) -> Result<(u64, u64)> {
         let parse_error = |reason: &str| Error::Parse {
+            what: "tensor-parallel rank",
             input: crate::error::clip_owned(text.to_owned(), 200),
             part: "k/n".to_owned(),
             reason: reason.to_owned(),
@@ -385,7 +389,7 @@ impl PlacementPlan {
     /// Whether the tensors of `class` are sliced by [`PlacementPlan::dense_slice`] (a
     /// dense slice is set, the class is sliceable and not marked whole); per-class,
     /// per-pattern and preset slices are chosen per tensor over it.
-    pub fn is_sliced(&self, class: TensorClass) -> bool {
+    pub(crate) fn is_sliced(&self, class: TensorClass) -> bool {
         self.dense_slice.is_some()
             && TensorClass::SLICEABLE.contains(&class)
             && !self.whole.contains(&class)
@@ -417,9 +421,10 @@ impl PlacementPlan {
     /// Every dense tensor whose checkpoint name matches `glob` (`*`: any run of
     /// characters, dots included; `?`: one character) gets `layout`, whatever its class;
     /// a later pattern wins over an earlier one. Routed experts are not matched (their
-    /// layout is the experts'). Placing a plan with a pattern that matches no tensor, or
-    /// that holds `,`, `;` or `=` (the text form's separators), is an error naming the
-    /// pattern.
+    /// layout is the experts'). Placing a plan with a pattern that chooses no tensor is
+    /// an error naming the pattern: it matches no dense tensor, or every tensor it
+    /// matches is claimed by a later pattern. Any pattern can be written in the text
+    /// form (quoted where it must be: see [`PlacementPlan::apply`]).
     #[must_use]
     pub fn pattern(mut self, glob: impl Into<String>, layout: DenseLayout) -> Self {
         self.patterns.push((collapse_stars(glob.into()), layout));
@@ -475,34 +480,43 @@ impl PlacementPlan {
     /// Applies the text form: `KEY=VALUE` items separated by `,` or `;` (an item without
     /// `=` continues the node list of the one before: `dense=replicate:0,1`). KEY is
     /// `experts`, `dense` (every dense class), a class name ([`TensorClass::name`]), or
-    /// else a name pattern. VALUE for experts: `split:NODES`, `interleave:NODES`,
+    /// else a name pattern; a pattern in double quotes (`"norms"=bind:0`, `""=unplaced`,
+    /// `"a;b"=bind:0`, with `\\` and `\"` for a backslash and a quote) is a pattern
+    /// whatever it holds, as the plan's `Display` writes every pattern that would read
+    /// back as something else bare. VALUE for experts: `split:NODES`, `interleave:NODES`,
     /// `replicate:NODES`, `layer-per-node:NODES`, `unplaced`; for the others
     /// `replicate:NODES`, `interleave:NODES`, `bind:NODE`, `unplaced`. NODES in numactl
     /// syntax (`all`, `0-3`, `0,2`).
     ///
+    /// ```
+    /// use numapin::model::{DenseLayout, PlacementPlan};
+    /// use numapin::store::Layout;
+    /// use numapin::Node;
+    /// let plan = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced)
+    ///     .pattern("norms", DenseLayout::Bind(Node(0)));
+    /// assert!(plan.to_string().ends_with(r#";"norms"=bind:0"#));
+    /// let back = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced).apply(&plan.to_string())?;
+    /// assert_eq!(back, plan);
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the item that does not parse.
+    /// [`Error::InvalidArgument`] naming the item that does not parse (quoted, at most
+    /// 200 bytes of it).
     pub fn apply(mut self, text: &str) -> Result<Self> {
-        let mut items: Vec<String> = Vec::new();
-        for part in text
-            .split([',', ';'])
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-        {
-            match items.last_mut() {
-                Some(last) if !part.contains('=') => {
-                    last.push(',');
-                    last.push_str(part);
+        for item in super::text::items(text)? {
+            let item = match item {
+                Item::Quoted { pattern, value } => {
+                    self = self.pattern(pattern, DenseLayout::parse(&value)?);
+                    continue;
                 }
-                _ => items.push(part.to_owned()),
-            }
-        }
-        for item in items {
+                Item::Bare(item) => item,
+            };
             let Some((key, value)) = item.split_once('=') else {
                 return Err(Error::bad_value(
                     "PlacementPlan",
                     "plan item",
-                    item,
+                    quote(&item),
                     "not KEY=VALUE",
                 ));
             };
@@ -523,8 +537,8 @@ impl PlacementPlan {
                     return Err(Error::bad_value(
                         "PlacementPlan",
                         "plan item",
-                        item.clone(),
-                        "an empty key",
+                        quote(&item),
+                        "an empty key (an empty pattern is written \"\")",
                     ));
                 }
             }
@@ -534,14 +548,18 @@ impl PlacementPlan {
 }
 
 impl fmt::Display for PlacementPlan {
-    /// The text form [`PlacementPlan::apply`] reads.
+    /// The text form [`PlacementPlan::apply`] reads, as the same plan: the experts' and
+    /// each class's layout, then the patterns (quoted where bare they would read back as
+    /// something else). Shares and slices are not part of it.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "experts={}", expert_layout_text(&self.experts))?;
         for (class, layout, _) in &self.dense {
             write!(f, ";{class}={layout}")?;
         }
         for (pattern, layout) in &self.patterns {
-            write!(f, ";{pattern}={layout}")?;
+            f.write_char(';')?;
+            super::text::write_pattern(f, pattern)?;
+            write!(f, "={layout}")?;
         }
         Ok(())
     }

@@ -1,15 +1,12 @@
 //! What [`Checkpoint::place`](crate::model::Checkpoint::place) did ([`WholeReport`]), and
-//! the check of every placed tensor, every copy, against the files ([`WholeVerify`]).
+//! what the check of every placed tensor, every copy, against the files found
+//! ([`WholeVerify`]): the figures, not how they are taken (`measure`).
 
 use std::fmt;
-use std::os::unix::fs::FileExt;
 
 use super::assign::PlacementCost;
 use super::classes::TensorClass;
-use super::views::{Place, PlacedModel};
-use crate::error::{Error, Result};
-use crate::model::{Checkpoint, ModelReport, VerifyReport};
-use crate::store::PinStore;
+use crate::model::{ModelReport, VerifyReport};
 
 /// What placing a checkpoint whole did: the plan, its cost as counted before anything
 /// was reserved, and what each class's stores measured.
@@ -34,6 +31,11 @@ pub struct WholeReport {
     pub cost: PlacementCost,
     /// Measured per class, in the order of `cost.classes`.
     pub measured: Vec<ClassMeasured>,
+    /// Distinct mappings of the process that the placement's regions lie in (lines of
+    /// `/proc/self/maps` overlapping any region of any store, each counted once): the
+    /// total, where the classes' [`ClassMeasured::mappings`] count a mapping the kernel
+    /// merged across classes once in each.
+    pub mappings: usize,
     /// The experts' pack report, as [`Checkpoint::pack`](crate::model::Checkpoint::pack)
     /// gives it.
     pub experts: Option<ModelReport>,
@@ -45,7 +47,10 @@ pub struct WholeReport {
 pub struct ClassMeasured {
     /// The class.
     pub class: TensorClass,
-    /// Mappings its stores occupy, counted in `/proc/self/smaps`.
+    /// Mappings its stores' regions lie in (`/proc/self/smaps` lines overlapping them).
+    /// Where the kernel merged adjacent regions of equal policy and protection into one
+    /// mapping, that mapping counts in every class with a region in it: these do not add
+    /// up to the placement's total, [`WholeReport::mappings`].
     pub mappings: usize,
     /// `mbind` calls its stores made.
     pub mbind_calls: usize,
@@ -57,189 +62,16 @@ pub struct ClassMeasured {
     pub bounced_bytes: u64,
     /// `bound`, `unplaced`, or `degraded: REASON` (one copy, no policy).
     pub placement: String,
+    /// Wall nanoseconds its loads took (its stores' `pack_layer` calls, one after the
+    /// other).
+    pub load_nanos: u64,
+    /// How its loads read each file and why ([`FileRead`](crate::store::FileRead): for
+    /// [`ReadMode::Auto`](crate::source::ReadMode::Auto) the file's residency and the mode
+    /// it picked), the first load of each file.
+    pub files: Vec<crate::store::FileRead>,
 }
 
-impl PlacedModel {
-    /// Measures every class's stores.
-    pub(crate) fn measure(&self) -> Result<Vec<ClassMeasured>> {
-        let mut out: Vec<ClassMeasured> = Vec::new();
-        let stores = self
-            .stores
-            .iter()
-            .map(|s| (s.class, &s.store, s.reads, s.bounced))
-            .chain(
-                self.experts
-                    .iter()
-                    .map(|s| (TensorClass::RoutedExperts, s, 0, 0)),
-            );
-        for (class, store, reads, bounced) in stores {
-            let stats = store.stats()?;
-            let placement = placement_text(store, stats.placement);
-            match out.iter_mut().find(|m| m.class == class) {
-                Some(m) => {
-                    m.mappings += stats.vmas;
-                    m.mbind_calls += stats.mbind_calls;
-                    m.reads += reads;
-                    m.bounced_bytes += bounced;
-                    if m.placement != placement {
-                        m.placement = format!("{}, {placement}", m.placement);
-                    }
-                }
-                None => out.push(ClassMeasured {
-                    class,
-                    mappings: stats.vmas,
-                    mbind_calls: stats.mbind_calls,
-                    reads,
-                    bounced_bytes: bounced,
-                    placement,
-                }),
-            }
-        }
-        out.sort_by_key(|m| m.class);
-        Ok(out)
-    }
-
-    /// Re-reads every placed tensor from the files and compares it with every copy of it
-    /// (each replica of a replicated class); the routed experts as
-    /// [`Checkpoint::verify_with`] does (each slot's pieces, padding zero).
-    ///
-    /// # Errors
-    /// `checkpoint` is not the one placed (its tensor names differ); a read fails; a
-    /// store read fails.
-    pub fn verify(&self, checkpoint: &Checkpoint) -> Result<WholeVerify> {
-        let same = checkpoint.tensors().len() == self.tensors.len()
-            && checkpoint
-                .tensors()
-                .iter()
-                .zip(&self.tensors)
-                .all(|(a, b)| a.name() == b.name && (a.len() == b.len || b.slice.is_some()));
-        if !same {
-            return Err(Error::invalid(
-                "PlacedModel::verify",
-                "the checkpoint is not the one placed (its tensors differ)",
-            ));
-        }
-        let mut report = WholeVerify::default();
-        let mut buffer = Vec::new();
-        for t in &self.tensors {
-            if !matches!(t.place, Place::Dense { .. } | Place::ExpertPiece { .. }) {
-                continue;
-            }
-            let file = checkpoint.files().get(t.file).ok_or_else(|| {
-                Error::invalid(
-                    "PlacedModel::verify",
-                    format!("file {} of a tensor", t.file),
-                )
-            })?;
-            let len = usize::try_from(t.len).map_err(|_| {
-                Error::overflow(
-                    "PlacedModel::verify",
-                    format!("{}: {} bytes", t.name, t.len),
-                )
-            })?;
-            buffer.resize(len, 0);
-            report.reads += read_held(file, t, &mut buffer)?;
-            report.tensors += 1;
-            for (node, held) in self.tensor_copies(&t.name)? {
-                report.copies += 1;
-                report.bytes += held.len() as u64;
-                if held != &buffer[..] {
-                    report.mismatched += 1;
-                    if report.mismatches.len() < VerifyReport::MAX_LISTED {
-                        let at = held.iter().zip(&buffer).position(|(a, b)| a != b);
-                        report.mismatches.push(format!(
-                            "{} (copy on node {}): {} bytes held, {} in the file, first \
-                             difference at byte {}",
-                            t.name,
-                            node.map_or("-".to_owned(), |n| n.0.to_string()),
-                            held.len(),
-                            buffer.len(),
-                            at.unwrap_or(held.len().min(buffer.len()))
-                        ));
-                    }
-                }
-            }
-        }
-        if let (Some(store), Some(plan)) = (&self.experts, &self.expert_plan) {
-            report.experts =
-                Some(checkpoint.verify_plan(store, plan, crate::source::ReadMode::Buffered)?);
-        }
-        Ok(report)
-    }
-}
-
-/// The most bytes one verify read of a column slice spans (its rows and the other
-/// ranks' columns between them), so that re-reading a big tensor costs few `pread`s
-/// and bounded memory.
-const VERIFY_SPAN: u64 = 4 << 20;
-
-/// Reads the bytes `t` holds into `buffer` (its `len` bytes): one read, or for a column
-/// slice one read per run of rows spanning at most [`VERIFY_SPAN`], each row's piece
-/// then packed back to back as the slot holds them. Returns the reads.
-fn read_held(
-    file: &crate::model::CheckpointFile,
-    t: &super::views::PlacedTensor,
-    buffer: &mut [u8],
-) -> Result<usize> {
-    let (count, stride) = t.rows;
-    let per = usize::try_from(t.len / count.max(1)).unwrap_or(usize::MAX);
-    let io = |e| Error::io("pread", file.path().display().to_string(), e);
-    if count <= 1 || per == 0 {
-        file.file().read_exact_at(buffer, t.offset).map_err(io)?;
-        return Ok(1);
-    }
-    let what = &t.name;
-    let read = |at: u64, into: &mut [u8]| file.file().read_exact_at(into, at).map_err(io);
-    gather_rows(read, (t.offset, stride, per), buffer, VERIFY_SPAN, what)
-}
-
-/// Fills `buffer` with pieces of `per` bytes, the first at `offset`, each `stride` after
-/// the one before, through `read` (file offset, bytes), one read per run of rows whose
-/// span is at most `span` (at least one row a read). Returns the reads.
-fn gather_rows(
-    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
-    (offset, stride, per): (u64, u64, usize),
-    buffer: &mut [u8],
-    span: u64,
-    what: &str,
-) -> Result<usize> {
-    let overflow = || Error::overflow("PlacedModel::verify", format!("{what}: a row offset"));
-    // Rows a read covers: the span of `n` rows is (n - 1) strides and a piece.
-    let rows_per_read = (span.saturating_sub(per as u64) / stride.max(1) + 1).max(1);
-    let group_bytes = per.saturating_mul(usize::try_from(rows_per_read).unwrap_or(usize::MAX));
-    let mut scratch = Vec::new();
-    let mut reads = 0;
-    for (g, group) in buffer.chunks_mut(group_bytes.max(1)).enumerate() {
-        let at = (g as u64)
-            .checked_mul(rows_per_read)
-            .and_then(|first| first.checked_mul(stride))
-            .and_then(|d| offset.checked_add(d))
-            .ok_or_else(overflow)?;
-        let rows = group.len().div_ceil(per);
-        let bytes = (rows - 1)
-            .checked_mul(usize::try_from(stride).map_err(|_| overflow())?)
-            .and_then(|d| d.checked_add(per))
-            .ok_or_else(overflow)?;
-        scratch.resize(bytes, 0);
-        read(at, &mut scratch)?;
-        reads += 1;
-        for (r, row) in group.chunks_mut(per).enumerate() {
-            let from = r * stride as usize;
-            row.copy_from_slice(&scratch[from..from + row.len()]);
-        }
-    }
-    Ok(reads)
-}
-
-fn placement_text(store: &PinStore, placement: Option<crate::policy::Placement>) -> String {
-    match (store.degraded(), placement) {
-        (Some(reason), _) => format!("degraded: {reason:?}"),
-        (None, Some(_)) => "bound".to_owned(),
-        (None, None) => "unplaced".to_owned(),
-    }
-}
-
-/// What [`PlacedModel::verify`] found.
+/// What [`PlacedModel::verify`](super::PlacedModel::verify) found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct WholeVerify {
@@ -256,8 +88,12 @@ pub struct WholeVerify {
     pub mismatched: usize,
     /// The first [`VerifyReport::MAX_LISTED`] of them.
     pub mismatches: Vec<String>,
-    /// The experts' slots, compared as [`Checkpoint::verify_with`] does.
+    /// The experts' slots, compared as
+    /// [`Checkpoint::verify_with`](crate::model::Checkpoint::verify_with) does.
     pub experts: Option<VerifyReport>,
+    /// Wall nanoseconds the re-reads and compares took, per class (in class order; the
+    /// routed experts' under [`TensorClass::RoutedExperts`]).
+    pub class_nanos: Vec<(TensorClass, u64)>,
 }
 
 impl WholeVerify {
@@ -350,10 +186,10 @@ impl fmt::Display for WholeReport {
             .collect();
         write!(
             f,
-            "  total: {} mappings planned ({} measured), {} mbind calls planned, against {} \
-             for one mapping per tensor; bytes per node {}",
+            "  total: {} mappings planned ({} measured, distinct), {} mbind calls planned, \
+             against {} for one mapping per tensor; bytes per node {}",
             self.cost.mappings,
-            self.measured.iter().map(|m| m.mappings).sum::<usize>(),
+            self.mappings,
             self.cost.mbind_calls,
             self.cost.per_tensor_mappings,
             if nodes.is_empty() {
@@ -362,32 +198,5 @@ impl fmt::Display for WholeReport {
                 nodes.join(", ")
             }
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::gather_rows;
-
-    #[test]
-    fn rows_are_gathered_in_runs_within_the_span() {
-        // 10 rows of 16 bytes, 4 held from byte 4 of each.
-        let file: Vec<u8> = (0..160u8).collect();
-        let want: Vec<u8> = (0..10)
-            .flat_map(|r| file[r * 16 + 4..r * 16 + 8].to_vec())
-            .collect();
-        for (span, reads) in [(1u64, 10), (4, 10), (20, 5), (36, 4), (1 << 20, 1)] {
-            let mut buffer = vec![0u8; 40];
-            let mut calls = 0;
-            let read = |at: u64, into: &mut [u8]| {
-                calls += 1;
-                let at = at as usize;
-                into.copy_from_slice(&file[at..at + into.len()]);
-                Ok(())
-            };
-            let n = gather_rows(read, (4, 16, 4), &mut buffer, span, "t").unwrap();
-            assert_eq!(buffer, want, "span {span}");
-            assert_eq!((n, calls), (reads, reads), "span {span}");
-        }
     }
 }

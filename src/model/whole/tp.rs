@@ -15,7 +15,8 @@
 //! low-rank projections (`q_a_proj`, `kv_a_proj_with_mqa`; GGUF `attn_q_a`,
 //! `attn_kv_a_mqa`), fused projections (`qkv_proj`, `gate_up_proj`, `attn_qkv`: their
 //! parts would have to be cut one by one), every 1-D tensor not named above. Routed
-//! experts follow the same split per role: gate and up by rows, down by columns.
+//! experts follow the same split per role: gate and up their output dimension, down its
+//! input dimension, on the axes each family stores them ([`Orientation`](crate::model::Orientation)).
 
 use crate::model::SliceAxis;
 
@@ -83,10 +84,13 @@ pub(crate) fn tp_cut(name: &str) -> TpCut {
     TpCut::Whole
 }
 
-/// The axis of a routed expert's role under the convention: gate and up (`gate_proj`,
-/// `up_proj`, Mixtral's `w1` and `w3`, GGUF's `ffn_gate_exps`, `ffn_up_exps`) by rows;
-/// down (`down_proj`, `w2`, `ffn_down_exps`) by columns; `None` for a role the
-/// convention does not know (a fused `gate_up`).
+/// The axis of a routed expert's role under the convention, for a weight stored
+/// `[out, in]`: gate and up (`gate_proj`, `up_proj`, Mixtral's `w1` and `w3`, GGUF's
+/// `ffn_gate_exps`, `ffn_up_exps`) by rows (the output dimension); down (`down_proj`,
+/// `w2`, `ffn_down_exps`) by columns (the input dimension); `None` for a role the
+/// convention does not know (a fused `gate_up`). A role stored `[in, out]`
+/// ([`Orientation::InOut`](crate::model::Orientation)) takes the other axis: the slicer
+/// swaps it.
 pub(crate) fn expert_axis(role: &str) -> Option<SliceAxis> {
     let role = role.split(' ').next().unwrap_or(role);
     let role = role.strip_suffix("_exps").unwrap_or(role);

@@ -6,12 +6,19 @@ use std::collections::HashMap;
 
 use super::classes::TensorClass;
 use super::report::WholeReport;
+use super::shape::{Block, DenseSlice};
 use crate::error::{Error, Result};
 use crate::model::{
-    Checkpoint, Dtype, ExpertPlan, LayerPlan, Naming, PieceRole, RoleSlice, SliceAxis, TensorInfo,
-    TensorPiece,
+    Dtype, ExpertPlan, LayerPlan, Naming, PieceRole, RoleSlice, SliceAxis, TensorPiece,
 };
 use crate::store::{Kind, PinStore, SlotPiece};
+
+/// What a byte view of a tensor needs ([`Invalid::WrongBacking`](crate::Invalid::WrongBacking)):
+/// one run of bytes, which a tensor holding every expert of a layer is not.
+const ONE_RUN: &str = "a tensor held in one run of bytes: read its experts with expert(layer, e)";
+/// What a view of a sliced expert tensor needs: its rows back to back in the slot.
+const BACK_TO_BACK: &str =
+    "rows back to back in the slot: read them through the expert store's slot_map";
 
 /// Where a placed tensor's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +41,11 @@ pub(crate) enum Place {
     /// A tensor holding every expert of a layer: its experts are in the expert store
     /// (see [`PlacedModel::expert`]), not in one run of bytes.
     Experts,
+    /// A per-expert tensor of an expert outside the share: [`Error::NotHeld`].
+    NotHeld { layer: usize, expert: usize },
+    /// A per-expert tensor whose sliced rows are not back to back in its slot
+    /// (`piece_align` padded them): no one byte slice holds it.
+    Padded { layer: usize, expert: usize },
     /// No bytes.
     Empty,
 }
@@ -58,22 +70,6 @@ pub(crate) struct PlacedTensor {
     pub(crate) slice: Option<DenseSlice>,
 }
 
-/// The part of a dense tensor a rank holds under
-/// [`PlacementPlan::dense_slice`](super::PlacementPlan::dense_slice): `len` entries from
-/// `start` of `axis`, which has `extent` entries in the whole tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct DenseSlice {
-    /// The axis cut (rows: the outermost).
-    pub axis: SliceAxis,
-    /// First entry held.
-    pub start: u64,
-    /// Entries held.
-    pub len: u64,
-    /// Entries of the whole tensor's axis.
-    pub extent: u64,
-}
-
 /// One dense store: a class under one layout.
 #[derive(Debug)]
 pub(crate) struct DenseStore {
@@ -81,9 +77,13 @@ pub(crate) struct DenseStore {
     pub(crate) store: PinStore,
     pub(crate) reads: usize,
     pub(crate) bounced: u64,
+    /// Wall nanoseconds its `pack_layer` calls took.
+    pub(crate) load_nanos: u64,
+    /// How its loads read each file, and why (the first load that read it).
+    pub(crate) files: Vec<crate::store::FileRead>,
 }
 
-/// A checkpoint placed whole by [`Checkpoint::place`]: its stores and a view of every
+/// A checkpoint placed whole by [`Checkpoint::place`](crate::model::Checkpoint::place): its stores and a view of every
 /// tensor. Owns its memory; does not borrow the checkpoint.
 #[derive(Debug)]
 pub struct PlacedModel {
@@ -91,53 +91,13 @@ pub struct PlacedModel {
     pub(crate) by_name: HashMap<String, usize>,
     pub(crate) stores: Vec<DenseStore>,
     pub(crate) experts: Option<PinStore>,
+    /// Wall nanoseconds the experts' pack took.
+    pub(crate) expert_load_nanos: u64,
+    /// How the experts' pack read each file, and why (the first layer that read it).
+    pub(crate) expert_files: Vec<crate::store::FileRead>,
     pub(crate) expert_plan: Option<ExpertPlan>,
     pub(crate) naming: Option<Naming>,
     pub(crate) report: Option<WholeReport>,
-}
-
-/// A tensor's element type as a block: ggml's quantised types pack `elements` elements
-/// into `bytes` bytes; a plain type is a block of one element (sub-byte safetensors
-/// types: the fewest elements that fill whole bytes, F4 2 in 1, F6 4 in 3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Block {
-    /// Elements per block.
-    pub elements: u64,
-    /// Bytes per block.
-    pub bytes: u64,
-}
-
-impl Block {
-    /// The block of `dtype`.
-    pub fn of(dtype: Dtype) -> Block {
-        match dtype {
-            Dtype::Ggml(t) => Block {
-                elements: u64::from(t.block_size()),
-                bytes: u64::from(t.type_size()),
-            },
-            Dtype::Safetensors(d) => {
-                let bits = d.bits().max(1);
-                let elements = 8 / gcd(bits, 8);
-                Block {
-                    elements,
-                    bytes: bits * elements / 8,
-                }
-            }
-        }
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// The shape row-major, outermost first, in elements: safetensors' as written, GGUF's
-/// `ne` reversed.
-pub(crate) fn normalized_shape(t: &TensorInfo) -> Vec<u64> {
-    match t.dtype() {
-        Dtype::Safetensors(_) => t.shape().to_vec(),
-        Dtype::Ggml(_) => t.shape().iter().rev().copied().collect(),
-    }
 }
 
 /// A tensor looked up by its checkpoint name.
@@ -192,10 +152,33 @@ impl<'a> TensorView<'a> {
     }
 
     /// Its bytes: for a replicated class, the copy on the calling thread's node (or the
-    /// nearest); `None` for a tensor holding every expert of a layer, whose experts are
-    /// read with [`PlacedModel::expert`].
+    /// nearest); for a per-expert tensor, the part of it the share holds (its
+    /// [`TensorView::slice`] under a slice); `None` for a tensor holding every expert of
+    /// a layer, whose experts are read with [`PlacedModel::expert`] (and, seen through
+    /// [`PlacedModel::tensors`], for a per-expert tensor outside the share).
     pub fn bytes(&self) -> Option<&'a [u8]> {
         self.bytes
+    }
+
+    /// [`TensorView::bytes`], or an error saying why there are none.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a tensor holding every expert of a layer (naming
+    /// the layer and [`PlacedModel::expert`]).
+    pub fn held_bytes(&self) -> Result<&'a [u8]> {
+        self.bytes.ok_or_else(|| {
+            let layer = self
+                .layer
+                .map_or_else(|| "its layer".to_owned(), |l| format!("layer {l}"));
+            Error::wrong_backing(
+                "PlacedModel::tensor",
+                format!(
+                    "tensor {} holds every expert of {layer}, each in its own slot",
+                    crate::error::quote(self.name)
+                ),
+                ONE_RUN,
+            )
+        })
     }
 }
 
@@ -207,6 +190,9 @@ pub struct ExpertPieceView<'a> {
     /// The role as the naming spells it (`"gate_proj"`, `"ffn_down_exps"`,
     /// `"down_proj scale"`, `"gate_up bias"`).
     pub role: &'a str,
+    /// The role's canonical name, the same for every naming (`"gate"`, `"down.scale"`,
+    /// `"gate_up.bias"`: [`Naming::canonical_role`]).
+    pub canonical: &'a str,
     /// The tensor it comes from.
     pub tensor: &'a str,
     /// Its element type.
@@ -219,11 +205,16 @@ pub struct ExpertPieceView<'a> {
 }
 
 impl PlacedModel {
-    /// The tensor called `name`.
+    /// The tensor called `name`. A per-expert tensor
+    /// (`model.layers.L.mlp.experts.E.gate_proj.weight`) is its part of expert `E`'s
+    /// slot: under a tensor slice, the part held, with the sliced shape and
+    /// [`TensorView::slice`] saying which (as [`PlacedModel::expert`] gives it).
     ///
     /// # Errors
-    /// No such tensor ([`Error::InvalidArgument`] naming it); a store read fails (a released
-    /// slot, the topology cannot be read).
+    /// No such tensor ([`Error::InvalidArgument`] naming it); a per-expert tensor of an
+    /// expert outside the share ([`Error::NotHeld`]); a sliced per-expert tensor whose
+    /// rows `piece_align` padded apart in the slot ([`Error::InvalidArgument`]); a store
+    /// read fails (a released slot, the topology cannot be read).
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
         let index = self.by_name.get(name).copied().ok_or_else(|| {
             Error::bad_value(
@@ -233,7 +224,43 @@ impl PlacedModel {
                 "no tensor of the checkpoint has this name",
             )
         })?;
-        self.view(&self.tensors[index])
+        let t = &self.tensors[index];
+        match t.place {
+            Place::NotHeld { layer, expert } => {
+                let plan = self.layer_plan("PlacedModel::tensor", layer)?;
+                return Err(match plan.expert(expert) {
+                    Err(Error::NotHeld {
+                        layer,
+                        expert,
+                        held,
+                        ..
+                    }) => Error::NotHeld {
+                        op: "PlacedModel::tensor",
+                        layer,
+                        expert,
+                        held,
+                    },
+                    Err(e) => e,
+                    Ok(_) => Error::invalid(
+                        "PlacedModel::tensor",
+                        format!("layer {layer} expert {expert} is held but was not placed"),
+                    ),
+                });
+            }
+            Place::Padded { layer, expert } => {
+                return Err(Error::wrong_backing(
+                    "PlacedModel::tensor",
+                    format!(
+                        "{} (layer {layer} expert {expert}): its sliced rows are not back to \
+                         back in the slot (piece_align or piece_congruence padded them)",
+                        crate::error::quote(name)
+                    ),
+                    BACK_TO_BACK,
+                ));
+            }
+            _ => {}
+        }
+        self.view(t)
     }
 
     fn view<'a>(&'a self, t: &'a PlacedTensor) -> Result<TensorView<'a>> {
@@ -262,7 +289,7 @@ impl PlacedModel {
                 };
                 Some(piece(slot, offset, len))
             }
-            Place::Experts => None,
+            Place::Experts | Place::NotHeld { .. } | Place::Padded { .. } => None,
             Place::Empty => Some(&[][..]),
         };
         Ok(TensorView {
@@ -315,7 +342,11 @@ impl PlacedModel {
             })?,
         };
         let map = store.slot_map(layer)?;
-        let roles: Vec<(PieceRole, &str)> = plan.roles().collect();
+        let roles: Vec<(PieceRole, (&str, &str))> = plan
+            .roles()
+            .zip(plan.canonical_roles())
+            .map(|((r, n), c)| (r, (n, c)))
+            .collect();
         let mut out = Vec::new();
         for (role, kind) in [
             (PieceRole::Weight, Kind::Weights),
@@ -336,11 +367,12 @@ impl PlacedModel {
                 out.extend(self.sliced_views(what, role, names, &cuts, slot)?);
                 continue;
             }
-            for ((p, sp), name) in pieces.pieces(role).iter().zip(places).zip(names) {
+            for ((p, sp), (name, canonical)) in pieces.pieces(role).iter().zip(places).zip(names) {
                 let t = &self.tensors[p.tensor()];
                 out.push(ExpertPieceView {
                     slot: role,
                     role: name,
+                    canonical,
                     tensor: &t.name,
                     dtype: t.dtype,
                     shape: expert_shape(&t.shape, t.len, p.len(), experts),
@@ -365,7 +397,7 @@ impl PlacedModel {
     }
 
     /// MoE layer `layer`'s plan; [`Error::NotPacked`] naming `op` where there is none.
-    fn layer_plan(&self, op: &'static str, layer: usize) -> Result<&LayerPlan> {
+    pub(super) fn layer_plan(&self, op: &'static str, layer: usize) -> Result<&LayerPlan> {
         self.expert_plan
             .as_ref()
             .and_then(|p| p.layer(layer))
@@ -381,13 +413,13 @@ impl PlacedModel {
         &'s self,
         (layer, expert, pieces, places): (usize, usize, &[TensorPiece], &[SlotPiece]),
         role: PieceRole,
-        names: impl Iterator<Item = &'s str>,
+        names: impl Iterator<Item = (&'s str, &'s str)>,
         cuts: &[&RoleSlice],
         slot: &'s [u8],
     ) -> Result<Vec<ExpertPieceView<'s>>> {
         let mut out = Vec::new();
         let mut at = 0usize;
-        for (cut, name) in cuts.iter().zip(names) {
+        for (cut, (name, canonical)) in cuts.iter().zip(names) {
             let rows = match cut.shape.split_last() {
                 Some((_, outer)) if sliced_by_columns(cut) => outer.iter().product::<u64>(),
                 _ => 1,
@@ -395,13 +427,11 @@ impl PlacedModel {
             let count = usize::try_from(rows).unwrap_or(usize::MAX);
             let end = at.saturating_add(count);
             let (Some(ps), Some(sps)) = (pieces.get(at..end), places.get(at..end)) else {
-                return Err(Error::invalid(
+                return Err(Error::mismatch(
                     "PlacedModel::expert",
-                    format!(
-                        "layer {layer} expert {expert} {name}: {count} pieces from {at}, the \
-                         slot has {}",
-                        places.len()
-                    ),
+                    format!("layer {layer} expert {expert} {name}: slot pieces from {at}"),
+                    count,
+                    places.len().saturating_sub(at),
                 ));
             };
             at = end;
@@ -409,13 +439,14 @@ impl PlacedModel {
                 continue;
             };
             if sps.windows(2).any(|w| w[0].end() != w[1].offset) {
-                return Err(Error::invalid(
+                return Err(Error::wrong_backing(
                     "PlacedModel::expert",
                     format!(
                         "layer {layer} expert {expert} {name}: its {count} row pieces are not \
                          back to back in the slot (piece_align or piece_congruence padded \
-                         them); read them through the store's slot_map"
+                         them)"
                     ),
+                    BACK_TO_BACK,
                 ));
             }
             let t = &self.tensors[ps[0].tensor()];
@@ -432,6 +463,7 @@ impl PlacedModel {
             out.push(ExpertPieceView {
                 slot: role,
                 role: name,
+                canonical,
                 tensor: &t.name,
                 dtype: t.dtype,
                 shape,
@@ -449,7 +481,7 @@ impl PlacedModel {
     pub fn expert_store(&self) -> Result<&PinStore> {
         self.experts
             .as_ref()
-            .ok_or_else(|| Error::invalid("PlacedModel", "the checkpoint has no routed experts"))
+            .ok_or_else(|| Error::empty("PlacedModel", "routed experts in the checkpoint"))
     }
 
     /// The expert naming used, if the checkpoint has experts.
@@ -457,7 +489,7 @@ impl PlacedModel {
         self.naming.as_ref()
     }
 
-    /// What [`Checkpoint::place`] did.
+    /// What [`Checkpoint::place`](crate::model::Checkpoint::place) did.
     pub fn report(&self) -> Option<&WholeReport> {
         self.report.as_ref()
     }
@@ -471,11 +503,15 @@ impl PlacedModel {
             .map(|s| &s.store)
     }
 
-    /// The node copies of tensor `name`'s bytes: `(node, bytes)` for each replica of a
-    /// replicated dense class, else one entry with no node.
+    /// Every copy of tensor `name`'s bytes with its node: each replica of a replicated
+    /// dense class; each copy of a per-expert tensor's slot (per node or per domain
+    /// replica, a hybrid layer's home copy by its home node and its hot copies); one
+    /// entry with no node where there is one copy.
     ///
     /// # Errors
-    /// As [`PlacedModel::tensor`]; a routed expert tensor.
+    /// No tensor has this name; a tensor holding every expert of a layer (`[E, …]`, no
+    /// one run of bytes: read it with [`PlacedModel::expert`]); an expert outside the
+    /// placed share ([`Error::NotHeld`]); a released slot.
     pub fn tensor_copies(&self, name: &str) -> Result<Vec<(Option<crate::node::Node>, &[u8])>> {
         let index = self.by_name.get(name).copied().ok_or_else(|| {
             Error::bad_value(
@@ -485,15 +521,44 @@ impl PlacedModel {
                 "no tensor of the checkpoint has this name",
             )
         })?;
-        let Place::Dense {
-            store,
-            layer,
-            offset,
-            len,
-        } = self.tensors[index].place
-        else {
-            let bytes = self.view(&self.tensors[index])?.bytes().unwrap_or_default();
-            return Ok(vec![(None, bytes)]);
+        let t = &self.tensors[index];
+        let (store, layer, offset, len) = match t.place {
+            Place::Dense {
+                store,
+                layer,
+                offset,
+                len,
+            } => (store, layer, offset, len),
+            Place::ExpertPiece {
+                layer,
+                expert,
+                kind,
+                offset,
+                len,
+            } => {
+                let copies = self.expert_store()?.copies_of(layer, expert, kind)?;
+                return Ok(copies
+                    .into_iter()
+                    .map(|(node, slot)| (node, piece(slot, offset, len)))
+                    .collect());
+            }
+            Place::Experts => {
+                return Err(Error::wrong_backing(
+                    "PlacedModel::tensor_copies",
+                    format!(
+                        "{} holds every expert of its layer, in the expert store's slots",
+                        crate::error::quote(&t.name)
+                    ),
+                    ONE_RUN,
+                ));
+            }
+            Place::Empty => return Ok(vec![(None, &[][..])]),
+            Place::NotHeld { .. } | Place::Padded { .. } => {
+                // The same error tensor() gives: outside the share, or no one run of bytes.
+                return Err(self.tensor(name).err().unwrap_or_else(|| {
+                    Error::empty("PlacedModel::tensor_copies", "copy to give")
+                }));
+            }
         };
         let store = &self.stores[store].store;
         let nodes = store.replica_nodes(layer)?;
@@ -532,42 +597,4 @@ fn expert_shape(shape: &[u64], len: u64, piece: u64, experts: usize) -> Vec<u64>
             .collect(),
         _ => shape.to_vec(),
     }
-}
-
-/// Records where each per-expert tensor went (a tensor that is exactly one expert's
-/// piece); tensors holding every expert stay [`Place::Experts`].
-pub(crate) fn expert_places(
-    store: &PinStore,
-    plan: &ExpertPlan,
-    checkpoint: &Checkpoint,
-    places: &mut HashMap<usize, Place>,
-) -> Result<()> {
-    for layer in plan.layers() {
-        let map = store.slot_map(layer.layer())?;
-        for (e, pieces) in layer.experts().iter().enumerate() {
-            for kind in Kind::ALL {
-                let list = match kind {
-                    Kind::Weights => pieces.weights(),
-                    Kind::Scales => pieces.scales(),
-                };
-                let slots = map.pieces(layer.expert_id(e), kind).unwrap_or_default();
-                for (p, sp) in list.iter().zip(slots) {
-                    let whole = checkpoint.tensors().get(p.tensor()).map(|t| t.len());
-                    if whole == Some(p.len()) {
-                        places.insert(
-                            p.tensor(),
-                            Place::ExpertPiece {
-                                layer: layer.layer(),
-                                expert: layer.expert_id(e),
-                                kind,
-                                offset: sp.offset,
-                                len: sp.len,
-                            },
-                        );
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
 }

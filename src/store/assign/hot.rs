@@ -17,122 +17,59 @@ use super::SlotOrder;
 use crate::error::{Error, Result};
 use crate::node::{Node, NodeSet};
 use crate::policy::MemPolicy;
-use crate::store::layout::{block, copy_policy};
-use crate::store::{LayerSpec, PinStore, arena, layer, replica};
+use crate::store::layout::copy_policy;
+use crate::store::{LayerPlacement, LayerSpec, PinStore, arena, layer, replica};
 
 impl PinStore {
-    /// The ranges of slots of a split layer's first copy (`experts` slots over `set`),
+    /// The ranges of slots of a split layer's first copy (`experts` slots over the set),
     /// each with its policy: the `i`-th node's block bound to it; a hybrid layer's hot
     /// slots inside the first node's block where the first hot group is that one node,
     /// else apart, interleaved over the group. Empty ranges are left out.
     pub(in crate::store) fn split_bindings(
         &self,
-        set: &NodeSet,
         experts: usize,
         order: Option<&SlotOrder>,
     ) -> Vec<(Range<usize>, MemPolicy)> {
-        let bind = |n: Node| MemPolicy::Bind(std::iter::once(n).collect());
-        let mut out: Vec<(Range<usize>, MemPolicy)> = match order {
-            None => (set.iter().enumerate())
-                .map(|(i, node)| (block(i, set.len(), experts), bind(node)))
-                .collect(),
-            Some(order) => {
-                let apart = self
-                    .hot_groups
-                    .first()
-                    .filter(|g| g.len() > 1 && !order.hot.is_empty());
-                let mut out: Vec<_> = (set.iter().zip(&order.blocks).enumerate())
-                    .map(|(i, (node, slots))| match apart {
-                        Some(_) if i == 0 => (slots.start..order.hot_slots.start, bind(node)),
-                        _ => (slots.clone(), bind(node)),
-                    })
-                    .collect();
-                if let Some(group) = apart {
-                    out.push((order.hot_slots.clone(), copy_policy(group)));
-                }
-                out
-            }
+        let Some(set) = self.layout.blocks() else {
+            return Vec::new();
         };
-        out.retain(|(slots, _)| !slots.is_empty());
-        out
+        // The one arithmetic's first copy (`store::layout::placing`).
+        (self.placer.split_blocks(&set, experts, order).into_iter())
+            .filter(|b| b.copy == 0)
+            .filter_map(|b| Some((b.slots, b.policy?)))
+            .collect()
     }
 
     /// The groups a hybrid layer's hot experts get a copy on, the first one's first
     /// (empty: the store has no assignment). See [`HotCopies`](super::HotCopies).
     pub fn hot_groups(&self) -> &[NodeSet] {
-        &self.hot_groups
-    }
-
-    /// Mappings one region of a split layer becomes, its hot copies included (see the
-    /// module docs).
-    pub(in crate::store) fn split_maps(
-        &self,
-        set: &NodeSet,
-        experts: usize,
-        order: Option<&SlotOrder>,
-    ) -> usize {
-        let blocks = self.split_bindings(set, experts, order).len().max(1);
-        let hot = order.is_some_and(|o| !o.hot.is_empty());
-        blocks
-            + if hot {
-                self.hot_groups.len().saturating_sub(1)
-            } else {
-                0
-            }
+        &self.placer.hot_groups
     }
 
     /// Mappings per region a layer's hot experts may add, for a whole-model check that
     /// does not name the layers: the first hot range apart, and a copy per further hot
     /// group; 0 without hot experts in the assignment.
     pub(in crate::store) fn hot_maps_bound(&self) -> usize {
-        let hot = (self.options.assignment.as_ref()).is_some_and(|a| {
-            a.layers()
-                .any(|(_, h)| h.contains(&super::ExpertAssignment::EVERY_NODE))
-        });
+        let hot = (self.options.assignment.as_ref())
+            .is_some_and(|a| a.layers().any(|(_, h)| h.contains(&super::Home::Hot)));
         if !hot {
             return 0;
         }
-        let apart = self.hot_groups.first().is_some_and(|g| g.len() > 1);
-        usize::from(apart) + self.hot_groups.len().saturating_sub(1)
+        let apart = self.placer.hot_groups.first().is_some_and(|g| g.len() > 1);
+        usize::from(apart) + self.placer.hot_groups.len().saturating_sub(1)
     }
 
     /// Bytes each node of a split layer's set gets: its block, its share of the first
     /// hot range where that is interleaved, and its share of its group's hot copy.
+    /// The figure is the one arithmetic's (`placed`, from
+    /// [`Placer::arrange`](crate::store::Placer)), every node of the set named.
     pub(in crate::store) fn split_node_bytes(
-        &self,
         set: &NodeSet,
-        spec: &LayerSpec,
-        order: Option<&SlotOrder>,
-    ) -> Result<BTreeMap<Node, u64>> {
-        let align = self.options.slot_align.bytes()?;
-        let mut stride = 0u64;
-        for kind in spec.kinds() {
-            let s = arena::stride_for(spec.bytes(kind), align)
-                .ok_or_else(|| Error::overflow(PACK, format!("{spec:?}: a slot's stride")))?;
-            stride = stride.saturating_add(s as u64);
-        }
+        placed: &LayerPlacement,
+    ) -> BTreeMap<Node, u64> {
         let mut out: BTreeMap<Node, u64> = set.iter().map(|n| (n, 0)).collect();
-        let mut add = |group: &NodeSet, slots: usize| {
-            // An interleaved range: an equal share per node (rounded up).
-            let share = (slots as u64)
-                .saturating_mul(stride)
-                .div_ceil(group.len().max(1) as u64);
-            for node in group.iter() {
-                let at = out.entry(node).or_default();
-                *at = at.saturating_add(share);
-            }
-        };
-        for (slots, policy) in self.split_bindings(set, spec.experts, order) {
-            if let MemPolicy::Bind(group) | MemPolicy::Interleave(group) = policy {
-                add(&group, slots.len());
-            }
-        }
-        if let Some(order) = order.filter(|o| !o.hot.is_empty()) {
-            for group in self.hot_groups.iter().skip(1) {
-                add(group, order.hot.len());
-            }
-        }
-        Ok(out)
+        out.extend(&placed.node_bytes);
+        out
     }
 
     /// Before anything of split layer `layer` is mapped: each node of the set has the
@@ -146,17 +83,16 @@ impl PinStore {
     pub(in crate::store) fn check_split_memory(
         &self,
         layer: usize,
-        spec: &LayerSpec,
         set: &NodeSet,
-        order: Option<&SlotOrder>,
+        placed: &LayerPlacement,
     ) -> Result<()> {
         if crate::calls::NumaCall::Mbind.support()? != crate::calls::MempolicySupport::Available {
             return Ok(());
         }
-        let needs = self.split_node_bytes(set, spec, order)?;
+        let needs = PinStore::split_node_bytes(set, placed);
         let mut nodes = Vec::new();
         for (&node, &need) in &needs {
-            if let Some(bytes) = replica::available_bytes(node)? {
+            if let Some(bytes) = crate::topology::available_bytes(node)? {
                 nodes.push((node, bytes, need));
             }
         }
@@ -164,12 +100,12 @@ impl PinStore {
             return Ok(());
         };
         let each: Vec<String> = needs.iter().map(|(n, b)| format!("{n}: {b}")).collect();
-        let hot = order.map_or(0, |o| o.hot.len());
+        let hot = placed.order.as_ref().map_or(0, |o| o.hot.len());
         Err(Error::NodeMemory {
             what: format!(
                 "layer {layer} split over {set} with {hot} hot experts in {} groups \
                  (bytes per node {})",
-                self.hot_groups.len().max(1),
+                self.placer.hot_groups.len().max(1),
                 each.join(", ")
             ),
             needed: short,
@@ -177,7 +113,7 @@ impl PinStore {
                 .filter(|&&(_, _, need)| need == short)
                 .map(|&(node, bytes, _)| (node, bytes))
                 .collect(),
-            figure: replica::FIGURE,
+            figure: crate::topology::FIGURE,
         })
     }
 
@@ -200,7 +136,7 @@ impl PinStore {
         let slot: Arc<[usize]> = slot.into();
         let backing = arena::Backing::of(&self.options, layer);
         let align = self.options.slot_align.bytes()?;
-        for group in self.hot_groups.iter().skip(1) {
+        for group in self.placer.hot_groups.iter().skip(1) {
             let Some(lead) = group.nth(0) else { continue };
             let mut copy: layer::Arenas = Default::default();
             let policy = copy_policy(group);
@@ -243,14 +179,12 @@ impl PinStore {
     }
 }
 
-const PACK: &str = "PinStore::pack_layer";
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{ExpertAssignment, HotCopies, Layout, StoreOptions};
+    use crate::store::{ExpertAssignment, Home, HotCopies, Layout, StoreOptions};
 
-    const H: usize = ExpertAssignment::EVERY_NODE;
+    const H: usize = usize::MAX;
 
     fn set(ids: &[usize]) -> NodeSet {
         NodeSet::from_nodes(ids.iter().copied()).unwrap()
@@ -259,8 +193,16 @@ mod tests {
     /// A hybrid store over `nodes` with the hot groups `groups` (as the machine's domains
     /// would give them), and the slot order of its layer 0 (`homes`).
     fn store(nodes: &[usize], homes: &[usize], groups: Vec<NodeSet>) -> (PinStore, SlotOrder) {
+        let ids: Vec<Node> = set(nodes).iter().collect();
+        let homes_of = homes.iter().map(|&h| {
+            if h == H {
+                Home::Hot
+            } else {
+                Home::Node(ids[h])
+            }
+        });
         let a = ExpertAssignment::new()
-            .layer(0, homes.to_vec())
+            .layer(0, homes_of.collect())
             .hot_copies(HotCopies::PerDomain);
         let mut store = PinStore::new(
             Layout::SplitExperts(set(nodes)),
@@ -268,9 +210,17 @@ mod tests {
         )
         .unwrap();
         // Nodes 1 and 2 need not exist to lay out and count: only the domains are faked.
-        store.hot_groups = groups;
+        store.placer.hot_groups = groups;
         let order = store.slot_order(0, homes.len()).unwrap().unwrap();
         (store, order)
+    }
+
+    /// Mappings per region of a split layer, its hot copies included, as the placer
+    /// counts them for the store's map check.
+    fn maps(store: &PinStore, experts: usize, order: Option<&SlotOrder>) -> usize {
+        (store.placer)
+            .arrange(0, experts, [Some(1), None], order.cloned())
+            .mappings
     }
 
     /// Two domains {0, 1} and {2}; experts 0 and 3 hot. By hand: slots node 0 [1], hot
@@ -287,7 +237,7 @@ mod tests {
         assert_eq!(order.hot_slots, 1..3);
         let bind = |n: usize| MemPolicy::Bind(set(&[n]));
         assert_eq!(
-            store.split_bindings(&set(&[0, 1, 2]), 6, Some(&order)),
+            store.split_bindings(6, Some(&order)),
             vec![
                 (0..1, bind(0)),
                 (3..4, bind(1)),
@@ -296,7 +246,7 @@ mod tests {
             ]
         );
         // Per kind: 4 ranges in the first copy, 1 hot copy.
-        assert_eq!(store.split_maps(&set(&[0, 1, 2]), 6, Some(&order)), 5);
+        assert_eq!(maps(&store, 6, Some(&order)), 5);
         let page = crate::page::page_size();
         let spec = LayerSpec {
             experts: 6,
@@ -305,9 +255,9 @@ mod tests {
         };
         // Each slot two pages (weights, scales): node 0 its cold expert and half the hot
         // range, node 1 the same, node 2 its two cold ones and the whole hot copy.
-        let bytes = store
-            .split_node_bytes(&set(&[0, 1, 2]), &spec, Some(&order))
-            .unwrap();
+        let strides = store.strides(&spec).unwrap();
+        let placed = (store.placer).arrange(0, 6, strides, Some(order.clone()));
+        let bytes = PinStore::split_node_bytes(&set(&[0, 1, 2]), &placed);
         let p = page as u64;
         let want: BTreeMap<Node, u64> = [(Node(0), 4 * p), (Node(1), 4 * p), (Node(2), 8 * p)]
             .into_iter()
@@ -323,12 +273,12 @@ mod tests {
         let (store, order) = store(&[0, 1, 2], &[H, 0, 1, H, 2, 2], groups);
         let bind = |n: usize| MemPolicy::Bind(set(&[n]));
         assert_eq!(
-            store.split_bindings(&set(&[0, 1, 2]), 6, Some(&order)),
+            store.split_bindings(6, Some(&order)),
             vec![(0..3, bind(0)), (3..4, bind(1)), (4..6, bind(2))]
         );
-        assert_eq!(store.split_maps(&set(&[0, 1, 2]), 6, Some(&order)), 3 + 2);
+        assert_eq!(maps(&store, 6, Some(&order)), 3 + 2);
         // By index, no hot: a block per node, empty ones left out.
-        assert_eq!(store.split_maps(&set(&[0, 1, 2]), 2, None), 2);
+        assert_eq!(maps(&store, 2, None), 2);
     }
 
     #[test]

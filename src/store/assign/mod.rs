@@ -1,6 +1,6 @@
 //! [`ExpertAssignment`]: which node of a [`Layout::SplitExperts`] set each expert of a
 //! layer lives on, when that is not the contiguous split by index — or that it lives on
-//! every node ([`ExpertAssignment::EVERY_NODE`]: a hot expert of a hybrid layout).
+//! every node ([`Home::Hot`]: a hot expert of a hybrid layout).
 //!
 //! Why the assignment is data beside the layout and not in it: [`Layout`] is `Copy`, a
 //! few words, matched everywhere; an assignment is a list per layer (thousands of
@@ -54,16 +54,26 @@ use crate::routing::{RoutingStats, balance};
 
 const OP: &str = "ExpertAssignment";
 
-/// Each expert's home, as an index into the layout's node set
-/// ([`ExpertAssignment::EVERY_NODE`]: a copy on every node), per layer.
+/// Each expert's [`Home`] per layer: a node of the layout's set, or a copy in every hot
+/// group ([`Home::Hot`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExpertAssignment {
-    layers: BTreeMap<usize, Arc<[usize]>>,
+    layers: BTreeMap<usize, Arc<[Home]>>,
     hot_copies: HotCopies,
 }
 
-/// Where a hybrid layer's hot experts ([`ExpertAssignment::EVERY_NODE`]) get their
-/// copies: [`ExpertAssignment::hot_copies`]. `#[non_exhaustive]`: shapes may be added.
+/// Where one expert of an assigned layer lives ([`ExpertAssignment::layer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Home {
+    /// Its only copy is on this node, which must be in the layout's node set.
+    Node(Node),
+    /// Hot: a copy on every node of the set, or in every domain of it with
+    /// [`HotCopies::PerDomain`].
+    Hot,
+}
+
+/// Where a hybrid layer's hot experts ([`Home::Hot`]) get their copies:
+/// [`ExpertAssignment::hot_copies`]. `#[non_exhaustive]`: shapes may be added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HotCopies {
@@ -79,11 +89,11 @@ pub enum HotCopies {
     PerDomain,
 }
 
-impl ExpertAssignment {
-    /// The home of a hot expert: a copy on every node of the set, or in every domain of
-    /// it with [`HotCopies::PerDomain`].
-    pub const EVERY_NODE: usize = usize::MAX;
+/// The slot-order index of a hot expert: inside the crate ([`SlotOrder::new`], the
+/// planner's rows), homes are indices into the layout's set; [`Home`] is the public form.
+pub(crate) const HOT: usize = usize::MAX;
 
+impl ExpertAssignment {
     /// No layer assigned: every layer split by index.
     pub fn new() -> ExpertAssignment {
         ExpertAssignment::default()
@@ -102,20 +112,29 @@ impl ExpertAssignment {
         self.hot_copies
     }
 
-    /// Assigns the experts of `layer`: `homes[e]` is the index, in the layout's node set,
-    /// of expert `e`'s node, or [`ExpertAssignment::EVERY_NODE`]. Checked against the
-    /// layer and the set when the layer is packed.
+    /// Assigns the experts of `layer`: `homes[e]` is expert `e`'s node (one of the
+    /// layout's set), or [`Home::Hot`]. Checked against the layer and the set when the
+    /// layer is packed.
+    ///
+    /// ```
+    /// use numapin::Node;
+    /// use numapin::store::{ExpertAssignment, Home};
+    /// let a = ExpertAssignment::new().layer(0, vec![Home::Node(Node(1)), Home::Hot]);
+    /// assert_eq!(a.home(0, 0), Some(Home::Node(Node(1))));
+    /// assert_eq!(a.home(0, 1), Some(Home::Hot));
+    /// assert_eq!(a.home(1, 0), None, "layer 1 is split by index");
+    /// ```
     #[must_use]
-    pub fn layer(mut self, layer: usize, homes: Vec<usize>) -> Self {
+    pub fn layer(mut self, layer: usize, homes: Vec<Home>) -> Self {
         self.layers.insert(layer, homes.into());
         self
     }
 
     /// Balanced by load: for each `(layer, experts)` of `model` with statistics, the
-    /// experts assigned by [`balance`] over `nodes` nodes with each node holding the
-    /// same number of experts as the split by index gives it (the same bytes per node and
-    /// mappings; only which experts changes). Layers without statistics are left out
-    /// (split by index).
+    /// experts assigned by [`balance`] over the nodes of `nodes` with each node holding
+    /// the same number of experts as the split by index gives it (the same bytes per
+    /// node and mappings; only which experts changes). Layers without statistics are
+    /// left out (split by index). `nodes` is the set the store's layout splits over.
     ///
     /// # Errors
     /// No nodes, or statistics that disagree with `model`
@@ -123,43 +142,33 @@ impl ExpertAssignment {
     pub fn balanced(
         stats: &RoutingStats,
         model: &[(usize, usize)],
-        nodes: usize,
+        nodes: &NodeSet,
     ) -> Result<ExpertAssignment> {
-        if nodes == 0 {
-            return Err(Error::empty(OP, "nodes to balance over"));
-        }
-        stats.check_against(model)?;
-        let mut out = ExpertAssignment::new();
-        for &(layer, experts) in model {
-            let Some(counts) = stats.layer(layer) else {
-                continue;
-            };
-            let caps: Vec<usize> = (0..nodes).map(|i| block(i, nodes, experts).len()).collect();
-            out = out.layer(layer, balance(counts, &caps)?);
-        }
-        Ok(out)
+        ExpertAssignment::hybrid(stats, model, nodes, 0)
     }
 
     /// Hybrid: in each `(layer, experts)` of `model` with statistics, the `hot` most
-    /// routed experts (ties to the lower expert) on every node, the others balanced by
-    /// load over `nodes` nodes with each node holding its share of the split by index of
-    /// the cold ones. Layers without statistics are left out (split by index). The
-    /// planner chooses `hot` per layer at a memory budget
+    /// routed experts (ties to the lower expert) on every node ([`Home::Hot`]), the
+    /// others balanced by load over the nodes of `nodes` with each node holding its share
+    /// of the split by index of the cold ones. Layers without statistics are left out
+    /// (split by index). The planner chooses `hot` per layer at a memory budget
     /// ([`PlanRow::assignment`](crate::planner::PlanRow::assignment)); this is the same
-    /// shape with one number.
+    /// shape with one number. `hot` 0 is [`ExpertAssignment::balanced`].
     ///
     /// # Errors
     /// As [`ExpertAssignment::balanced`].
     pub fn hybrid(
         stats: &RoutingStats,
         model: &[(usize, usize)],
-        nodes: usize,
+        nodes: &NodeSet,
         hot: usize,
     ) -> Result<ExpertAssignment> {
-        if nodes == 0 {
+        if nodes.is_empty() {
             return Err(Error::empty(OP, "nodes to balance over"));
         }
         stats.check_against(model)?;
+        let ids: Vec<Node> = nodes.iter().collect();
+        let n = ids.len();
         let mut out = ExpertAssignment::new();
         for &(layer, experts) in model {
             let Some(counts) = stats.layer(layer) else {
@@ -167,35 +176,58 @@ impl ExpertAssignment {
             };
             let mut by_count: Vec<usize> = (0..experts).collect();
             by_count.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
-            let mut homes = vec![ExpertAssignment::EVERY_NODE; experts];
-            let cold: Vec<usize> = by_count.iter().copied().skip(hot).collect();
-            let mut cold_sorted = cold.clone();
-            cold_sorted.sort_unstable();
-            let cold_counts: Vec<u64> = cold_sorted.iter().map(|&e| counts[e]).collect();
-            let caps: Vec<usize> = (0..nodes)
-                .map(|i| block(i, nodes, cold_sorted.len()).len())
-                .collect();
-            for (&e, h) in cold_sorted.iter().zip(balance(&cold_counts, &caps)?) {
-                homes[e] = h;
+            let mut homes = vec![Home::Hot; experts];
+            let mut cold: Vec<usize> = by_count.iter().copied().skip(hot).collect();
+            cold.sort_unstable();
+            let cold_counts: Vec<u64> = cold.iter().map(|&e| counts[e]).collect();
+            let caps: Vec<usize> = (0..n).map(|i| block(i, n, cold.len()).len()).collect();
+            for (&e, i) in cold.iter().zip(balance(&cold_counts, &caps)?) {
+                homes[e] = Home::Node(ids[i]);
             }
             out = out.layer(layer, homes);
         }
         Ok(out)
     }
 
-    /// The home index of `expert` of `layer`, if the layer is assigned
-    /// ([`ExpertAssignment::EVERY_NODE`] for a hot expert).
-    pub fn home(&self, layer: usize, expert: usize) -> Option<usize> {
+    /// The home of `expert` of `layer`, if the layer is assigned.
+    pub fn home(&self, layer: usize, expert: usize) -> Option<Home> {
         self.layers.get(&layer)?.get(expert).copied()
     }
 
     /// The assigned layers.
-    pub fn layers(&self) -> impl Iterator<Item = (usize, &[usize])> {
+    pub fn layers(&self) -> impl Iterator<Item = (usize, &[Home])> {
         self.layers.iter().map(|(&l, h)| (l, &h[..]))
     }
 
-    pub(super) fn homes(&self, layer: usize) -> Option<&Arc<[usize]>> {
-        self.layers.get(&layer)
+    /// The homes of `layer` as indices into `set` (a hot expert [`HOT`]), for the slot
+    /// order; `None` where the layer is not assigned.
+    ///
+    /// # Errors
+    /// A home outside `set`.
+    fn indices(&self, layer: usize, set: &NodeSet) -> Result<Option<Vec<usize>>> {
+        let Some(homes) = self.layers.get(&layer) else {
+            return Ok(None);
+        };
+        let ids: Vec<Node> = set.iter().collect();
+        let index = |(e, h): (usize, &Home)| match *h {
+            Home::Hot => Ok(HOT),
+            Home::Node(node) => ids.iter().position(|&m| m == node).ok_or_else(|| {
+                Error::bad_value(
+                    "PinStore::pack_layer",
+                    "assignment",
+                    node.0,
+                    format!(
+                        "layer {layer} expert {e}: a home must be a node of the layout's set {set}"
+                    ),
+                )
+            }),
+        };
+        homes
+            .iter()
+            .enumerate()
+            .map(index)
+            .collect::<Result<_>>()
+            .map(Some)
     }
 }
 
@@ -236,7 +268,7 @@ pub(crate) struct SlotOrder {
 impl SlotOrder {
     /// Checks `homes` against `experts` and `nodes`, then lays the slots out node by
     /// node (each node's experts in index order).
-    pub(super) fn new(
+    pub(crate) fn new(
         layer: usize,
         homes: &[usize],
         experts: usize,
@@ -251,7 +283,6 @@ impl SlotOrder {
                 homes.len(),
             ));
         }
-        const HOT: usize = ExpertAssignment::EVERY_NODE;
         if let Some((e, &h)) = homes
             .iter()
             .enumerate()
@@ -374,16 +405,13 @@ impl super::PinStore {
 
     /// The slot order of `layer` under the store's assignment (`None`: by index).
     pub(super) fn slot_order(&self, layer: usize, experts: usize) -> Result<Option<SlotOrder>> {
-        let (Some(set), Some(homes)) = (
-            self.layout.blocks(),
-            self.options
-                .assignment
-                .as_ref()
-                .and_then(|a| a.homes(layer)),
-        ) else {
+        let (Some(set), Some(a)) = (self.layout.blocks(), self.options.assignment.as_ref()) else {
             return Ok(None);
         };
-        SlotOrder::new(layer, homes, experts, set.len()).map(Some)
+        let Some(homes) = a.indices(layer, &set)? else {
+            return Ok(None);
+        };
+        SlotOrder::new(layer, &homes, experts, set.len()).map(Some)
     }
 
     /// The node `expert` of `layer` (of `experts`) is bound to in the first copy: its
@@ -392,15 +420,12 @@ impl super::PinStore {
     pub(super) fn expert_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
         if let (Some(set), Some(homes)) = (
             self.layout.blocks(),
-            self.options
-                .assignment
-                .as_ref()
-                .and_then(|a| a.homes(layer)),
+            (self.options.assignment.as_ref()).and_then(|a| a.layers.get(&layer)),
         ) && homes.len() == experts
         {
             return match homes.get(expert) {
-                Some(&ExpertAssignment::EVERY_NODE) => set.nth(0),
-                Some(&h) => set.nth(h),
+                Some(Home::Hot) => set.nth(0),
+                Some(&Home::Node(node)) => set.contains(node).then_some(node),
                 None => None,
             };
         }
@@ -410,18 +435,18 @@ impl super::PinStore {
     /// Whether `expert` of `layer` is hot (a copy in every hot group of the set).
     pub(super) fn is_hot(&self, layer: usize, expert: usize) -> bool {
         self.layout.blocks().is_some()
-            && self
-                .options
-                .assignment
-                .as_ref()
-                .and_then(|a| a.home(layer, expert))
-                == Some(ExpertAssignment::EVERY_NODE)
+            && (self.options.assignment.as_ref()).and_then(|a| a.home(layer, expert))
+                == Some(Home::Hot)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn nodes(ids: &[usize]) -> NodeSet {
+        NodeSet::from_nodes(ids.iter().copied()).unwrap()
+    }
 
     /// The arena lays expert `e` at `order[e]`: written in expert order, each reads back
     /// its own bytes from its own position.
@@ -455,7 +480,7 @@ mod tests {
     /// Hot experts sit right after the first node's cold ones, inside its block.
     #[test]
     fn hot_slots_join_the_first_block() {
-        const H: usize = ExpertAssignment::EVERY_NODE;
+        const H: usize = HOT;
         let o = SlotOrder::new(0, &[1, H, 0, H, 1], 5, 2).unwrap();
         assert_eq!(o.hot, vec![1, 3]);
         assert_eq!(o.blocks, vec![0..3, 3..5]);
@@ -468,22 +493,25 @@ mod tests {
     #[test]
     fn hybrid_takes_the_hottest_and_balances_the_rest() {
         let stats = RoutingStats::from_counts([(0, vec![1, 50, 2, 40, 3, 3])]).unwrap();
-        let a = ExpertAssignment::hybrid(&stats, &[(0, 6)], 2, 2).unwrap();
-        let homes: Vec<usize> = (0..6).map(|e| a.home(0, e).unwrap()).collect();
-        assert_eq!(homes[1], ExpertAssignment::EVERY_NODE);
-        assert_eq!(homes[3], ExpertAssignment::EVERY_NODE);
+        let a = ExpertAssignment::hybrid(&stats, &[(0, 6)], &nodes(&[0, 1]), 2).unwrap();
+        let homes: Vec<Home> = (0..6).map(|e| a.home(0, e).unwrap()).collect();
+        assert_eq!(homes[1], Home::Hot);
+        assert_eq!(homes[3], Home::Hot);
         // Cold 1, 2, 3, 3 two per node: {3, 1} and {3, 2} (loads 4 and 5) or better.
         let load = |n: usize| -> u64 {
             [1u64, 50, 2, 40, 3, 3]
                 .iter()
                 .zip(&homes)
-                .filter(|&(_, &h)| h == n)
+                .filter(|&(_, &h)| h == Home::Node(Node(n as u16)))
                 .map(|(c, _)| c)
                 .sum()
         };
         assert_eq!(load(0) + load(1), 9);
         assert!(load(0).max(load(1)) <= 5);
-        assert_eq!(homes.iter().filter(|&&h| h == 0).count(), 2);
+        assert_eq!(
+            homes.iter().filter(|&&h| h == Home::Node(Node(0))).count(),
+            2
+        );
     }
 
     #[test]
@@ -503,13 +531,34 @@ mod tests {
     #[test]
     fn balanced_keeps_the_split_sizes() {
         let stats = RoutingStats::from_counts([(2, vec![9, 8, 1, 1, 1, 0])]).unwrap();
-        let a = ExpertAssignment::balanced(&stats, &[(1, 6), (2, 6)], 2).unwrap();
+        // Node ids, not indices: the set {3, 5}.
+        let set = nodes(&[3, 5]);
+        let a = ExpertAssignment::balanced(&stats, &[(1, 6), (2, 6)], &set).unwrap();
         assert_eq!(a.layers().count(), 1, "layer 1 has no statistics");
-        let homes: Vec<usize> = (0..6).map(|e| a.home(2, e).unwrap()).collect();
-        assert_eq!(homes.iter().filter(|&&h| h == 0).count(), 3);
+        let homes: Vec<Home> = (0..6).map(|e| a.home(2, e).unwrap()).collect();
+        assert_eq!(
+            homes.iter().filter(|&&h| h == Home::Node(Node(3))).count(),
+            3
+        );
+        assert_eq!(
+            homes.iter().filter(|&&h| h == Home::Node(Node(5))).count(),
+            3
+        );
         // 9 and 8 apart: loads 10 and 10.
         assert_ne!(homes[0], homes[1]);
-        assert!(ExpertAssignment::balanced(&stats, &[(2, 5)], 2).is_err());
-        assert!(ExpertAssignment::balanced(&stats, &[(2, 6)], 0).is_err());
+        assert!(ExpertAssignment::balanced(&stats, &[(2, 5)], &set).is_err());
+        assert!(ExpertAssignment::balanced(&stats, &[(2, 6)], &NodeSet::new()).is_err());
+        // Indices into the set for the slot order; a node outside it is refused.
+        assert_eq!(
+            a.indices(2, &set)
+                .unwrap()
+                .unwrap()
+                .iter()
+                .filter(|&&i| i == 1)
+                .count(),
+            3
+        );
+        assert!(a.indices(2, &nodes(&[3, 4])).is_err());
+        assert_eq!(a.indices(1, &set).unwrap(), None);
     }
 }

@@ -218,9 +218,10 @@ impl PinStore {
     /// layer attached from an export (the manifest carries no piece layout).
     pub fn slot_map(&self, layer: usize) -> Result<&SlotMap> {
         self.layer(layer)?.slot_map().ok_or_else(|| {
-            Error::invalid(
+            Error::wrong_backing(
                 "PinStore::slot_map",
                 format!("layer {layer} was attached from an export, which carries no piece layout"),
+                "a layer packed in this process",
             )
         })
     }

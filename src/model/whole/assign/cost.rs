@@ -4,10 +4,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::Assigned;
 use crate::model::whole::classes::TensorClass;
-use crate::model::whole::plan::{DenseLayout, PlacementPlan, expert_layout_text};
+use crate::model::whole::plan::{PlacementPlan, expert_layout_text};
 use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, LayerPlan, TensorPiece};
 use crate::node::{Node, NodeSet};
-use crate::store::{Layout, PieceLayout};
+use crate::store::{LayerPlacement, Layout, PieceLayout, Placer};
 
 /// What a plan costs, counted from the layouts before anything is reserved: the whole
 /// checkpoint and each class.
@@ -99,14 +99,6 @@ pub(crate) fn slot_bytes(
 fn add(into: &mut BTreeMap<Node, u64>, node: Node, bytes: u64) {
     let at = into.entry(node).or_default();
     *at = at.saturating_add(bytes);
-}
-
-/// Adds `bytes` spread over `set` page by page (rounded up per node).
-fn spread(into: &mut BTreeMap<Node, u64>, set: NodeSet, bytes: u64) {
-    let n = set.len().max(1) as u64;
-    for node in set.iter() {
-        add(into, node, bytes.div_ceil(n));
-    }
 }
 
 impl Assigned {
@@ -220,22 +212,31 @@ impl Assigned {
             return (copy, 0);
         }
         c.groups += 1;
-        c.mappings += g.layout.copies();
-        c.mbind_calls += g.layout.mbind_calls();
-        c.per_tensor_mappings += held * g.layout.copies();
-        match g.layout {
-            // Saturating: an unreachable layout costs u64::MAX (see `slot_bytes`).
-            DenseLayout::Replicate(set) => {
-                for node in set.iter() {
-                    add(&mut c.node_bytes, node, copy);
-                }
-            }
-            DenseLayout::Interleave(set) => spread(&mut c.node_bytes, set, copy),
-            DenseLayout::Bind(node) => add(&mut c.node_bytes, node, copy),
-            DenseLayout::Unplaced => return (copy, copy),
-        }
-        (copy, 0)
+        // A dense group is one region of one slot, placed as its store places it.
+        let placer = Placer::with_domains(g.layout.store_layout(), None, live_domains);
+        let placed = placer.arrange(0, 1, [Some(copy), None], None);
+        c.per_tensor_mappings += held * placed.copies;
+        let unbound = absorb(c, &placed);
+        (copy, unbound)
     }
+}
+
+/// The domains of `set` on this machine, as the store reads them; one per node where
+/// the topology cannot be read (the dry run still answers).
+fn live_domains(set: &NodeSet) -> Vec<NodeSet> {
+    crate::topology::Topology::get()
+        .map(|t| t.domains_within(set))
+        .unwrap_or_else(|_| set.iter().map(|n| std::iter::once(n).collect()).collect())
+}
+
+/// Adds one layer's placement to its class's cost; returns its unbound bytes.
+fn absorb(c: &mut ClassCost, placed: &LayerPlacement) -> u64 {
+    c.mappings += placed.mappings;
+    c.mbind_calls += placed.mbind_calls;
+    for (&node, &bytes) in &placed.node_bytes {
+        add(&mut c.node_bytes, node, bytes);
+    }
+    placed.unbound_bytes
 }
 
 /// Each class's slices in words (`rows:0/2 ×3, whole ×2`), where any tensor is cut.
@@ -284,9 +285,9 @@ fn tensors_of(layer: &LayerPlan) -> usize {
     tensors.len()
 }
 
-/// The routed experts' share: per MoE layer and tensor kind (weights, scales) one region
-/// per copy, split in one block per node for [`Layout::SplitExperts`]. Returns the
-/// unbound bytes and one copy's bytes.
+/// The routed experts' share: per MoE layer, the store's placement of its regions (one
+/// per tensor kind per copy, split in blocks for [`Layout::SplitExperts`]) by the one
+/// arithmetic ([`Placer`]). Returns the unbound bytes and one copy's bytes.
 fn expert_cost(
     c: &mut ClassCost,
     experts: &ExpertPlan,
@@ -294,90 +295,54 @@ fn expert_cost(
     pieces_layout: PieceLayout,
     slot: u64,
 ) -> (u64, u64) {
+    let placer = Placer::with_domains(layout, None, live_domains);
     let (mut unbound, mut one_copy) = (0u64, 0u64);
     for layer in experts.layers() {
-        let count = layer.experts().len();
-        let Some(first) = layer.experts().first() else {
+        let Some(placed) = expert_placement(&placer, layer, pieces_layout, slot) else {
             continue;
         };
+        let count = layer.experts().len();
         c.groups += 1;
         c.tensors += tensors_of(layer);
         c.bytes += (layer.weight_bytes() + layer.scale_bytes()) * count as u64;
-        let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
-            [ExpertPieces::weights, ExpertPieces::scales];
-        for of in kinds {
-            let pieces = of(first);
-            if pieces.is_empty() {
-                continue;
-            }
-            let extent = |e: &ExpertPieces| {
-                slot_bytes(
-                    of(e).iter().map(|p| (p.offset(), p.len(), false)),
-                    pieces_layout,
-                    slot,
-                )
-            };
-            // Under a congruence each expert's padding follows its own file offsets: the
-            // slot is the largest; without one every expert of a layer has `first`'s.
-            let stride = if pieces_layout.modulus > 1 {
-                layer.experts().iter().map(extent).max().unwrap_or(0)
-            } else {
-                extent(first)
-            };
-            let bytes = stride.saturating_mul(count as u64);
-            one_copy = one_copy.saturating_add(bytes);
-            let per_copy_tensors = count * pieces.len();
-            let (maps, calls, copies) = match layout {
-                Layout::Interleave(set) => {
-                    spread(&mut c.node_bytes, set, bytes);
-                    (1, 1, 1)
-                }
-                Layout::LayerPerNode(set) => {
-                    if let Some(node) = set.nth(layer.layer() % set.len().max(1)) {
-                        add(&mut c.node_bytes, node, bytes);
-                    }
-                    (1, 1, 1)
-                }
-                Layout::Replicate(set) => {
-                    for node in set.iter() {
-                        add(&mut c.node_bytes, node, bytes);
-                    }
-                    (set.len(), set.len(), set.len())
-                }
-                Layout::ReplicateDomains(set) => {
-                    // One copy per domain of the live machine, interleaved over its nodes.
-                    let groups = crate::topology::Topology::get()
-                        .map(|t| t.domains_within(&set))
-                        .unwrap_or_else(|_| {
-                            set.iter().map(|n| std::iter::once(n).collect()).collect()
-                        });
-                    for group in &groups {
-                        spread(&mut c.node_bytes, *group, bytes);
-                    }
-                    (groups.len(), groups.len(), groups.len())
-                }
-                Layout::SplitExperts(set) => {
-                    let n = set.len().max(1);
-                    let mut blocks = 0;
-                    for (i, node) in set.iter().enumerate() {
-                        let start = |i: usize| (i * count).div_ceil(n);
-                        let len = start(i + 1) - start(i);
-                        if len > 0 {
-                            blocks += 1;
-                            add(&mut c.node_bytes, node, stride.saturating_mul(len as u64));
-                        }
-                    }
-                    (blocks.max(1), blocks, 1)
-                }
-                Layout::Unplaced => {
-                    unbound = unbound.saturating_add(bytes);
-                    (1, 0, 1)
-                }
-            };
-            c.mappings += maps;
-            c.mbind_calls += calls;
-            c.per_tensor_mappings += per_copy_tensors * copies;
-        }
+        let first = &layer.experts()[0];
+        let pieces = first.weights().len() + first.scales().len();
+        c.per_tensor_mappings += count * pieces * placed.copies;
+        one_copy = one_copy.saturating_add(placed.one_copy_bytes);
+        unbound = unbound.saturating_add(absorb(c, &placed));
     }
     (unbound, one_copy)
+}
+
+/// Where the store puts MoE layer `layer`'s experts under `placer` (`None`: the layer has
+/// none): each kind's slot stride from its pieces as the store lays them out.
+pub(crate) fn expert_placement(
+    placer: &Placer,
+    layer: &LayerPlan,
+    pieces_layout: PieceLayout,
+    slot: u64,
+) -> Option<LayerPlacement> {
+    let first = layer.experts().first()?;
+    let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
+        [ExpertPieces::weights, ExpertPieces::scales];
+    let strides = kinds.map(|of| {
+        if of(first).is_empty() {
+            return None;
+        }
+        let extent = |e: &ExpertPieces| {
+            slot_bytes(
+                of(e).iter().map(|p| (p.offset(), p.len(), false)),
+                pieces_layout,
+                slot,
+            )
+        };
+        // Under a congruence each expert's padding follows its own file offsets: the
+        // slot is the largest; without one every expert of a layer has `first`'s.
+        Some(if pieces_layout.modulus > 1 {
+            layer.experts().iter().map(extent).max().unwrap_or(0)
+        } else {
+            extent(first)
+        })
+    });
+    Some(placer.arrange(layer.layer(), layer.experts().len(), strides, None))
 }

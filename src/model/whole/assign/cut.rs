@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::DenseCut;
 use crate::error::{Error, Result};
 use crate::model::slice::{Geometry, Run, tensor_geometry};
-use crate::model::whole::views;
+use crate::model::whole::shape::{DenseSlice, normalized_shape};
 use crate::model::{Checkpoint, SliceAxis, TensorInfo, TensorSlice};
 
 const OP: &str = "PlacementPlan::dense_slice";
@@ -29,7 +29,7 @@ fn bad(t: &TensorInfo, slice: &TensorSlice, why: String) -> Error {
         format!(
             "{} {:?}: {why}",
             crate::error::quote(t.name()),
-            views::normalized_shape(t)
+            normalized_shape(t)
         ),
     )
 }
@@ -110,7 +110,7 @@ fn cut_of(
     let run: Run = g.run(axis, &range).map_err(|why| bad(t, slice, why))?;
     Ok(DenseCut {
         run,
-        slice: views::DenseSlice {
+        slice: DenseSlice {
             axis,
             start: range.start,
             len: range.end - range.start,

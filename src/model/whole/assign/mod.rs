@@ -13,8 +13,9 @@ pub use cost::{ClassCost, PlacementCost};
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::classes::TensorClass;
+use super::glob::glob_match;
 use super::plan::{DenseLayout, PlacementPlan};
-use crate::error::{CheckpointFault, Error, Result};
+use crate::error::{CheckpointFault, Error, Result, quote, quote_list};
 use crate::model::slice::Run;
 use crate::model::{Checkpoint, Dtype, ExpertPlan, Naming, TensorInfo};
 use crate::store::PieceLayout;
@@ -61,7 +62,7 @@ pub(crate) struct DenseCut {
     /// The bytes held, from the tensor's start.
     pub(crate) run: Run,
     /// The slice along the axis, as a view reports it.
-    pub(crate) slice: super::views::DenseSlice,
+    pub(crate) slice: super::shape::DenseSlice,
 }
 
 impl Assigned {
@@ -99,7 +100,7 @@ impl Assigned {
 }
 
 /// The routed experts' naming and plan, or none for a checkpoint without experts.
-fn experts_of(checkpoint: &Checkpoint) -> Result<Option<(Naming, ExpertPlan)>> {
+pub(crate) fn experts_of(checkpoint: &Checkpoint) -> Result<Option<(Naming, ExpertPlan)>> {
     let naming = match Naming::detect(checkpoint) {
         Ok(n) => n,
         Err(Error::Checkpoint {
@@ -153,7 +154,7 @@ fn size_fault(checkpoint: &Checkpoint, t: &TensorInfo, why: String) -> Error {
 }
 
 /// The checkpoint tensors that are pieces of routed experts (weights and scales).
-fn expert_tensor_indices(experts: Option<&(Naming, ExpertPlan)>) -> BTreeSet<usize> {
+pub(crate) fn expert_tensor_indices(experts: Option<&(Naming, ExpertPlan)>) -> BTreeSet<usize> {
     experts
         .iter()
         .flat_map(|(_, p)| p.layers())
@@ -232,60 +233,97 @@ fn classify_tensors(
     Ok(out)
 }
 
-/// Refuses a pattern the plan's text form cannot carry and a pattern that matched no
-/// dense tensor (`used`, per pattern).
-fn check_patterns(checkpoint: &Checkpoint, plan: &PlacementPlan, used: &[bool]) -> Result<()> {
-    // The text form separates items by ',' and ';' and keys from values by '=': a
-    // pattern holding one would print a plan that reads back as another (no tensor name
-    // holds them).
-    if let Some((pattern, _)) = plan
-        .patterns()
-        .iter()
-        .find(|(p, _)| p.contains([',', ';', '=']))
-    {
-        return Err(Error::bad_value(
-            "PlacementPlan",
-            "name pattern",
-            crate::error::clip_owned(pattern.clone(), 200),
-            "holds ',', ';' or '=', which separate the plan's text form (patterns have `*` \
-             and `?` only)",
-        ));
-    }
-    if let Some(i) = used.iter().position(|u| !u) {
-        let (pattern, _) = &plan.patterns()[i];
-        return Err(Error::bad_value(
-            "PlacementPlan",
-            "name pattern",
-            crate::error::clip_owned(pattern.clone(), 200),
-            format!(
-                "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
-                 placed by the experts' layout, not by patterns)",
-                checkpoint.tensors().len()
-            ),
-        ));
-    }
-    Ok(())
+/// Refuses a pattern that chose no dense tensor (`classified.used`, per pattern).
+fn check_patterns(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    classified: &Classified,
+) -> Result<()> {
+    let Some(i) = classified.used.iter().position(|u| !u) else {
+        return Ok(());
+    };
+    let patterns: Vec<&str> = plan.patterns().iter().map(|(p, _)| p.as_str()).collect();
+    let names = dense_tensors(checkpoint, classified).map(|t| t.name());
+    Err(unchosen(
+        ("PlacementPlan", "placed by the experts' layout"),
+        &patterns,
+        i,
+        names,
+        checkpoint.tensors().len(),
+    ))
 }
 
-/// Refuses a slice pattern that matched no dense tensor.
+/// Refuses a slice pattern that chose no dense tensor (`classified.slices_used`).
 fn check_slice_patterns(
     checkpoint: &Checkpoint,
     plan: &PlacementPlan,
-    used: &[bool],
+    classified: &Classified,
 ) -> Result<()> {
-    match used.iter().position(|u| !u) {
-        Some(i) => Err(Error::bad_value(
-            "PlacementPlan::slice_pattern",
-            "name pattern",
-            &plan.slice_patterns[i].0,
-            format!(
-                "matches no dense tensor of the checkpoint ({} tensors; routed experts are \
-                 sliced by the expert share, not by patterns)",
-                checkpoint.tensors().len()
-            ),
-        )),
-        None => Ok(()),
+    let Some(i) = classified.slices_used.iter().position(|u| !u) else {
+        return Ok(());
+    };
+    let patterns: Vec<&str> = plan
+        .slice_patterns
+        .iter()
+        .map(|(p, _)| p.as_str())
+        .collect();
+    // An FP8 scale grid is matched by its weight's name, as `classify_tensors` does.
+    let names = dense_tensors(checkpoint, classified)
+        .map(|t| scale_of(checkpoint, t).map_or(t.name(), |w| w.name()));
+    Err(unchosen(
+        ("PlacementPlan::slice_pattern", "sliced by the expert share"),
+        &patterns,
+        i,
+        names,
+        checkpoint.tensors().len(),
+    ))
+}
+
+/// The tensors of the checkpoint that are not routed experts.
+fn dense_tensors<'a>(
+    checkpoint: &'a Checkpoint,
+    classified: &'a Classified,
+) -> impl Iterator<Item = &'a TensorInfo> {
+    checkpoint
+        .tensors()
+        .iter()
+        .zip(&classified.class_of)
+        .filter(|(_, (class, _))| *class != TensorClass::RoutedExperts)
+        .map(|(t, _)| t)
+}
+
+/// The error for pattern `i` of `patterns` (the last matching wins), which chose none of
+/// the dense tensors `names`: it matches none of them, or each one it matches is claimed
+/// by a later pattern (named, so that the caller can reorder them). `op` refuses;
+/// `experts` says what places or slices routed experts instead of patterns.
+fn unchosen<'a>(
+    (op, experts): (&'static str, &str),
+    patterns: &[&str],
+    i: usize,
+    names: impl Iterator<Item = &'a str>,
+    tensors: usize,
+) -> Error {
+    let mut matched = 0usize;
+    let mut claimed_by: BTreeSet<usize> = BTreeSet::new();
+    for name in names.filter(|n| glob_match(patterns[i], n)) {
+        matched += 1;
+        if let Some(j) = patterns.iter().rposition(|p| glob_match(p, name)) {
+            claimed_by.insert(j);
+        }
     }
+    let why = if matched == 0 {
+        format!(
+            "matches no dense tensor of the checkpoint ({tensors} tensors; routed experts are \
+             {experts}, not by patterns)"
+        )
+    } else {
+        format!(
+            "matches {matched} dense tensor(s), every one claimed by the later pattern(s) {} \
+             (the last matching pattern wins: put it after them, or drop it)",
+            quote_list(claimed_by.iter().map(|&j| patterns[j]))
+        )
+    };
+    Error::bad_value(op, "name pattern", quote(patterns[i]), why)
 }
 
 /// The dense groups, one per (class, layout, layer), each the next layer of its
@@ -332,8 +370,8 @@ pub(crate) fn assign(
     let mut experts = experts_of(checkpoint)?;
     let expert_tensors = expert_tensor_indices(experts.as_ref());
     let classified = classify_tensors(checkpoint, plan, &expert_tensors)?;
-    check_patterns(checkpoint, plan, &classified.used)?;
-    check_slice_patterns(checkpoint, plan, &classified.slices_used)?;
+    check_patterns(checkpoint, plan, &classified)?;
+    check_slice_patterns(checkpoint, plan, &classified)?;
     // Routed experts are recognised on the whole plan (above), then cut to the share.
     if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
         *expert_plan = expert_plan.share(checkpoint, share)?;

@@ -1,13 +1,14 @@
-//! The examples' flags (clap derive): `--help` prints each flag with its default.
+//! The command's flags (clap derive): `--help` prints each flag with its default.
 
 use std::path::PathBuf;
 
 use clap::error::ErrorKind;
-use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
-use numapin::NodeSet;
-use numapin::model::{ExpertShare, Share, TensorSlice};
-use numapin::store::{Layout, ReadMode};
-use numapin_testkit::synthetic::SyntheticModel;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
+
+use super::synthetic::SyntheticModel;
+use crate::model::{ExpertShare, PlacementPlan, Share, TensorSlice};
+use crate::nodeset::NodeSet;
+use crate::store::{Layout, ReadMode};
 
 /// How the store spreads the layers over `--nodes`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -112,7 +113,7 @@ pub enum SliceArg {
 
 fn slice_arg(text: &str) -> Result<SliceArg, String> {
     if let Some(rest) = text.trim().strip_prefix("tp:") {
-        let (k, n) = numapin::model::PlacementPlan::parse_rank(rest)
+        let (k, n) = PlacementPlan::parse_rank(rest)
             .map_err(|e| format!("{text}: tp:k/n (rank k of n): {e}"))?;
         return Ok(SliceArg::Tp(k, n));
     }
@@ -187,10 +188,11 @@ pub struct PinModelArgs {
     /// Do not purge jemalloc's arenas after the load.
     #[arg(long, overrides_with = "purge")]
     pub no_purge: bool,
-    /// How the loaders read the file: `buffered` (through the page cache), `direct`
+    /// How the loaders read the file: `auto` (per file: buffered when the page cache
+    /// holds most of it, else direct; the report says which and why), `buffered` (through the page cache), `direct`
     /// (O_DIRECT: the page cache stays empty; falls back to buffered where the file
     /// system cannot, and says so) or `drop-behind` (buffered, evicted as it goes).
-    #[arg(long, value_name = "MODE", default_value_t = ReadMode::Buffered, value_parser = parse_read_mode)]
+    #[arg(long, value_name = "MODE", default_value_t = ReadMode::Auto, value_parser = parse_read_mode)]
     pub read: ReadMode,
     /// With `--read direct`: blocking reads on the loader threads instead of `io_uring`
     /// (which is used where the kernel allows it; the report says which ran).
@@ -229,6 +231,16 @@ pub struct PinModelArgs {
     /// gate/up by rows, down by columns; docs/distributed.md).
     #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN|tp:k/n", value_parser = slice_arg)]
     pub slice: Option<SliceArg>,
+    /// With --plan and `--slice tp:k/n`: rank k of n's share is the framework's own
+    /// tensor-parallel plan instead of the preset — a JSON object of module glob → style
+    /// in transformers' vocabulary (`{"layers.*.self_attn.q_proj": "colwise",
+    /// "layers.*.self_attn.o_proj": "rowwise", "embed_tokens": "embedding_rowwise"}`):
+    /// colwise rows k/n, rowwise columns k/n, embedding_rowwise vocabulary rows,
+    /// replicate or unnamed whole; routed experts whole under --experts' share. An
+    /// unknown style, a cut that does not divide its axis or splits an attention head
+    /// is refused by name before anything is reserved (docs/distributed.md).
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    pub framework_plan: Option<PathBuf>,
     /// No progress bar (one is drawn on stderr when it is a terminal, never with --json).
     #[arg(long)]
     pub no_progress: bool,
@@ -295,26 +307,37 @@ impl PinModelArgs {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let matches = Self::command().try_get_matches_from(args)?;
-        let mut args = Self::from_arg_matches(&matches)?;
+        Self::from_matches_checked(&Self::command().try_get_matches_from(args)?, Self::command)
+    }
+
+    /// [`PinModelArgs::try_parse_checked`] for matches already made (`numapin place`'s);
+    /// `command` makes the command a usage error names (`pin_model`, `numapin place`).
+    ///
+    /// # Errors
+    /// As [`PinModelArgs::try_parse_checked`].
+    pub(crate) fn from_matches_checked(
+        matches: &ArgMatches,
+        command: impl Fn() -> clap::Command,
+    ) -> Result<Self, clap::Error> {
+        let mut args = Self::from_arg_matches(matches)?;
         args.experts_given =
             matches.value_source("experts") == Some(clap::parser::ValueSource::CommandLine);
         if args.model.is_none() {
             if args.slice.is_some() {
-                return Err(Self::command().error(
+                return Err(command().error(
                     ErrorKind::ArgumentConflict,
                     "--slice needs --model: the synthetic model has no tensors to slice",
                 ));
             }
             if args.experts.count.is_none() {
-                return Err(Self::command().error(
+                return Err(command().error(
                     ErrorKind::ValueValidation,
                     "--experts takes a count (at least 1) for the synthetic model; a share (ids, ranges, k/n) needs --model",
                 ));
             }
         }
         if args.purge && !cfg!(feature = "jemalloc") {
-            return Err(Self::command().error(
+            return Err(command().error(
                 ErrorKind::ArgumentConflict,
                 "--purge needs jemalloc: build with `--features jemalloc`",
             ));
@@ -377,4 +400,82 @@ pub struct ProbeArgs {
     /// the verdict) instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Which layout for a checkpoint, and why (nothing is loaded).
+///
+/// The planner's table of candidate layouts for the checkpoint's header on this machine
+/// or --topology's, and its recommendation (docs/planner.md). `place --model PATH
+/// --plan-only` does the same.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "plan")]
+pub struct PlanArgs {
+    /// The checkpoint, as `place --model` takes it (a `.safetensors` file, a directory of
+    /// shards, a `.gguf` file or the first part of a split GGUF).
+    #[arg(value_name = "MODEL")]
+    pub model: PathBuf,
+    /// Plan for the machine a topology description file describes (nodes, domains,
+    /// distances, free bytes, map limit) instead of this one.
+    #[arg(long, value_name = "FILE")]
+    pub topology: Option<PathBuf>,
+    /// Routing statistics (counts per layer and expert, JSON).
+    #[arg(long, value_name = "FILE")]
+    pub routing: Option<PathBuf>,
+    /// Bytes per node the layouts may use [default: each node's free memory].
+    #[arg(long, value_name = "BYTES", value_parser = budget_bytes)]
+    pub budget: Option<u64>,
+    /// Print the table as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl PinModelArgs {
+    /// `--plan-only`'s request, in the form `numapin plan` takes; `None` without --model.
+    pub(crate) fn plan_args(&self) -> Option<PlanArgs> {
+        Some(PlanArgs {
+            model: self.model.clone()?,
+            topology: self.topology.clone(),
+            routing: self.routing.clone(),
+            budget: self.budget,
+            json: self.json,
+        })
+    }
+}
+
+/// The largest process id the kernel hands out (`PID_MAX_LIMIT` on 64-bit: 2^22).
+pub const PID_MAX_LIMIT: u64 = 1 << 22;
+
+/// Where a running process's memory is, per mapping and per node.
+///
+/// Reads `/proc/PID/numa_maps` (each mapping's policy and pages per node) and
+/// `/proc/PID/maps` (its name), like `numastat -p PID` but per mapping: numapin's
+/// mappings first (a shared store's memfds, `memfd:numapin-layer3-weights`; anonymous
+/// regions as `[anon:numapin …]` where the kernel names anonymous mappings), then the
+/// totals per node of numapin's mappings and of the whole process.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "stat")]
+pub struct StatArgs {
+    /// The process to read (decimal, 1 to 4194304).
+    #[arg(value_name = "PID", value_parser = pid_arg)]
+    pub pid: u32,
+    /// List every mapping with pages, not only numapin's.
+    #[arg(long)]
+    pub all: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A process id: decimal digits, 1 to [`PID_MAX_LIMIT`].
+fn pid_arg(text: &str) -> Result<u32, String> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("a process id is decimal digits".into());
+    }
+    match text.parse::<u64>() {
+        Ok(0) => Err("0 is not a process id (they start at 1)".into()),
+        Ok(n) if n <= PID_MAX_LIMIT => u32::try_from(n).map_err(|e| e.to_string()),
+        _ => Err(format!(
+            "larger than any process id (the kernel's limit is {PID_MAX_LIMIT})"
+        )),
+    }
 }

@@ -1,13 +1,13 @@
-//! A synthetic MoE model file with deterministic bytes, for the main-job example, the
-//! benchmark and tests: per layer, per expert, the weights (as three adjacent pieces:
+//! A synthetic MoE model file with deterministic bytes, for `numapin place`, the
+//! benchmark and tests (the testkit re-exports it): per layer, per expert, the weights (as three adjacent pieces:
 //! gate, up, down) followed by the scales.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use numapin::store::{ExpertSource, Kind, LayerSpec, Piece};
-use numapin::{Error, Invalid, Result};
+use crate::error::{Error, Invalid, Result};
+use crate::store::{ExpertSource, Kind, LayerSpec, Piece};
 
 /// The shape of a synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

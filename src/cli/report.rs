@@ -1,4 +1,4 @@
-//! What the examples print as JSON (built with serde), and probe's one-line verdict.
+//! What the command prints as JSON (built with serde), and probe's one-line verdict.
 //!
 //! The JSON types are views over what the examples measured: they need no feature of
 //! the library (its `serde` feature is off by default), so `cargo run --example probe --
@@ -6,10 +6,10 @@
 
 use std::collections::BTreeMap;
 
-use numapin::{MempolicySupport, Support, ThpMode};
 use serde::Serialize;
 
-use super::Run;
+use super::run::Run;
+use crate::probe::{MempolicySupport, Support, ThpMode};
 
 /// Version of `pin_model --json`. 2: `experts` became `experts_per_layer` and
 /// `experts_total`, and `schema` appeared (the unversioned output was 1).
@@ -191,7 +191,7 @@ pub struct RoleSliceJson {
 }
 
 impl ShareJson {
-    pub fn new(r: &numapin::model::ShareReport) -> ShareJson {
+    pub fn new(r: &crate::model::ShareReport) -> ShareJson {
         ShareJson {
             share: r.share.clone(),
             experts_held: r.experts_held.clone(),

@@ -11,6 +11,11 @@ use crate::error::{Error, Result};
 use crate::node::{Node, NodeContext, NodeSet};
 use crate::policy::MemPolicy;
 
+mod placing;
+#[cfg(test)]
+pub(crate) use placing::ARRANGED;
+pub(crate) use placing::{LayerPlacement, Placer};
+
 /// How layers are placed. `#[non_exhaustive]`: layouts are added (a match on one needs
 /// a `_` arm outside the crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,15 +146,6 @@ impl Layout {
         }
     }
 
-    /// Mappings one region of a layer of `experts` becomes once bound: one per block for
-    /// [`Layout::SplitExperts`] (ranges with different policies do not merge), else 1.
-    pub(super) fn maps_per_region(&self, experts: usize) -> usize {
-        match self.blocks() {
-            Some(set) => set.len().min(experts).max(1),
-            None => 1,
-        }
-    }
-
     /// The node the layout binds `expert` of `layer` (of `experts`) to, if one (the first
     /// copy's for [`Layout::Replicate`]; for [`Layout::ReplicateDomains`] the first node of
     /// the first copy's domain, whose CPUs are as near that copy as any).
@@ -241,8 +237,14 @@ impl Layout {
     }
 
     fn parse_with(input: &str, nodes: impl FnOnce(&str) -> Result<NodeSet>) -> Result<Layout> {
-        let bad =
-            |why: &str| Error::bad_value("Layout::from_str", "layout", format!("{input:?}"), why);
+        let bad = |why: &str| {
+            Error::bad_value(
+                "Layout::from_str",
+                "layout",
+                crate::error::quote(input),
+                why,
+            )
+        };
         let (name, list) = match input.split_once(':') {
             Some((name, list)) => (name.trim(), Some(list)),
             None => (input.trim(), None),
@@ -392,7 +394,10 @@ mod tests {
             assert_eq!(layout.region_policy(4, &groups), policy, "{layout:?}");
             assert_eq!(groups.len().max(1), copies, "{layout:?}");
             assert_eq!(layout.replicates(), !groups.is_empty(), "{layout:?}");
-            assert_eq!(layout.maps_per_region(16), maps, "{layout:?}");
+            // Mappings per region, as the one arithmetic counts them (one region per copy).
+            let placer = Placer::with_domains(layout, None, |s| domains(s).unwrap());
+            let placed = placer.arrange(4, 16, [Some(1), None], None);
+            assert_eq!(placed.mappings, maps * copies, "{layout:?}");
             assert_eq!(layout.target_node(4, 16, 15), node, "{layout:?}");
             assert_eq!(layout.has_home(), home, "{layout:?}");
             assert_eq!(layout.loader_spread(), spread, "{layout:?}");
@@ -400,8 +405,9 @@ mod tests {
             assert_eq!(layout.check(true).is_ok(), copies == 1, "{layout:?}");
         }
         // Fewer experts than nodes: a block per expert, no empty blocks mapped.
-        assert_eq!(Layout::SplitExperts(nodes).maps_per_region(2), 2);
-        assert_eq!(Layout::SplitExperts(nodes).maps_per_region(0), 1);
+        let split = Placer::with_domains(Layout::SplitExperts(nodes), None, |_| Vec::new());
+        assert_eq!(split.arrange(0, 2, [Some(1), None], None).mappings, 2);
+        assert_eq!(split.arrange(0, 0, [Some(1), None], None).mappings, 1);
         for empty in [
             Layout::Interleave(NodeSet::new()),
             Layout::LayerPerNode(NodeSet::new()),

@@ -1,0 +1,63 @@
+//! `PlacedModel::verify` re-reads in the load's read mode: after a direct placement of a
+//! cold checkpoint and its verify, the page cache holds at most 2% of the files' pages
+//! (counted with `mincore`, `numapin_testkit::cache`), where a buffered re-read caches
+//! them all.
+
+use super::*;
+use numapin::store::ReadMode;
+use numapin_testkit::cache::{cached_pages, evict};
+
+/// `(cached, total)` pages of every file of the checkpoint.
+fn cached(checkpoint: &Checkpoint) -> (usize, usize) {
+    checkpoint
+        .files()
+        .iter()
+        .map(|f| cached_pages(f.file()).unwrap())
+        .fold((0, 0), |(c, t), (fc, ft)| (c + fc, t + ft))
+}
+
+/// Whether the file system reports a direct-I/O alignment (ext4, xfs; not tmpfs).
+fn direct_possible(file: &std::fs::File) -> bool {
+    use rustix::fs::{AtFlags, StatxFlags};
+    let stat = rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).unwrap();
+    stat.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && stat.stx_dio_offset_align > 0
+}
+
+#[test]
+fn a_direct_placement_verifies_without_filling_the_page_cache() {
+    let Some(dir) = fixtures("a_direct_placement_verifies_without_filling_the_page_cache") else {
+        return;
+    };
+    let nodes = common::nodes();
+    for name in ["st-sharded", "gguf-single", "gguf-split"] {
+        let checkpoint = open_fixture(&dir, name);
+        if !direct_possible(checkpoint.files()[0].file()) {
+            println!("NOT RUN: {name}: no direct I/O under {}", dir.display());
+            return;
+        }
+        for f in checkpoint.files() {
+            evict(f.file()).unwrap();
+        }
+        assert_eq!(cached(&checkpoint).0, 0, "{name}: evicted");
+        let options = options().read_mode(ReadMode::Direct);
+        let model = checkpoint.place(&plan(nodes), options).unwrap();
+        assert_eq!(model.read_mode(), ReadMode::Direct, "{name}");
+        let verify = model.verify(&checkpoint).unwrap();
+        assert!(verify.verified(), "{name}: {verify}");
+        let (after, pages) = cached(&checkpoint);
+        assert!(
+            after * 50 <= pages,
+            "{name}: {after} of {pages} pages cached after a direct place and verify"
+        );
+        // The count can fail: a buffered re-read caches what it read.
+        let buffered = model
+            .verify_in_mode(&checkpoint, ReadMode::Buffered)
+            .unwrap();
+        assert!(buffered.verified(), "{name}: {buffered}");
+        let (after, _) = cached(&checkpoint);
+        assert!(
+            after * 2 > pages,
+            "{name}: a buffered verify cached only {after} of {pages} pages"
+        );
+    }
+}
