@@ -27,11 +27,12 @@ pub mod policy;
 mod probe;
 mod region;
 pub mod routing;
+pub mod serve;
 mod source;
 pub mod store;
 pub mod topology;
 
-pub use error::{CheckpointFault, Errno, Error, Invalid, Result};
+pub use error::{CheckpointFault, Errno, Error, Invalid, Result, ServeFault};
 pub use node::{KernelMask, NodeContext, possible_node_count};
 pub use nodeset::{MAX_NODES, Node, NodeSet, NodeSetIter};
 pub use page::page_size;

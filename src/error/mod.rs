@@ -5,6 +5,7 @@ mod errno;
 mod invalid;
 mod number;
 mod quote;
+mod serve;
 
 use std::fmt;
 
@@ -13,6 +14,7 @@ pub use invalid::Invalid;
 use invalid::wide;
 pub(crate) use number::decimal;
 pub(crate) use quote::{QUOTE_MAX, clip, clip_owned, quote, quote_list, shown};
+pub use serve::ServeFault;
 
 use crate::nodeset::{Node, NodeSet};
 
@@ -291,6 +293,19 @@ pub enum Error {
         kind: CheckpointFault,
         /// What is wrong, quoting the offending values.
         reason: String,
+    },
+    /// Serving or fetching a placement by name (`numapin::serve`) failed: the name, the
+    /// socket, the peer, the message or the file descriptors; [`ServeFault`] says which.
+    #[error("{op} {name:?}: {fault}: {detail}")]
+    Serve {
+        /// The operation (`"serve::fetch"`, `"Server::bind"`).
+        op: &'static str,
+        /// The name served or asked for (clipped).
+        name: String,
+        /// What went wrong, for callers that match.
+        fault: ServeFault,
+        /// The values that explain it (clipped).
+        detail: String,
     },
     /// Reading a file (a procfs/sysfs entry or a data file) failed.
     #[error("{op} {path}: {source}")]

@@ -20,7 +20,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["nodeset", "page"],
     &["error"],
     &["node", "capability", "jemalloc", "routing"],
-    &["calls", "diag", "topology"],
+    &["calls", "diag", "topology", "serve"],
     &["policy", "probe"],
     &["region"],
     &["source"],

@@ -1,0 +1,323 @@
+//! Bad input for the rendezvous by name: servers that send a wrong message (each a named
+//! fault, with no fd left open), a client that sends garbage, bad names, socket files
+//! (private, stale, taken), unsafe directories.
+
+mod serve_common;
+
+use std::io::IoSlice;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use numapin::ServeFault;
+use numapin::serve::{self, Access, Endpoint, Limits, Server};
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::*;
+use serve_common::*;
+
+/// The header the docs describe: magic, version 1, file count, manifest length (LE).
+fn header(files: u32, manifest: u64) -> Vec<u8> {
+    let mut h = b"NUMAPIN\0".to_vec();
+    h.extend(1u32.to_le_bytes());
+    h.extend(files.to_le_bytes());
+    h.extend(manifest.to_le_bytes());
+    h
+}
+
+fn send_fds(conn: &OwnedFd, byte: u8, fds: &[BorrowedFd<'_>]) {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    sendmsg(
+        conn,
+        &[IoSlice::new(&[byte])],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .unwrap();
+}
+
+fn put(conn: &OwnedFd, bytes: &[u8]) {
+    send(conn, bytes, SendFlags::NOSIGNAL).unwrap();
+}
+
+fn memfd(seals: SealFlags) -> OwnedFd {
+    let fd = rustix::fs::memfd_create("hostile", MemfdFlags::ALLOW_SEALING | MemfdFlags::CLOEXEC)
+        .unwrap();
+    rustix::io::write(&fd, &[7u8; 4096]).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+    fd
+}
+
+fn sealed() -> OwnedFd {
+    memfd(SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW)
+}
+
+/// What each hostile server does with its one connection, and the fault it must cause.
+const CASES: &[(&str, ServeFault)] = &[
+    ("garbage", ServeFault::BadMessage),
+    ("wrong_version", ServeFault::BadMessage),
+    ("truncated_header", ServeFault::Truncated),
+    ("truncated_manifest", ServeFault::Truncated),
+    ("oversized_manifest", ServeFault::Oversized),
+    ("trailing_bytes", ServeFault::Oversized),
+    ("too_many_files", ServeFault::FdCount),
+    ("chunk_short_of_fds", ServeFault::FdCount),
+    ("more_fds_than_announced", ServeFault::FdCount),
+    ("fds_with_the_header", ServeFault::FdCount),
+    ("files_end_early", ServeFault::Truncated),
+    ("plain_file", ServeFault::FdKind),
+    ("pipe", ServeFault::FdKind),
+    ("unsealed_memfd", ServeFault::FdKind),
+    ("memfd_writable", ServeFault::FdKind),
+    ("silent", ServeFault::Timeout),
+    ("closed", ServeFault::Closed),
+];
+
+fn behave(case: &str, conn: &OwnedFd) {
+    let fd = sealed();
+    let one = [fd.as_fd()];
+    match case {
+        "garbage" => put(conn, &[0x5a; 24]),
+        "wrong_version" => {
+            let mut h = header(0, 0);
+            h[8] = 2;
+            put(conn, &h);
+        }
+        "truncated_header" => put(conn, &header(0, 0)[..10]),
+        "truncated_manifest" => {
+            put(conn, &header(0, 100));
+            put(conn, &[1; 40]);
+        }
+        "oversized_manifest" => put(conn, &header(0, 1 << 40)),
+        "trailing_bytes" => {
+            put(conn, &header(0, 4));
+            put(conn, &[1; 8]);
+        }
+        "too_many_files" => put(conn, &header(100_000, 0)),
+        "chunk_short_of_fds" => {
+            put(conn, &header(2, 0));
+            send_fds(conn, 2, &one);
+        }
+        "more_fds_than_announced" => {
+            put(conn, &header(1, 0));
+            let other = sealed();
+            send_fds(conn, 2, &[fd.as_fd(), other.as_fd()]);
+        }
+        "fds_with_the_header" => {
+            let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            assert!(control.push(SendAncillaryMessage::ScmRights(&one)));
+            let h = header(0, 0);
+            sendmsg(conn, &[IoSlice::new(&h)], &mut control, SendFlags::NOSIGNAL).unwrap();
+        }
+        "files_end_early" => {
+            put(conn, &header(2, 0));
+            send_fds(conn, 1, &one);
+        }
+        "plain_file" => {
+            let file = std::fs::File::open(std::env::current_exe().unwrap()).unwrap();
+            put(conn, &header(1, 0));
+            send_fds(conn, 1, &[file.as_fd()]);
+        }
+        "pipe" => {
+            let (r, _w) = std::io::pipe().unwrap();
+            put(conn, &header(1, 0));
+            send_fds(conn, 1, &[r.as_fd()]);
+        }
+        "unsealed_memfd" | "memfd_writable" => {
+            let seals = if case == "unsealed_memfd" {
+                SealFlags::empty()
+            } else {
+                SealFlags::SHRINK | SealFlags::GROW
+            };
+            let m = memfd(seals);
+            put(conn, &header(1, 0));
+            send_fds(conn, 1, &[m.as_fd()]);
+        }
+        "silent" => std::thread::sleep(Duration::from_millis(1500)),
+        "closed" => {}
+        _ => unreachable!("{case}"),
+    }
+}
+
+/// A hostile server for `case` on a fresh name; the fault `fetch` answers.
+fn fetch_from(case: &str) -> numapin::Error {
+    let name = unique(case);
+    let me = rustix::process::geteuid().as_raw();
+    let addr = serve::address(&name, &Endpoint::Abstract, me).unwrap();
+    let sock = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    let abs = addr.strip_prefix('@').unwrap().as_bytes();
+    bind(&sock, &SocketAddrUnix::new_abstract_name(abs).unwrap()).unwrap();
+    listen(&sock, 4).unwrap();
+    let case_owned = case.to_string();
+    let thread = std::thread::spawn(move || {
+        let conn = accept(&sock).unwrap();
+        behave(&case_owned, &conn);
+    });
+    let limits = Limits::default().timeout(Duration::from_millis(400));
+    let result = serve::fetch(&name, &limits);
+    thread.join().unwrap();
+    result.unwrap_err()
+}
+
+macro_rules! hostile {
+    ($($test:ident: $case:literal),* $(,)?) => {$(
+        #[test]
+        fn $test() {
+            let want = CASES.iter().find(|(c, _)| *c == $case).unwrap().1;
+            let e = fetch_from($case);
+            assert_eq!(e.serve_fault(), Some(want), "{e}");
+        }
+    )*};
+}
+
+hostile! {
+    garbage_is_a_bad_message: "garbage",
+    another_version_is_a_bad_message: "wrong_version",
+    a_truncated_header: "truncated_header",
+    a_truncated_manifest: "truncated_manifest",
+    an_oversized_manifest: "oversized_manifest",
+    bytes_past_the_manifest: "trailing_bytes",
+    too_many_files_announced: "too_many_files",
+    a_chunk_short_of_its_fds: "chunk_short_of_fds",
+    more_fds_than_announced: "more_fds_than_announced",
+    fds_with_the_header: "fds_with_the_header",
+    files_that_end_early: "files_end_early",
+    a_plain_file: "plain_file",
+    a_pipe: "pipe",
+    an_unsealed_memfd: "unsealed_memfd",
+    a_memfd_still_writable: "memfd_writable",
+    a_silent_server_times_out: "silent",
+    a_server_that_closes_at_once: "closed",
+}
+
+#[test]
+fn no_hostile_server_leaves_an_fd_open() {
+    let out = spawn("child_every_case", &[]).wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("CASES {} fds-equal", CASES.len())),
+        "{text}"
+    );
+}
+
+/// Alone in its process: every case, the fd count the same after each.
+#[test]
+#[ignore = "a child process of no_hostile_server_leaves_an_fd_open"]
+fn child_every_case() {
+    for (case, want) in CASES {
+        let before = fd_count();
+        let e = fetch_from(case);
+        assert_eq!(e.serve_fault(), Some(*want), "{case}: {e}");
+        assert_eq!(fd_count(), before, "{case}: fds before and after");
+    }
+    println!("CASES {} fds-equal", CASES.len());
+}
+
+#[test]
+fn bad_names_are_refused_by_name() {
+    let long = "n".repeat(200);
+    let e = serve::fetch(&long, &Limits::default()).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::NameTooLong), "{e}");
+    let p = serve::Parcel {
+        manifest: vec![],
+        files: vec![],
+    };
+    let e = Server::bind(&long, p, Access::same_uid()).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::NameTooLong), "{e}");
+    for bad in ["", "a/b", ".hidden", "sp ace"] {
+        let e = serve::fetch(bad, &Limits::default()).unwrap_err();
+        assert_eq!(e.serve_fault(), Some(ServeFault::BadName), "{bad:?}: {e}");
+    }
+    let e = serve::fetch(&unique("nobody-serves"), &Limits::default()).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::NotServed), "{e}");
+}
+
+#[test]
+fn a_client_sending_garbage_changes_nothing() {
+    let mut store = store();
+    let name = unique("garbage-client");
+    let server = Server::bind(&name, parcel(&mut store), Access::same_uid()).unwrap();
+    let e = Server::bind(&name, parcel(&mut store), Access::same_uid()).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::InUse), "{e}");
+    let addr = server.address();
+    let sock = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    let abs = addr.strip_prefix('@').unwrap().as_bytes();
+    connect(&sock, &SocketAddrUnix::new_abstract_name(abs).unwrap()).unwrap();
+    let garbage: Vec<u8> = (0..65536u32).map(|i| (i * 7919 % 251) as u8).collect();
+    send(&sock, &garbage, SendFlags::NOSIGNAL).unwrap();
+    drop(sock);
+    let store2 = attach(serve::fetch(&name, &Limits::default()).unwrap());
+    assert_eq!(check(&store2), TOTAL);
+    let s = server.stats();
+    assert_eq!((s.served + s.failed, s.refused), (2, 0), "{s:?}");
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(unique(tag));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn path_sockets_are_private_replaced_when_stale_and_removed() {
+    let root = temp_dir("path");
+    let dir = root.join("run");
+    let endpoint = Endpoint::Dir(dir.clone());
+    let limits = Limits::default().at(endpoint.clone());
+    let name = "model";
+    let sock_path = dir.join("model.sock");
+    let mut store = store();
+    let server = Server::bind(
+        name,
+        parcel(&mut store),
+        Access::same_uid().at(endpoint.clone()),
+    )
+    .unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!((mode(&dir), mode(&sock_path)), (0o700, 0o600));
+    assert_eq!(server.address(), sock_path.display().to_string());
+    assert_eq!(check(&attach(serve::fetch(name, &limits).unwrap())), TOTAL);
+    let e = Server::bind(
+        name,
+        parcel(&mut store),
+        Access::same_uid().at(endpoint.clone()),
+    );
+    assert_eq!(e.unwrap_err().serve_fault(), Some(ServeFault::InUse));
+    drop(server);
+    assert!(
+        !sock_path.exists(),
+        "the socket file is removed with its server"
+    );
+    let e = serve::fetch(name, &limits).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::NotServed), "{e}");
+    // A socket file nobody listens on: its server died.
+    let dead = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    bind(&dead, &SocketAddrUnix::new(&sock_path).unwrap()).unwrap();
+    drop(dead);
+    let e = serve::fetch(name, &limits).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::StaleSocket), "{e}");
+    let server = Server::bind(name, parcel(&mut store), Access::same_uid().at(endpoint)).unwrap();
+    assert_eq!(check(&attach(serve::fetch(name, &limits).unwrap())), TOTAL);
+    assert_eq!(server.stats().served, 1);
+    drop(server);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_directory_open_to_others_is_refused() {
+    let root = temp_dir("unsafe");
+    let dir = root.join("open");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let p = serve::Parcel {
+        manifest: vec![],
+        files: vec![],
+    };
+    let e = Server::bind("m", p, Access::same_uid().at(Endpoint::Dir(dir))).unwrap_err();
+    assert_eq!(e.serve_fault(), Some(ServeFault::UnsafeDirectory), "{e}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
