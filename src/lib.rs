@@ -54,4 +54,6 @@ mod docs {
     pub struct CacheDoctests;
     #[doc = include_str!("../docs/checkpoints.md")]
     pub struct CheckpointsDoctests;
+    #[doc = include_str!("../docs/sharing.md")]
+    pub struct SharingDoctests;
 }
