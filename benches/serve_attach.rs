@@ -6,8 +6,9 @@
 //! Then, each in processes of its own (this binary run again, `NUMAPIN_BENCH_SERVE_ROLE`):
 //! 1. served: one process places the file into a memfd store, exports it and serves it
 //!    (`numapin::serve::Server::bind`); 4 readers each fetch, parse the manifest and
-//!    attach (the time printed: from connecting to an attached `PinStore`), then compare
-//!    every byte with the file (`pread`). The sum of the 5 processes' `Pss` (from
+//!    attach (the time printed: from connecting to an attached `PinStore`), read one
+//!    byte of every page (mapping the shared pages in: timed too), then compare every
+//!    byte with the file (`pread`). The sum of the 5 processes' `Pss` (from
 //!    `/proc/PID/smaps_rollup`) is read while all hold the store, then again after the
 //!    server is SIGKILLed (the 4 readers alone).
 //! 2. own copy: 4 processes each place the file into a private store (the time printed:
@@ -110,6 +111,18 @@ fn compare(store: &PinStore) -> usize {
     n
 }
 
+/// Reads one byte of every page (the shared pages mapped in: minor faults, no copy).
+fn touch(store: &PinStore) -> u64 {
+    let mut sum = 0u64;
+    for layer in 0..layers() {
+        for e in 0..EXPERTS {
+            let w = store.weights(layer, e).unwrap();
+            sum += w.iter().step_by(4096).map(|&b| b as u64).sum::<u64>();
+        }
+    }
+    sum
+}
+
 fn wait_stdin() {
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
@@ -134,8 +147,11 @@ fn child(role: &str, name: &str) {
             let manifest = Manifest::parse(std::str::from_utf8(&parcel.manifest).unwrap()).unwrap();
             let store = PinStore::attach(&manifest, parcel.files).unwrap();
             let secs = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let touched = touch(&store);
+            let touch = t.elapsed().as_secs_f64();
             let n = compare(&store);
-            println!("READY secs={secs:.4} bytes={n}");
+            println!("READY secs={secs:.4} touch={touch:.4} bytes={n} sum={touched}");
             wait_stdin();
         }
         "own" => {
@@ -177,10 +193,14 @@ fn pss_bytes(pid: u32) -> u64 {
     kb * 1024
 }
 
-fn secs(line: &str) -> f64 {
+fn field(line: &str, key: &str) -> f64 {
     line.split_whitespace()
-        .find_map(|w| w.strip_prefix("secs=")?.parse().ok())
+        .find_map(|w| w.strip_prefix(key)?.parse().ok())
         .unwrap()
+}
+
+fn secs(line: &str) -> f64 {
+    field(line, "secs=")
 }
 
 fn finish(children: Vec<(Child, String)>) {
@@ -213,6 +233,8 @@ fn main() {
     let serve_secs = t.elapsed().as_secs_f64();
     let readers: Vec<_> = (0..READERS).map(|_| spawn("reader", &name)).collect();
     let attach: Vec<f64> = readers.iter().map(|(_, l)| secs(l)).collect();
+    let touch: Vec<f64> = readers.iter().map(|(_, l)| field(l, "touch=")).collect();
+    let ready: Vec<f64> = attach.iter().zip(&touch).map(|(a, t)| a + t).collect();
     let pss_all = pss_bytes(server.id()) as f64
         + readers
             .iter()
@@ -250,10 +272,13 @@ fn main() {
     };
     row("served: fetch + attach (+server)", &attach, pss_all);
     row("served: readers after server kill", &attach, pss_readers);
+    row("served: attach + read a byte a page", &ready, pss_readers);
     row("own copy: place each", &own_secs, pss_own);
     println!(
-        "attach / place (means): {:.4}; memory served / own: {:.3}",
+        "attach / place (means): {:.4}; attach + a byte a page / place: {:.4}; \
+         memory served / own: {:.3}",
         mean(&attach) / mean(&own_secs),
+        mean(&ready) / mean(&own_secs),
         pss_all / pss_own
     );
 }
