@@ -5,6 +5,7 @@
 mod serve_common;
 
 use std::io::{BufReader, Write};
+use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use numapin::ServeFault;
@@ -45,6 +46,13 @@ fn child_reader() {
     let name = var("SERVE_NAME");
     let parcel = serve::fetch(&name, &limits()).unwrap();
     let held = parcel.try_clone().unwrap();
+    // Sealed: this reader can neither write, shrink nor grow what the others read.
+    let file = &parcel.files[0];
+    let len = file.metadata().unwrap().len();
+    let eperm = Some(libc::EPERM);
+    assert_eq!(file.write_at(&[0], 0).unwrap_err().raw_os_error(), eperm);
+    assert_eq!(file.set_len(0).unwrap_err().raw_os_error(), eperm);
+    assert_eq!(file.set_len(len + 4096).unwrap_err().raw_os_error(), eperm);
     let store = attach(parcel);
     let bytes = check(&store);
     let stats = store.stats().unwrap();
@@ -290,4 +298,40 @@ fn child_squatter() {
     listen(&sock, 8).unwrap();
     println!("LISTENING");
     std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn when_the_placer_fails_a_waiter_places_instead() {
+    let name = unique("fail");
+    let (placing_tx, placing_rx) = std::sync::mpsc::channel();
+    let first = {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            serve::serve_or_attach(&name, Access::same_uid(), &limits(), || {
+                placing_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+                // Any error: a bad node string stands for a failed placement.
+                let failed = numapin::NodeSet::parse("not-a-node").unwrap_err();
+                Err::<(numapin::store::PinStore, serve::Parcel), _>(failed)
+            })
+        })
+    };
+    placing_rx.recv().unwrap();
+    // The name is taken while the first places: this one waits, sees it fail, places.
+    let joined = serve::serve_or_attach(&name, Access::same_uid(), &limits(), || {
+        let mut s = store();
+        let p = parcel(&mut s);
+        Ok((s, p))
+    })
+    .unwrap();
+    let Joined::Placed { value, server } = joined else {
+        panic!("the waiter attached to a placer that failed")
+    };
+    assert!(first.join().unwrap().is_err());
+    assert_eq!(check(&value), TOTAL);
+    assert_eq!(
+        check(&attach(serve::fetch(&name, &limits()).unwrap())),
+        TOTAL
+    );
+    assert_eq!(server.stats().served, 1);
 }
