@@ -335,3 +335,20 @@ fn when_the_placer_fails_a_waiter_places_instead() {
     );
     assert_eq!(server.stats().served, 1);
 }
+
+#[test]
+fn a_store_serves_itself_and_attaches_by_name() {
+    let mut store = store();
+    let name = unique("store");
+    let server = store.serve(&name, Access::same_uid()).unwrap();
+    let attached = numapin::store::PinStore::attach_served(&name, &limits()).unwrap();
+    assert_eq!(check(&attached), TOTAL);
+    assert_eq!(check(&store), TOTAL);
+    assert_eq!(server.stats().served, 1);
+    let garbled = serve::Parcel {
+        manifest: vec![0xff, 0xfe],
+        files: vec![],
+    };
+    let e = numapin::store::PinStore::attach_parcel(garbled).unwrap_err();
+    assert!(e.to_string().contains("not UTF-8"), "{e}");
+}

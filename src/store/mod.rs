@@ -12,6 +12,7 @@ mod manifest;
 mod options;
 mod pack;
 mod replica;
+mod served;
 mod shared;
 mod slot_map;
 mod spec;
