@@ -33,8 +33,8 @@ fn four_readers_fetch_attach_and_read_every_byte() {
             "{text}"
         );
     }
-    assert_eq!(server.stats().served, 4);
-    assert_eq!(server.stats().refused, 0);
+    let stats = settle(&server, 4);
+    assert_eq!((stats.served, stats.refused), (4, 0));
 }
 
 /// Fetches, attaches, checks every byte; then, when the parent writes a line (or at
@@ -235,8 +235,8 @@ fn a_peer_of_another_uid_is_refused_unless_allowed() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("FAULT Some(Closed)"), "{text}");
-    assert_eq!(server.stats().refused, 1);
-    assert_eq!(server.stats().served, 0);
+    let stats = settle(&server, 1);
+    assert_eq!((stats.served, stats.refused), (0, 1));
     drop(server);
     let name = unique("allowed");
     let server = Server::bind(&name, parcel(&mut store), Access::allow([65534])).unwrap();
@@ -245,7 +245,7 @@ fn a_peer_of_another_uid_is_refused_unless_allowed() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(&format!("READ bytes={TOTAL}")), "{text}");
-    assert_eq!(server.stats().served, 1);
+    assert_eq!(settle(&server, 1).served, 1);
 }
 
 /// As nobody: fetches root's name; prints the fault, or reads every byte.
@@ -333,7 +333,7 @@ fn when_the_placer_fails_a_waiter_places_instead() {
         check(&attach(serve::fetch(&name, &limits()).unwrap())),
         TOTAL
     );
-    assert_eq!(server.stats().served, 1);
+    assert_eq!(settle(&server, 1).served, 1);
 }
 
 #[test]
@@ -344,7 +344,7 @@ fn a_store_serves_itself_and_attaches_by_name() {
     let attached = numapin::store::PinStore::attach_served(&name, &limits()).unwrap();
     assert_eq!(check(&attached), TOTAL);
     assert_eq!(check(&store), TOTAL);
-    assert_eq!(server.stats().served, 1);
+    assert_eq!(settle(&server, 1).served, 1);
     let garbled = serve::Parcel {
         manifest: vec![0xff, 0xfe],
         files: vec![],

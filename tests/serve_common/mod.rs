@@ -144,3 +144,16 @@ pub fn fd_count() -> usize {
 pub fn var(key: &str) -> String {
     std::env::var(key).unwrap_or_else(|_| panic!("{key}: run by the parent test"))
 }
+
+/// The server's stats once it has handled `peers` connections (it counts one after its
+/// last write, which the peer may have read already), waiting at most 20 s.
+pub fn settle(server: &numapin::serve::Server, peers: u64) -> numapin::serve::ServeStats {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let s = server.stats();
+        if s.served + s.failed + s.refused >= peers || std::time::Instant::now() > deadline {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
