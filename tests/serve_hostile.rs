@@ -234,6 +234,7 @@ fn bad_names_are_refused_by_name() {
     }
     let e = serve::fetch(&unique("nobody-serves"), &Limits::default()).unwrap_err();
     assert_eq!(e.serve_fault(), Some(ServeFault::NotServed), "{e}");
+    assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::NotFound);
 }
 
 #[test]

@@ -355,7 +355,8 @@ impl From<Error> for std::io::Error {
     /// syscall (the operation and arguments are lost: log the numapin error first if
     /// you need them); file errors give back their own `io::Error`. Everything else keeps
     /// its message, as [`std::io::ErrorKind::InvalidInput`] for bad arguments,
-    /// `PermissionDenied` for a missing capability, `Other` otherwise.
+    /// `PermissionDenied` for a missing capability, a serve fault as its kind (`TimedOut`,
+    /// `NotFound`, `InvalidData`, ...), `Other` otherwise.
     fn from(e: Error) -> Self {
         let kind = match e {
             Error::Io { source, .. } => {
@@ -376,6 +377,7 @@ impl From<Error> for std::io::Error {
             | Error::NotHeld { .. }
             | Error::NodeNotAllowed { .. } => std::io::ErrorKind::InvalidInput,
             Error::MissingCapability { .. } => std::io::ErrorKind::PermissionDenied,
+            Error::Serve { fault, .. } => fault.io_kind(),
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, e)

@@ -66,6 +66,26 @@ impl fmt::Display for ServeFault {
     }
 }
 
+impl ServeFault {
+    /// The `io::ErrorKind` an [`Error::Serve`] of this fault becomes.
+    pub(crate) fn io_kind(self) -> std::io::ErrorKind {
+        use std::io::ErrorKind as K;
+        match self {
+            ServeFault::NameTooLong | ServeFault::BadName => K::InvalidInput,
+            ServeFault::InUse => K::AddrInUse,
+            ServeFault::NotServed | ServeFault::StaleSocket => K::NotFound,
+            ServeFault::UnsafeDirectory | ServeFault::PeerUid => K::PermissionDenied,
+            ServeFault::Closed => K::ConnectionAborted,
+            ServeFault::Timeout => K::TimedOut,
+            ServeFault::Truncated => K::UnexpectedEof,
+            ServeFault::Oversized
+            | ServeFault::BadMessage
+            | ServeFault::FdCount
+            | ServeFault::FdKind => K::InvalidData,
+        }
+    }
+}
+
 impl Error {
     /// A rendezvous fault for the served `name`.
     pub(crate) fn serve(
