@@ -253,10 +253,7 @@ fn a_peer_of_another_uid_is_refused_unless_allowed() {
 #[ignore = "a child process of the serve tests"]
 fn child_nobody() {
     become_nobody();
-    let limits = Limits {
-        owner: Some(0),
-        ..limits()
-    };
+    let limits = limits().owner(0);
     match serve::fetch(&var("SERVE_NAME"), &limits) {
         Ok(p) => println!("READ bytes={}", check(&attach(p))),
         Err(e) => println!("FAULT {:?} {e}", e.serve_fault()),

@@ -106,6 +106,7 @@ impl Parcel {
 
 /// Where a name's socket lives (see the [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Endpoint {
     /// The abstract socket `@numapin-<uid>-<name>`.
     #[default]
@@ -116,8 +117,10 @@ pub enum Endpoint {
     Dir(PathBuf),
 }
 
-/// Who a [`Server`] answers, and where it listens.
+/// Who a [`Server`] answers, and where it listens: [`Access::same_uid`],
+/// [`Access::allow`], then [`Access::at`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Access {
     /// Where the socket lives.
     pub endpoint: Endpoint,
@@ -147,8 +150,9 @@ impl Access {
     }
 }
 
-/// What [`fetch`] accepts, and how long it waits.
+/// What [`fetch`] accepts, and how long it waits: `Limits::default()` and the setters.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Limits {
     /// Where the socket lives.
     pub endpoint: Endpoint,
@@ -185,6 +189,31 @@ impl Limits {
     /// The same limits with another timeout.
     pub fn timeout(self, timeout: Duration) -> Limits {
         Limits { timeout, ..self }
+    }
+
+    /// The same limits for a name served by `uid` (its socket's `<uid>`, and the uid the
+    /// server must run as).
+    pub fn owner(self, uid: u32) -> Limits {
+        Limits {
+            owner: Some(uid),
+            ..self
+        }
+    }
+
+    /// The same limits with another largest manifest.
+    pub fn max_manifest_bytes(self, bytes: u64) -> Limits {
+        Limits {
+            max_manifest_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// The same limits with another most files.
+    pub fn max_files(self, files: u32) -> Limits {
+        Limits {
+            max_files: files,
+            ..self
+        }
     }
 }
 

@@ -23,6 +23,7 @@ const POLL_EVERY: Duration = Duration::from_millis(50);
 
 /// What a [`Server`] has done so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct ServeStats {
     /// Peers sent the whole parcel.
     pub served: u64,
