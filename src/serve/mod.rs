@@ -30,6 +30,10 @@
 //! as the owner uid it asked for ([`Limits::owner`], its own by default): a process of
 //! another uid squatting an abstract name is refused ([`ServeFault::PeerUid`]).
 //!
+//! [`ServeFault::UnsafeDirectory`]: crate::ServeFault::UnsafeDirectory
+//! [`ServeFault::Closed`]: crate::ServeFault::Closed
+//! [`ServeFault::PeerUid`]: crate::ServeFault::PeerUid
+//!
 //! # The wire
 //!
 //! One connection, one parcel, server to client: a 24-byte header (`NUMAPIN\0`, version
