@@ -219,8 +219,10 @@ impl Checkpoint {
         let cost = assigned.cost(self, plan, slot);
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
+        // An expert assignment (a hybrid split) is the experts' alone.
         let dense_options = options
             .clone()
+            .assignment(None)
             .piece_align(assigned.layout.align)
             .piece_congruence(assigned.layout.modulus);
         let mut stores = Vec::with_capacity(assigned.stores.len());
@@ -279,6 +281,7 @@ impl Checkpoint {
             expert_plan: assigned.experts,
             naming: assigned.naming,
             report: None,
+            identity: Some(super::export::Identity::of(self)?),
         };
         let measured = model.measure()?;
         let mappings = model.mappings()?;
