@@ -120,13 +120,13 @@ impl PinStore {
                 continue;
             };
             for arena in l.all_arenas_mut() {
-                if !arena.is_frozen() {
-                    if let Err((e, lost)) = arena.freeze() {
-                        if lost {
-                            self.state = State::Broken;
-                        }
-                        return Err(e);
+                if !arena.is_frozen()
+                    && let Err((e, lost)) = arena.freeze()
+                {
+                    if lost {
+                        self.state = State::Broken;
                     }
+                    return Err(e);
                 }
             }
         }

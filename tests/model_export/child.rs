@@ -113,6 +113,7 @@ fn export_child() {
         .map(|(n, s, b)| (n, (s, b)))
         .collect();
     let (mut tensors, mut pieces, mut copies, mut digested) = (0, 0, 0, 0);
+    let mut replicated = 0;
     let mut first_view: Option<&[u8]> = None;
     for (name, (shape, whole)) in &numpy {
         let view = match model.tensor(name) {
@@ -138,20 +139,22 @@ fn export_child() {
             assert!(copy == &want[..], "{name}: the copy on {node:?} differs");
             copies += 1;
         }
-        if let Some((node, _)) = &pinned {
-            let all = model.tensor_copies(name).unwrap();
-            if let Some((_, own)) = all.iter().find(|(n, _)| *n == Some(*node)) {
-                if all.len() > 1 && view.class() != numapin::model::TensorClass::RoutedExperts {
-                    // A replicated tensor: the reader's view is its node's copy, on its node.
-                    assert_eq!(
-                        own.as_ptr(),
-                        bytes.as_ptr(),
-                        "{name}: not node {}'s copy",
-                        node.0
-                    );
-                    assert_on(bytes, *node, name);
-                }
-            }
+        let all = model.tensor_copies(name).unwrap();
+        if let Some((node, _)) = &pinned
+            && all.len() > 1
+            && view.class() != numapin::model::TensorClass::RoutedExperts
+        {
+            // A replicated tensor: the reader's view is its node's copy, on its node.
+            let own = all.iter().find(|(n, _)| *n == Some(*node));
+            let (_, own) = own.unwrap_or_else(|| panic!("{name}: no copy on node {}", node.0));
+            assert_eq!(
+                own.as_ptr(),
+                bytes.as_ptr(),
+                "{name}: not node {}'s copy",
+                node.0
+            );
+            assert_on(bytes, *node, name);
+            replicated += 1;
         }
     }
     for (layer, ids) in expert_layers(&model) {
@@ -198,7 +201,7 @@ fn export_child() {
          ({digested} sliced pieces against the exporter's digests)"
     );
     if let Some((node, _)) = pinned {
-        println!("CHILD ON NODE {}", node.0);
+        println!("CHILD ON NODE {} ({replicated} replicated tensors)", node.0);
     }
 }
 

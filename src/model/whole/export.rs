@@ -116,11 +116,12 @@ struct Body {
 ///
 /// # Example
 /// ```no_run
-/// use numapin::model::{Checkpoint, ModelManifest, PlacedModel, PlacementPlan};
+/// use numapin::model::{Checkpoint, ModelManifest, PlacedModel};
 /// use numapin::store::StoreOptions;
+/// use numapin::NodeSet;
 ///
 /// let checkpoint = Checkpoint::open("/models/qwen3-30b-a3b")?;
-/// let plan = PlacementPlan::default();
+/// let plan = checkpoint.default_plan(NodeSet::allowed()?)?;
 /// let mut model = checkpoint.place(&plan, StoreOptions::default().shared(true))?;
 /// let export = model.export()?;
 /// let bytes = export.manifest.to_bytes(); // to the reader, with the files
