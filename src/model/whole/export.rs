@@ -262,9 +262,10 @@ impl PlacedModel {
     /// duplicating fails (as [`PinStore::export`]).
     pub fn export(&mut self) -> Result<ModelExport> {
         let identity = self.identity.clone().ok_or_else(|| {
-            Error::empty(
+            Error::wrong_backing(
                 EXPORT,
-                "checkpoint identity (the model was not placed here)",
+                "a placement that is not memfd-backed",
+                "a placement made with StoreOptions::shared(true)",
             )
         })?;
         let mut files = Vec::new();

@@ -281,7 +281,11 @@ impl Checkpoint {
             expert_plan: assigned.experts,
             naming: assigned.naming,
             report: None,
-            identity: Some(super::export::Identity::of(self)?),
+            // Read (the files' header bytes) only for a placement that can be exported.
+            identity: match options.shared {
+                true => Some(super::export::Identity::of(self)?),
+                false => None,
+            },
         };
         let measured = model.measure()?;
         let mappings = model.mappings()?;

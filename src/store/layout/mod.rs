@@ -391,7 +391,8 @@ mod tests {
             assert_eq!(layout.has_home(), home, "{layout:?}");
             assert_eq!(layout.loader_spread(), spread, "{layout:?}");
             assert!(layout.check(false).is_ok(), "{layout:?}");
-            assert_eq!(layout.check(true).is_ok(), copies == 1, "{layout:?}");
+            // Shared arenas take every layout (replicas export with PlacedModel::export).
+            assert!(layout.check(true).is_ok(), "{layout:?}");
         }
         // Fewer experts than nodes: a block per expert, no empty blocks mapped.
         let split = Placer::with_domains(Layout::SplitExperts(nodes), None, |_| Vec::new());
