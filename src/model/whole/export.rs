@@ -173,7 +173,9 @@ impl ModelManifest {
         if header != MODEL_MANIFEST_HEADER.as_bytes() || newline.is_none() {
             let text = String::from_utf8_lossy(header);
             let (head, _) = crate::error::clip(&text, 80);
-            let why = if header.starts_with(b"numapin-model ") {
+            let why = if newline.is_none() && header.starts_with(b"numapin-model ") {
+                "the header line does not end with a newline (truncated?)".to_owned()
+            } else if header.starts_with(b"numapin-model ") {
                 format!("unsupported version (this crate reads {MODEL_MANIFEST_HEADER:?})")
             } else {
                 format!(
@@ -408,5 +410,74 @@ fn with_store(e: Error, store: &str) -> Error {
             )
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn with_header(body: &str) -> Vec<u8> {
+        format!("{MODEL_MANIFEST_HEADER}\n{body}").into_bytes()
+    }
+
+    const EMPTY: &str = r#"{"identity":{"tensors":0,"files":[]},"files":0,"tensors":[],"expert_plan":null,"dense":[],"experts":null}"#;
+
+    #[test]
+    fn an_empty_manifest_round_trips_and_odd_ones_are_named() {
+        let m = ModelManifest::parse(&with_header(EMPTY)).unwrap();
+        assert_eq!(ModelManifest::parse(&m.to_bytes()).unwrap(), m);
+        assert_eq!((m.file_count(), m.tensor_count()), (0, 0));
+        let cases = [
+            // A number past u64 (serde_json reads it as a float), a negative count.
+            (
+                EMPTY.replace(r#""files":0"#, r#""files":99999999999999999999999"#),
+                "expected usize",
+            ),
+            (EMPTY.replace(r#""tensors":0"#, r#""tensors":-3"#), "-3"),
+            (
+                EMPTY.replace(r#""experts":null}"#, r#""experts":null,"more":1}"#),
+                "unknown field `more`",
+            ),
+            (
+                EMPTY.replace(r#""files":0,"#, r#""files":0,"files":1,"#),
+                "duplicate field `files`",
+            ),
+            (EMPTY.replace(r#""dense":[],"#, ""), "missing field `dense`"),
+            (format!("{EMPTY} trailing"), "trailing"),
+            ("[".repeat(100_000), "invalid type"), // deep nesting stops at the first bracket
+        ];
+        for (body, needle) in cases {
+            let e = ModelManifest::parse(&with_header(&body))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("ModelManifest::parse"), "{e}");
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+        for (bytes, needle) in [
+            (&b""[..], "not a numapin model manifest"),
+            (b"numapin-model 1", "does not end with a newline"),
+            (b"numapin-model 7\n{}", "unsupported version"),
+        ] {
+            let e = ModelManifest::parse(bytes).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics(body in "[ -~\n]{0,300}") {
+            let _ = ModelManifest::parse(&with_header(&body));
+            let _ = ModelManifest::parse(body.as_bytes());
+        }
+
+        #[test]
+        fn parse_never_panics_on_edited_manifests(at in 0usize..200, byte in any::<u8>()) {
+            let mut bytes = with_header(EMPTY);
+            let i = at % bytes.len();
+            bytes[i] = byte;
+            let _ = ModelManifest::parse(&bytes);
+        }
     }
 }
