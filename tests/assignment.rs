@@ -50,7 +50,7 @@ fn reason(e: Error) -> Invalid {
 }
 
 #[test]
-fn an_assignment_is_for_a_split_that_is_not_shared() {
+fn an_assignment_is_for_a_split() {
     let set = nodes();
     let first = Home::Node(set.nth(0).unwrap());
     let a = Some(ExpertAssignment::new().layer(0, vec![first; 4]));
@@ -62,8 +62,9 @@ fn an_assignment_is_for_a_split_that_is_not_shared() {
         let e = PinStore::new(layout, options().assignment(a.clone())).unwrap_err();
         assert!(e.to_string().contains("SplitExperts"), "{e}");
     }
+    // Shared too: a hybrid placement exports through PlacedModel::export.
     let shared = options().shared(true).assignment(a.clone());
-    assert!(PinStore::new(Layout::SplitExperts(set), shared).is_err());
+    assert!(PinStore::new(Layout::SplitExperts(set), shared).is_ok());
     let store = PinStore::new(Layout::SplitExperts(set), options().assignment(a)).unwrap();
     // Layer 0 is assigned 4 experts; packing 5 is a mismatch, named.
     let d = data(5);

@@ -345,13 +345,31 @@ fn replicas_that_cannot_fit_are_refused_up_front_with_each_nodes_figure() {
 }
 
 #[test]
-fn replicated_stores_cannot_be_shared_and_empty_sets_are_refused() {
+fn replicated_shared_stores_export_only_whole_and_empty_sets_are_refused() {
     let set = common::nodes();
     let shared = StoreOptions::default().shared(true);
-    assert!(matches!(
-        PinStore::new(Layout::Replicate(set), shared),
-        Err(Error::InvalidArgument { .. })
-    ));
+    // A replicated shared store packs; its replicas export only through
+    // PlacedModel::export (the store manifest has no place for them).
+    let mut store = PinStore::new(Layout::Replicate(set), shared).unwrap();
+    let w = vec![5u8; 5000];
+    let source = ExpertSource::Memory {
+        weights: &w,
+        scales: &[],
+    };
+    let spec = LayerSpec {
+        experts: 1,
+        weight_bytes: 5000,
+        scale_bytes: 0,
+    };
+    store
+        .pack_layer(0, &spec, std::slice::from_ref(&source))
+        .unwrap();
+    if store.replica_nodes(0).unwrap().is_empty() {
+        store.export().unwrap(); // placement denied: one unplaced copy
+    } else {
+        let e = store.export().unwrap_err().to_string();
+        assert!(e.contains("PlacedModel::export"), "{e}");
+    }
     for layout in [
         Layout::Replicate(NodeSet::new()),
         Layout::SplitExperts(NodeSet::new()),
@@ -454,9 +472,9 @@ fn replicate_domains_makes_a_copy_per_domain_and_local_reads_find_it() {
         }
         assert_eq!(stats.node_bytes, expected);
     }
-    // Exporting replicas is refused, as for Replicate.
+    // Shared replicas are made (and export through PlacedModel::export), as for Replicate.
     let shared = StoreOptions::default().shared(true);
-    assert!(PinStore::new(Layout::ReplicateDomains(set), shared).is_err());
+    assert!(PinStore::new(Layout::ReplicateDomains(set), shared).is_ok());
 }
 
 #[test]

@@ -61,8 +61,9 @@ pub use slice::{RoleSlice, SliceAxis, TensorSlice};
 pub use verify::{SlotMismatch, VerifyReport};
 pub use whole::{
     Block, ClassCost, ClassMeasured, DENSE_ALIGN, DenseLayout, DenseSlice, ExpertPieceView,
-    ExpertRole, ExpertTensorRef, FrameworkPlan, FrameworkStyle, PlacedModel, PlacementCost,
-    PlacementPlan, TensorClass, TensorView, WholeReport, WholeVerify,
+    ExpertRole, ExpertTensorRef, FrameworkPlan, FrameworkStyle, MAX_MANIFEST_BYTES,
+    MODEL_MANIFEST_HEADER, ModelExport, ModelManifest, PlacedModel, PlacementCost, PlacementPlan,
+    TensorClass, TensorView, WholeReport, WholeVerify,
 };
 
 use crate::error::{CheckpointFault, Error, Result};

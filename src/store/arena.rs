@@ -323,6 +323,23 @@ impl Arena {
         self.region.policy_at(self.slot_range(i).start)
     }
 
+    /// Whether its slots are in an assigned order rather than by index.
+    pub(crate) fn has_order(&self) -> bool {
+        self.order.is_some()
+    }
+
+    /// Whether the arena is frozen (sealed) already.
+    pub(crate) fn is_frozen(&self) -> bool {
+        self.region.sealed_file().is_some()
+    }
+
+    /// Its slot order for an export: expert → slot position (`None`: not held); `None`
+    /// where slot `i` is expert `i`.
+    pub(crate) fn order_part(&self) -> Option<Vec<Option<usize>>> {
+        let order = self.order.as_ref()?;
+        Some(order.iter().map(|&p| (p != ABSENT).then_some(p)).collect())
+    }
+
     /// The sealed file behind a frozen or attached arena.
     pub(crate) fn sealed_file(&self) -> Option<&File> {
         self.region.sealed_file()

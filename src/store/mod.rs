@@ -18,6 +18,8 @@ mod slot_map;
 mod spec;
 mod stats;
 mod table;
+#[cfg(feature = "model")]
+mod whole_export;
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -43,6 +45,8 @@ pub(crate) use slot_map::PieceLayout;
 pub use slot_map::{SlotMap, SlotPiece};
 pub use spec::{LayerReport, LayerSpec};
 pub use stats::{PAGE_SAMPLE, StoreStats};
+#[cfg(feature = "model")]
+pub(crate) use whole_export::StorePart;
 // For whole-model plans (`model::whole`), which check every store's needs at once.
 pub(crate) use budget::HEAP_MARGIN;
 
@@ -138,17 +142,12 @@ impl PinStore {
         let slot = options.slot_align.bytes()?;
         slot_map::check_piece_align(options.piece_align)?;
         slot_map::check_piece_congruence(options.piece_congruence, options.piece_align, slot)?;
-        if options.assignment.is_some() && (layout.blocks().is_none() || options.shared) {
+        if options.assignment.is_some() && layout.blocks().is_none() {
             return Err(Error::invalid(
                 "PinStore::new",
                 format!(
-                    "an expert assignment with {layout:?}{}: it places the experts of \
-                     Layout::SplitExperts, in a store that is not shared",
-                    if options.shared {
-                        " and shared arenas"
-                    } else {
-                        ""
-                    }
+                    "an expert assignment with {layout:?}: it places the experts of \
+                     Layout::SplitExperts"
                 ),
             ));
         }

@@ -72,6 +72,20 @@ impl PinStore {
                 ),
             ));
         }
+        // Its manifest has no place for replicas or a slot order: PlacedModel's has.
+        if let Some((layer, _)) = self
+            .layers
+            .iter()
+            .find(|(_, l)| !l.replica_nodes().is_empty() || l.all_arenas().any(Arena::has_order))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "layer {layer} has replicas or a hybrid slot order, which the store \
+                     manifest cannot describe: export it through PlacedModel::export"
+                ),
+            ));
+        }
         self.state = State::Frozen;
         let indices: Vec<usize> = self.layers.iter().map(|(i, _)| i).collect();
         for &layer in &indices {

@@ -40,6 +40,7 @@
 mod assign;
 mod classes;
 mod expert_tensors;
+mod export;
 mod framework;
 mod glob;
 mod measure;
@@ -51,9 +52,11 @@ mod structure;
 mod text;
 pub(crate) mod tp;
 mod views;
+mod wire;
 
 pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};
 pub use classes::TensorClass;
+pub use export::{MAX_MANIFEST_BYTES, MODEL_MANIFEST_HEADER, ModelExport, ModelManifest};
 pub use framework::{FrameworkPlan, FrameworkStyle};
 pub use plan::{DenseLayout, PlacementPlan};
 pub use report::{ClassMeasured, WholeReport, WholeVerify};

@@ -219,8 +219,10 @@ impl Checkpoint {
         let cost = assigned.cost(self, plan, slot);
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
+        // An expert assignment (a hybrid split) is the experts' alone.
         let dense_options = options
             .clone()
+            .assignment(None)
             .piece_align(assigned.layout.align)
             .piece_congruence(assigned.layout.modulus);
         let mut stores = Vec::with_capacity(assigned.stores.len());
@@ -279,6 +281,11 @@ impl Checkpoint {
             expert_plan: assigned.experts,
             naming: assigned.naming,
             report: None,
+            // Read (the files' header bytes) only for a placement that can be exported.
+            identity: match options.shared {
+                true => Some(super::export::Identity::of(self)?),
+                false => None,
+            },
         };
         let measured = model.measure()?;
         let mappings = model.mappings()?;

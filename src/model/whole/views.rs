@@ -98,6 +98,8 @@ pub struct PlacedModel {
     pub(crate) expert_plan: Option<ExpertPlan>,
     pub(crate) naming: Option<Naming>,
     pub(crate) report: Option<WholeReport>,
+    /// The checkpoint's identity, for an export's manifest.
+    pub(crate) identity: Option<super::export::Identity>,
 }
 
 /// A tensor looked up by its checkpoint name.

@@ -77,7 +77,41 @@ pub struct SlotMap {
     /// (`None`: slot `i` is expert `i`).
     ids: Option<Box<[usize]>>,
 }
+/// A slot map's tables: `(piece_align, piece_congruence)`, the distinct layouts, each
+/// slot's layout and the share's ids.
+#[cfg(feature = "model")]
+type Tables<'a> = (usize, usize, &'a [Places], &'a [usize], Option<&'a [usize]>);
+
 impl SlotMap {
+    /// Its tables, for a whole-model export.
+    #[cfg(feature = "model")]
+    pub(super) fn tables(&self) -> Tables<'_> {
+        (
+            self.piece_align,
+            self.piece_congruence,
+            &self.places,
+            &self.of_expert,
+            self.ids.as_deref(),
+        )
+    }
+
+    /// A map from its tables (checked by the caller: every slot names a layout).
+    #[cfg(feature = "model")]
+    pub(super) fn from_tables(
+        (piece_align, piece_congruence): (usize, usize),
+        places: Vec<Places>,
+        of_expert: Vec<usize>,
+        ids: Option<Box<[usize]>>,
+    ) -> SlotMap {
+        SlotMap {
+            piece_align,
+            piece_congruence,
+            places,
+            of_expert,
+            ids,
+        }
+    }
+
     /// The layout of every source of a layer.
     pub(super) fn build(
         layer: usize,

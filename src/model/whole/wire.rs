@@ -1,0 +1,468 @@
+//! The model manifest's parts ([`super::export`]): the tensor table and the expert plan
+//! as plain serde structs (unknown fields refused), converted both ways and checked on
+//! the way in so that no index a view follows can be out of range.
+
+use serde::{Deserialize, Serialize};
+
+use super::classes::TensorClass;
+use super::shape::DenseSlice;
+use super::views::{Place, PlacedTensor};
+use crate::error::{Error, Result};
+use crate::model::share::LayerShare;
+use crate::model::{
+    Dtype, ExpertPieces, ExpertPlan, GateUpLayout, GgmlType, LayerPlan, Orientation, PieceRole,
+    RoleSlice, SafetensorsDtype, SliceAxis, TensorPiece,
+};
+use crate::store::Kind;
+
+pub(super) const ATTACH: &str = "PlacedModel::attach";
+
+/// One tensor of the table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TensorPart {
+    pub(super) name: String,
+    class: String,
+    layer: Option<usize>,
+    /// `st:BF16` or `ggml:Q4_K`.
+    dtype: String,
+    shape: Vec<u64>,
+    file: usize,
+    offset: u64,
+    len: u64,
+    rows: (u64, u64),
+    place: PlacePart,
+    /// `(rows, start, len, extent)`: rows true for the outermost axis.
+    slice: Option<(bool, u64, u64, u64)>,
+}
+
+/// [`Place`], with the kind as `scales: bool`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+enum PlacePart {
+    Dense {
+        store: usize,
+        layer: usize,
+        offset: usize,
+        len: usize,
+    },
+    ExpertPiece {
+        layer: usize,
+        expert: usize,
+        scales: bool,
+        offset: usize,
+        len: usize,
+    },
+    Experts,
+    NotHeld {
+        layer: usize,
+        expert: usize,
+    },
+    Padded {
+        layer: usize,
+        expert: usize,
+    },
+    Empty,
+}
+
+/// The expert plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PlanPart {
+    naming: String,
+    engine_tensors: usize,
+    engine_bytes: u64,
+    layers: Vec<LayerPlanPart>,
+}
+
+/// A piece: `(tensor, file, offset, len)`.
+type PiecePart = (usize, usize, u64, u64);
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerPlanPart {
+    layer: usize,
+    /// Per slot: weight pieces, scale pieces.
+    experts: Vec<(Vec<PiecePart>, Vec<PiecePart>)>,
+    weight_bytes: u64,
+    scale_bytes: u64,
+    /// `(scale slot, name)`.
+    roles: Vec<(bool, String)>,
+    canonical: Vec<String>,
+    gate_up: Option<String>,
+    /// `out_in` or `in_out`.
+    orientations: Vec<String>,
+    share: Option<SharePart>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SharePart {
+    ids: Vec<usize>,
+    of: usize,
+    complete: bool,
+    slices: Vec<RoleSlicePart>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoleSlicePart {
+    role: String,
+    weight: bool,
+    rows: bool,
+    start: u64,
+    len: u64,
+    extent: u64,
+    shape: Vec<u64>,
+    whole: bool,
+}
+
+const GATE_UP: [GateUpLayout; 5] = [
+    GateUpLayout::GateThenUpRows,
+    GateUpLayout::GateThenUpColumns,
+    GateUpLayout::Interleaved,
+    GateUpLayout::InterleavedRows,
+    GateUpLayout::Unknown,
+];
+
+fn bad(what: &'static str, value: impl std::fmt::Display, why: &str) -> Error {
+    Error::bad_value(ATTACH, what, value, why)
+}
+
+fn dtype_text(d: Dtype) -> String {
+    match d {
+        Dtype::Safetensors(d) => format!("st:{}", d.name()),
+        Dtype::Ggml(t) => format!("ggml:{}", t.name()),
+    }
+}
+
+fn dtype_of(text: &str) -> Result<Dtype> {
+    let found = match text.split_once(':') {
+        Some(("st", name)) => SafetensorsDtype::from_name(name).map(Dtype::Safetensors),
+        Some(("ggml", name)) => GgmlType::ALL
+            .iter()
+            .find(|t| t.name() == name)
+            .map(|&t| Dtype::Ggml(t)),
+        _ => None,
+    };
+    found.ok_or_else(|| {
+        bad(
+            "dtype",
+            crate::error::quote(text),
+            "not st:NAME or ggml:NAME of a known type",
+        )
+    })
+}
+
+fn axis_of(rows: bool) -> SliceAxis {
+    if rows {
+        SliceAxis::Rows
+    } else {
+        SliceAxis::Columns
+    }
+}
+
+pub(super) fn tensor_part(t: &PlacedTensor) -> TensorPart {
+    let place = match t.place {
+        Place::Dense {
+            store,
+            layer,
+            offset,
+            len,
+        } => PlacePart::Dense {
+            store,
+            layer,
+            offset,
+            len,
+        },
+        Place::ExpertPiece {
+            layer,
+            expert,
+            kind,
+            offset,
+            len,
+        } => PlacePart::ExpertPiece {
+            layer,
+            expert,
+            scales: kind == Kind::Scales,
+            offset,
+            len,
+        },
+        Place::Experts => PlacePart::Experts,
+        Place::NotHeld { layer, expert } => PlacePart::NotHeld { layer, expert },
+        Place::Padded { layer, expert } => PlacePart::Padded { layer, expert },
+        Place::Empty => PlacePart::Empty,
+    };
+    TensorPart {
+        name: t.name.clone(),
+        class: t.class.name().to_owned(),
+        layer: t.layer,
+        dtype: dtype_text(t.dtype),
+        shape: t.shape.clone(),
+        file: t.file,
+        offset: t.offset,
+        len: t.len,
+        rows: t.rows,
+        place,
+        slice: t
+            .slice
+            .map(|s| (s.axis == SliceAxis::Rows, s.start, s.len, s.extent)),
+    }
+}
+
+/// A tensor from its part; `stores` dense stores exist.
+pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTensor> {
+    let class = TensorClass::from_name(&p.class)
+        .ok_or_else(|| bad("tensor class", crate::error::quote(&p.class), "unknown"))?;
+    let place = match p.place {
+        PlacePart::Dense {
+            store,
+            layer,
+            offset,
+            len,
+        } => {
+            if store >= stores {
+                return Err(Error::OutOfRange {
+                    op: ATTACH,
+                    what: format!("dense store of tensor {}", crate::error::quote(&p.name)),
+                    index: store,
+                    len: stores,
+                });
+            }
+            Place::Dense {
+                store,
+                layer,
+                offset,
+                len,
+            }
+        }
+        PlacePart::ExpertPiece {
+            layer,
+            expert,
+            scales,
+            offset,
+            len,
+        } => Place::ExpertPiece {
+            layer,
+            expert,
+            kind: if scales { Kind::Scales } else { Kind::Weights },
+            offset,
+            len,
+        },
+        PlacePart::Experts => Place::Experts,
+        PlacePart::NotHeld { layer, expert } => Place::NotHeld { layer, expert },
+        PlacePart::Padded { layer, expert } => Place::Padded { layer, expert },
+        PlacePart::Empty => Place::Empty,
+    };
+    Ok(PlacedTensor {
+        name: p.name.clone(),
+        class,
+        layer: p.layer,
+        dtype: dtype_of(&p.dtype)?,
+        shape: p.shape.clone(),
+        file: p.file,
+        offset: p.offset,
+        len: p.len,
+        rows: p.rows,
+        place,
+        slice: p.slice.map(|(rows, start, len, extent)| DenseSlice {
+            axis: axis_of(rows),
+            start,
+            len,
+            extent,
+        }),
+    })
+}
+
+fn piece_part(p: &TensorPiece) -> PiecePart {
+    (p.tensor, p.file, p.offset, p.len)
+}
+
+pub(super) fn plan_part(plan: &ExpertPlan) -> PlanPart {
+    PlanPart {
+        naming: plan.naming.clone(),
+        engine_tensors: plan.engine_tensors,
+        engine_bytes: plan.engine_bytes,
+        layers: plan
+            .layers
+            .iter()
+            .map(|l| LayerPlanPart {
+                layer: l.layer,
+                experts: l
+                    .experts
+                    .iter()
+                    .map(|e| {
+                        (
+                            e.weights.iter().map(piece_part).collect(),
+                            e.scales.iter().map(piece_part).collect(),
+                        )
+                    })
+                    .collect(),
+                weight_bytes: l.weight_bytes,
+                scale_bytes: l.scale_bytes,
+                roles: l
+                    .roles
+                    .iter()
+                    .map(|(r, n)| (*r == PieceRole::Scale, n.clone()))
+                    .collect(),
+                canonical: l.canonical.clone(),
+                gate_up: l.gate_up.map(|g| format!("{g:?}")),
+                orientations: l
+                    .orientations
+                    .iter()
+                    .map(|o| match o {
+                        Orientation::InOut => "in_out".to_owned(),
+                        _ => "out_in".to_owned(),
+                    })
+                    .collect(),
+                share: l.share.as_ref().map(|s| SharePart {
+                    ids: s.ids.clone(),
+                    of: s.of,
+                    complete: s.complete,
+                    slices: s
+                        .slices
+                        .iter()
+                        .map(|c| RoleSlicePart {
+                            role: c.role.clone(),
+                            weight: c.weight,
+                            rows: c.axis == SliceAxis::Rows,
+                            start: c.start,
+                            len: c.len,
+                            extent: c.extent,
+                            shape: c.shape.clone(),
+                            whole: c.whole,
+                        })
+                        .collect(),
+                }),
+            })
+            .collect(),
+    }
+}
+
+/// The plan from its part: every piece names a tensor of the `tensors` placed, a
+/// share's ids are one per slot and increasing.
+pub(super) fn expert_plan(p: &PlanPart, tensors: usize) -> Result<ExpertPlan> {
+    let piece = |&(tensor, file, offset, len): &PiecePart| {
+        if tensor >= tensors {
+            return Err(Error::OutOfRange {
+                op: ATTACH,
+                what: "tensor of an expert piece".to_owned(),
+                index: tensor,
+                len: tensors,
+            });
+        }
+        Ok(TensorPiece {
+            tensor,
+            file,
+            offset,
+            len,
+        })
+    };
+    let mut layers = Vec::with_capacity(p.layers.len());
+    for l in &p.layers {
+        let mut experts = Vec::with_capacity(l.experts.len());
+        for (w, s) in &l.experts {
+            experts.push(ExpertPieces {
+                weights: w.iter().map(piece).collect::<Result<_>>()?,
+                scales: s.iter().map(piece).collect::<Result<_>>()?,
+            });
+        }
+        if l.canonical.len() != l.roles.len() || l.orientations.len() != l.roles.len() {
+            return Err(Error::mismatch(
+                ATTACH,
+                format!(
+                    "layer {}: canonical roles and orientations, one per role",
+                    l.layer
+                ),
+                l.roles.len(),
+                l.canonical.len().min(l.orientations.len()),
+            ));
+        }
+        let orientations = l
+            .orientations
+            .iter()
+            .map(|o| match o.as_str() {
+                "out_in" => Ok(Orientation::OutIn),
+                "in_out" => Ok(Orientation::InOut),
+                other => Err(bad(
+                    "orientation",
+                    crate::error::quote(other),
+                    "out_in or in_out",
+                )),
+            })
+            .collect::<Result<_>>()?;
+        let gate_up = match &l.gate_up {
+            None => None,
+            Some(g) => Some(
+                GATE_UP
+                    .into_iter()
+                    .find(|x| format!("{x:?}") == *g)
+                    .ok_or_else(|| bad("gate_up layout", crate::error::quote(g), "unknown"))?,
+            ),
+        };
+        let share = match &l.share {
+            None => None,
+            Some(s) => {
+                let increasing = s.ids.windows(2).all(|w| w[0] < w[1]);
+                if s.ids.len() != experts.len() || !increasing || s.ids.iter().any(|&i| i >= s.of) {
+                    return Err(Error::invalid(
+                        ATTACH,
+                        format!(
+                            "layer {}: the share's ids are not {} increasing ids below {}",
+                            l.layer,
+                            experts.len(),
+                            s.of
+                        ),
+                    ));
+                }
+                Some(LayerShare {
+                    ids: s.ids.clone(),
+                    of: s.of,
+                    complete: s.complete,
+                    slices: s
+                        .slices
+                        .iter()
+                        .map(|c| RoleSlice {
+                            role: c.role.clone(),
+                            weight: c.weight,
+                            axis: axis_of(c.rows),
+                            start: c.start,
+                            len: c.len,
+                            extent: c.extent,
+                            shape: c.shape.clone(),
+                            whole: c.whole,
+                        })
+                        .collect(),
+                })
+            }
+        };
+        layers.push(LayerPlan {
+            layer: l.layer,
+            experts,
+            weight_bytes: l.weight_bytes,
+            scale_bytes: l.scale_bytes,
+            roles: l
+                .roles
+                .iter()
+                .map(|(s, n)| {
+                    let role = if *s {
+                        PieceRole::Scale
+                    } else {
+                        PieceRole::Weight
+                    };
+                    (role, n.clone())
+                })
+                .collect(),
+            canonical: l.canonical.clone(),
+            gate_up,
+            orientations,
+            share,
+        });
+    }
+    Ok(ExpertPlan {
+        naming: p.naming.clone(),
+        layers,
+        engine_tensors: p.engine_tensors,
+        engine_bytes: p.engine_bytes,
+    })
+}
