@@ -1,0 +1,106 @@
+"""One rank of test_torchrun.py (torchrun, gloo, CPU). For each family and mode given on
+the command line, in one job: transformers' own distributed load
+(`AutoModelForCausalLM.from_pretrained(path, distributed_config=...)`, the reference) and
+`numapin.transformers.from_pretrained(path, distributed_config=...)` with the same
+config; prints one JSON line per (family, mode) on each rank:
+
+- per parameter: whether the local shard (a DTensor's `_local_tensor`, else the tensor)
+  has transformers' bytes, shape and dtype, and whether numapin's lies in the placed
+  memory (the WholeModel's own views, independently of numapin_load);
+- whether the logits of the same ids are bit-equal;
+- for a mode numapin refuses (fewer KV heads than ranks), the error.
+
+Modes: tp (tp_size=n), ep (tp_size=n, ep_size=n, tp_plan={}: experts only), eptp
+(tp_size=n, ep_size=n: experts whole per rank, dense cut by the TP plan).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.tensor import DTensor
+from transformers.distributed import DistributedConfig
+
+import numapin
+import numapin.transformers as nt
+
+root = Path(sys.argv[1])
+jobs = [job.split(":") for job in sys.argv[2:]]  # family:mode
+dist.init_process_group("gloo")
+rank, n = dist.get_rank(), dist.get_world_size()
+
+
+def config_of(mode: str) -> DistributedConfig:
+    if mode == "tp":
+        return DistributedConfig(tp_size=n)
+    if mode == "ep":
+        return DistributedConfig(tp_size=n, ep_size=n, tp_plan={})
+    return DistributedConfig(tp_size=n, ep_size=n)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def placed(whole: numapin.WholeModel) -> list[tuple[int, int]]:
+    """Every placed byte range, from the WholeModel's views: each tensor the rank holds,
+    each held expert's roles, and each expert layer's block (first held slot's first
+    byte to the last's last: a strided [E, ...] view spans it)."""
+    ranges = []
+    for name in whole.tensors():
+        try:
+            view = whole.tensor(name)
+        except (numapin.InvalidArgument, numapin.NotHeld):
+            continue
+        ranges.append((view.address, view.address + view.span_bytes))
+    for layer in whole.layers:
+        views = [v for e in whole.expert_ids(layer) for v in whole.expert(layer, e).values()]
+        ranges.append((min(v.address for v in views),
+                       max(v.address + v.span_bytes for v in views)))
+    return ranges
+
+
+for family, mode in jobs:
+    path = root / family
+    result = {"family": family, "mode": mode, "rank": rank, "ranks": n}
+    try:
+        mine, whole = nt.from_pretrained(path, distributed_config=config_of(mode))
+    except numapin.InvalidArgument as e:
+        result["refused"] = str(e)
+        print("DIST-RESULT " + json.dumps(result), flush=True)
+        dist.barrier()
+        continue
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=config_of(mode)).eval()
+    ranges = placed(whole)
+    ref_state = ref.state_dict()
+    params = {}
+    for name, tensor in mine.state_dict().items():
+        got, want = local(tensor), local(ref_state[name])
+        start = got.data_ptr()
+        end = start + nt._span(got)
+        params[name] = {
+            "sharded": isinstance(tensor, DTensor) and got.shape != tensor.shape,
+            "equal": got.shape == want.shape and got.dtype == want.dtype
+            and bool(torch.equal(got, want)),
+            "placed": got.numel() == 0 or any(a <= start and end <= b for a, b in ranges),
+            "local": list(got.shape),
+        }
+    ids = torch.randint(0, mine.config.vocab_size, (2, 12),
+                        generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        result["logits_equal"] = bool(torch.equal(mine(ids).logits, ref(ids).logits))
+    result["params"] = params
+    result["missing"] = sorted(set(ref_state) - set(params))
+    result["copied"] = sorted(mine.numapin_load["copied"])
+    result["share"] = whole.share
+    print("DIST-RESULT " + json.dumps(result), flush=True)
+    del mine, ref, whole
+    # Every rank done with this job before the next one's collectives (and before the
+    # process group goes): gloo's pairs stay open while a peer still uses them.
+    dist.barrier()
+dist.barrier()
+dist.destroy_process_group()
