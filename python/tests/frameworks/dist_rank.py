@@ -14,7 +14,10 @@ Modes: tp (tp_size=n), ep (tp_size=n, ep_size=n, tp_plan={}: experts only), eptp
 (tp_size=n, ep_size=n: experts whole per rank, dense cut by the TP plan).
 """
 
+import faulthandler
+import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,17 +30,25 @@ from transformers.distributed import DistributedConfig
 import numapin
 import numapin.transformers as nt
 
+faulthandler.enable()  # a Python stack on SIGABRT/SIGSEGV, should one come back
 root = Path(sys.argv[1])
 jobs = [job.split(":") for job in sys.argv[2:]]  # family:mode
 dist.init_process_group("gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
 
 
-def config_of(mode: str) -> DistributedConfig:
+def config_of(path: Path, mode: str) -> DistributedConfig:
     if mode == "tp":
         return DistributedConfig(tp_size=n)
     if mode == "ep":
-        return DistributedConfig(tp_size=n, ep_size=n, tp_plan={})
+        # Experts alone: every rule of the model's TP plan overridden by "replicate"
+        # (transformers refuses tp_size > 1 with an empty tp_plan; its override is
+        # merged into the class's plan).
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(path))
+        return DistributedConfig(tp_size=n, ep_size=n,
+                                 tp_plan=dict.fromkeys(meta.tp_plan, "replicate"))
     return DistributedConfig(tp_size=n, ep_size=n)
 
 
@@ -67,14 +78,14 @@ for family, mode in jobs:
     path = root / family
     result = {"family": family, "mode": mode, "rank": rank, "ranks": n}
     try:
-        mine, whole = nt.from_pretrained(path, distributed_config=config_of(mode))
+        mine, whole = nt.from_pretrained(path, distributed_config=config_of(path, mode))
     except numapin.InvalidArgument as e:
         result["refused"] = str(e)
         print("DIST-RESULT " + json.dumps(result), flush=True)
         dist.barrier()
         continue
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=config_of(mode)).eval()
+        path, distributed_config=config_of(path, mode)).eval()
     ranges = placed(whole)
     ref_state = ref.state_dict()
     params = {}
@@ -102,5 +113,17 @@ for family, mode in jobs:
     # Every rank done with this job before the next one's collectives (and before the
     # process group goes): gloo's pairs stay open while a peer still uses them.
     dist.barrier()
+# Teardown in order, then out without the interpreter's finalization. In one run of about
+# ten, the old EP test's rank 0 died with SIGABRT after both ranks had printed their
+# (correct) results: "terminate called without an active exception", C++'s
+# std::terminate for a std::thread destroyed while still joinable — gloo's worker threads
+# torn down during interpreter finalization (process groups still referenced by the
+# model's device meshes), not numapin's memory (a write to a protected page is SIGSEGV;
+# a Rust panic says "panicked at"). So: every model and view released, every rank past
+# a barrier, the process group destroyed, then os._exit.
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
