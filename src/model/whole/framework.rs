@@ -6,9 +6,9 @@ use std::collections::BTreeSet;
 
 use super::assign::{expert_tensor_indices, experts_of};
 use super::glob::glob_match;
-use super::tp::expert_axis;
 use super::plan::PlacementPlan;
 use super::shape::normalized_shape;
+use super::tp::expert_axis;
 use crate::error::{Error, Result, quote};
 use crate::model::{Checkpoint, SliceAxis, TensorSlice};
 
