@@ -2,7 +2,7 @@
 the command line, in one job: transformers' own distributed load
 (`AutoModelForCausalLM.from_pretrained(path, distributed_config=...)`, the reference) and
 `numapin.transformers.from_pretrained(path, distributed_config=...)` with the same
-config; prints one JSON line per (family, mode) on each rank:
+config; writes one JSON line per (family, mode) into OUT_DIR/rank{k}.jsonl:
 
 - per parameter: whether the local shard (a DTensor's `_local_tensor`, else the tensor)
   has transformers' bytes, shape and dtype, and whether numapin's lies in the placed
@@ -32,9 +32,17 @@ import numapin.transformers as nt
 
 faulthandler.enable()  # a Python stack on SIGABRT/SIGSEGV, should one come back
 root = Path(sys.argv[1])
-jobs = [job.split(":") for job in sys.argv[2:]]  # family:mode
+out_dir = Path(sys.argv[2])  # rank{k}.jsonl: a file per rank (the ranks share stdout, and
+# lines past PIPE_BUF written by two processes at once interleave)
+jobs = [job.split(":") for job in sys.argv[3:]]  # family:mode
 dist.init_process_group("gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
+out = open(out_dir / f"rank{rank}.jsonl", "w")  # noqa: SIM115
+
+
+def report(result: dict) -> None:
+    out.write(json.dumps(result) + "\n")
+    out.flush()
 
 
 def config_of(path: Path, mode: str) -> DistributedConfig:
@@ -81,7 +89,7 @@ for family, mode in jobs:
         mine, whole = nt.from_pretrained(path, distributed_config=config_of(path, mode))
     except numapin.InvalidArgument as e:
         result["refused"] = str(e)
-        print("DIST-RESULT " + json.dumps(result), flush=True)
+        report(result)
         dist.barrier()
         continue
     ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -108,7 +116,7 @@ for family, mode in jobs:
     result["missing"] = sorted(set(ref_state) - set(params))
     result["copied"] = sorted(mine.numapin_load["copied"])
     result["share"] = whole.share
-    print("DIST-RESULT " + json.dumps(result), flush=True)
+    report(result)
     del mine, ref, whole
     # Every rank done with this job before the next one's collectives (and before the
     # process group goes): gloo's pairs stay open while a peer still uses them.
@@ -122,6 +130,7 @@ for family, mode in jobs:
 # a Rust panic says "panicked at"). So: every model and view released, every rank past
 # a barrier, the process group destroyed, then os._exit.
 gc.collect()
+out.close()
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()

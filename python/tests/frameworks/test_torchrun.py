@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -48,16 +49,18 @@ def results() -> dict:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     jobs = [f"{f}:{m}" for f, m in [REFUSED, *CASES]]
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", str(RANKS), str(RANK),
-         str(fixtures_dir()), *jobs],
-        capture_output=True, text=True, timeout=1800, env=env)
-    assert out.returncode == 0, (out.returncode, out.stderr[-4000:])
-    found: dict = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("DIST-RESULT "):
-            r = json.loads(line.removeprefix("DIST-RESULT "))
-            found.setdefault((r["family"], r["mode"]), {})[r["rank"]] = r
+    with tempfile.TemporaryDirectory() as out_dir:
+        out = subprocess.run(
+            [str(torchrun), "--standalone", "--nproc-per-node", str(RANKS), str(RANK),
+             str(fixtures_dir()), out_dir, *jobs],
+            capture_output=True, text=True, timeout=1800, env=env)
+        assert out.returncode == 0, (out.returncode, out.stderr[-4000:])
+        found: dict = {}
+        for k in range(RANKS):
+            for line in (Path(out_dir) / f"rank{k}.jsonl").read_text().splitlines():
+                r = json.loads(line)
+                assert r["rank"] == k, r["rank"]
+                found.setdefault((r["family"], r["mode"]), {})[k] = r
     return found
 
 
