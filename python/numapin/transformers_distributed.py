@@ -52,7 +52,11 @@ def load_share(
 ) -> tuple[Any, WholeModel]:
     cls = type(meta)
     sharded = _sharded_parameters(cls, config, distributed_config, kwargs["dtype"])
-    styles, experts_held, rank = _share_of(sharded, sources)
+    tied = frozenset(meta.all_tied_weights_keys) if hasattr(meta, "all_tied_weights_keys") \
+        else frozenset()
+    sharded = {k: v for k, v in sharded.items()
+               if k not in tied or k in sources.renamed or k in sources.fused}
+    styles, experts_held, rank = _share_of(sharded, sources, tied)
     if nodes is None:
         nodes = local_nodes()
     place_kwargs.setdefault("experts", f"interleave:{nodes}")
@@ -72,10 +76,13 @@ def load_share(
     layers_of = {name: layer for name, _, layer in whole.classes()}
     locals_: dict[str, torch.Tensor] = {}
     copied: dict[str, dict[str, Any]] = {}
+    # old parameter's id -> (the old one, kept alive so that its id is not reused; new)
+    replaced: dict[int, tuple[Any, torch.nn.Parameter]] = {}
     for target in sharded:
         module_path, _, pname = target.rpartition(".")
         module = model.get_submodule(module_path)
         ref = getattr(module, pname)
+        old = ref
         want = ref._local_tensor
         view = _local_view(whole, sources, target, want, layers_of)
         if view.dtype != want.dtype:
@@ -88,6 +95,13 @@ def load_share(
         param = torch.nn.Parameter(dtensor, requires_grad=False)
         param._is_hf_initialized = True
         module._parameters[pname] = param
+        replaced[id(old)] = (old, param)
+    # A parameter tied to a replaced one (the head to the embedding) is the new one too.
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and id(p) in replaced and replaced[id(p)][0] is p:
+                module._parameters[pname] = replaced[id(p)][1]
+    del replaced
     ranges = placed_ranges(whole, {**state, **locals_})
     model.numapin_load = _account(model, ranges, fused, copied, whole.share)
     return model, whole
@@ -101,7 +115,11 @@ def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: A
     dc, _, mesh_manager = cls.prepare_distribute_model(distributed_config)
     if mesh_manager is None:
         return {}
-    with torch.device("meta"):
+    from transformers import initialization
+
+    # Untied, as transformers' from_pretrained builds it (it ties after loading): a tied
+    # head is a parameter of its own the plan names.
+    with torch.device("meta"), initialization.no_tie_weights():
         model = cls._from_config(copy.deepcopy(config), dtype=_meta_dtype(dtype, config))
     model = cls.maybe_distribute_model(model, dc, mesh_manager)
     return {
@@ -111,7 +129,8 @@ def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: A
     }
 
 
-def _share_of(sharded: dict, sources: Sources) -> tuple[dict[str, str], str | None, str]:
+def _share_of(sharded: dict, sources: Sources, tied: frozenset[str]
+              ) -> tuple[dict[str, str], str | None, str]:
     """transformers' placements as numapin's share: ({checkpoint module glob: style},
     experts_held text or None, "k/n" of the cutting mesh)."""
     modules: dict[str, str] = {}
@@ -142,6 +161,8 @@ def _share_of(sharded: dict, sources: Sources) -> tuple[dict[str, str], str | No
                     f"numapin.transformers: {target}: an expert tensor the file holds fused, "
                     f"cut by {cut}: numapin places its experts one slot each")
             style = "colwise" if dim == 0 else "rowwise" if dim == p.ndim - 1 else None
+        elif target in tied:
+            continue  # transformers ties it to the parameter the file holds
         else:
             raise InvalidArgument(
                 f"numapin.transformers: {target}: cut by transformers' plan ({cut}) and "

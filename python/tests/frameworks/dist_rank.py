@@ -85,15 +85,25 @@ def placed(whole: numapin.WholeModel) -> list[tuple[int, int]]:
 for family, mode in jobs:
     path = root / family
     result = {"family": family, "mode": mode, "rank": rank, "ranks": n}
+    # transformers' own load first: where it fails, numapin's is not compared.
+    try:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=config_of(path, mode)).eval()
+    except Exception as e:  # noqa: BLE001 (the case's result says what failed)
+        ref = None
+        result["reference_error"] = f"{type(e).__name__}: {e}"[:500]
     try:
         mine, whole = nt.from_pretrained(path, distributed_config=config_of(path, mode))
     except numapin.InvalidArgument as e:
         result["refused"] = str(e)
+    except Exception as e:  # noqa: BLE001
+        result["error"] = f"{type(e).__name__}: {e}"[:500]
+    if ref is None or "refused" in result or "error" in result:
         report(result)
+        del ref
+        gc.collect()
         dist.barrier()
         continue
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=config_of(path, mode)).eval()
     ranges = placed(whole)
     ref_state = ref.state_dict()
     params = {}
