@@ -103,6 +103,48 @@ fn each_rank_holds_the_styles_cut_and_its_experts_whole() {
     }
 }
 
+/// transformers' `tp_size=n` alone: the plan cuts the routed experts too (gate and up by
+/// rows, `packed_colwise` of the fused gate_up; down by columns): every expert held, each
+/// of its tensors numpy's cut of the file's.
+#[test]
+fn a_plan_cutting_the_experts_holds_each_experts_rows_and_columns() {
+    let Some(dir) = fixtures("a_plan_cutting_the_experts_holds_each_experts_rows_and_columns")
+    else {
+        return;
+    };
+    let all = NodeSet::parse("all").unwrap();
+    let checkpoint = open_fixture(&dir, "st-sharded");
+    let want = numpy_tensors(&dir.join("st-sharded"));
+    let framework = FrameworkPlan::from_json(
+        r#"{"layers.*.mlp.experts.*.gate_proj": "packed_colwise",
+            "layers.*.mlp.experts.*.up_proj": "colwise",
+            "layers.*.mlp.experts.*.down_proj": "rowwise"}"#,
+    )
+    .unwrap();
+    for k in 0..2u64 {
+        let plan = framework.share(&checkpoint, base(all), k, 2).unwrap();
+        let model = checkpoint
+            .place(&plan, StoreOptions::default().loader_threads(2))
+            .unwrap();
+        assert!(model.verify(&checkpoint).unwrap().verified());
+        let (mut rows, mut columns) = (0, 0);
+        for (name, shape, bytes) in &want {
+            let expect = if !name.contains(".experts.") {
+                bytes.clone()
+            } else if name.contains("down_proj") {
+                columns += 1;
+                cut(bytes, shape, false, k as usize, 2)
+            } else {
+                rows += 1;
+                cut(bytes, shape, true, k as usize, 2)
+            };
+            let got = model.tensor(name).unwrap();
+            assert_eq!(got.held_bytes().unwrap(), &expect[..], "rank {k}: {name}");
+        }
+        assert!(rows > 0 && columns > 0);
+    }
+}
+
 fn refused(checkpoint: &Checkpoint, json: &str, ranks: u64) -> String {
     let all = NodeSet::parse("all").unwrap();
     let plan = FrameworkPlan::from_json(json).unwrap();
@@ -141,8 +183,21 @@ fn bad_plans_are_refused_by_name() {
         r#"{"layers.*.mlp.experts.*.gate_proj": "colwise"}"#,
         2,
     );
+    // Tensor parallelism of the experts cuts every one of their roles, or none.
     assert!(
-        e.contains("experts.0.gate_proj") && e.contains("routed expert"),
+        e.contains("experts.0.") && e.contains("routed expert") && e.contains("does not cut"),
+        "{e}"
+    );
+    // ... and each on its role's axis: down by columns, not rows.
+    let e = refused(
+        &checkpoint,
+        r#"{"layers.*.mlp.experts.*.gate_proj": "colwise",
+            "layers.*.mlp.experts.*.up_proj": "colwise",
+            "layers.*.mlp.experts.*.down_proj": "colwise"}"#,
+        2,
+    );
+    assert!(
+        e.contains("experts.0.down_proj") && e.contains("rows"),
         "{e}"
     );
     let e = refused(

@@ -215,8 +215,10 @@ class Checkpoint:
         numpy's t[start:stop] holds. `framework_plan` ({module glob: style}, transformers'
         tp_plan: colwise, rowwise, embedding_rowwise, replicate) with `rank="k/n"` is this
         rank's share of the dense tensors as the framework cuts them, the routed experts
-        whole under `experts_held`; an unknown style, a cut that does not divide its axis
-        or splits an attention head raises InvalidArgument naming the tensor."""
+        whole under `experts_held`, or, without it, cut when the plan names every expert
+        role (gate and up colwise/packed_colwise by rows, down rowwise by columns); an
+        unknown style, a cut that does not divide its axis, splits an attention head or
+        cuts an expert role on another axis raises InvalidArgument naming the tensor."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""

@@ -50,6 +50,7 @@ def from_pretrained(
     nodes: str | None = None,
     *,
     place: dict[str, Any] | None = None,
+    distributed_config: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, WholeModel]:
     """Builds `AutoModelForCausalLM` for the checkpoint at `path` (a directory with
@@ -63,17 +64,17 @@ def from_pretrained(
     the checkpoint's). Returns `(model, whole)`: the model in eval mode, and the
     `WholeModel` its views keep alive (report, verify, stats).
     `model.numapin_load` says what was assigned and what was copied.
+
+    `distributed_config`: transformers' `DistributedConfig` (under torchrun): this rank
+    places only its share as transformers' own TP/EP plan cuts it (on the nodes of the
+    CPUs it runs on, or `nodes`), and each DTensor's local shard is a numapin view
+    (numapin.transformers_distributed, docs/frameworks.md).
     """
     path = os.fspath(path)
     place_kwargs: dict[str, Any] = {"progress": False, **(place or {})}
     if plan is not None:
         place_kwargs["plan"] = plan
-    if nodes is not None:
-        place_kwargs.setdefault("experts", f"split:{nodes}")
-        place_kwargs.setdefault("dense", f"replicate:{nodes}")
     ckpt = Checkpoint(path)
-    whole = ckpt.place(**place_kwargs)
-
     config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
     kwargs.setdefault("dtype", "auto")
     # The model transformers will build, on the meta device: its parameter names, shapes
@@ -82,46 +83,91 @@ def from_pretrained(
         meta = transformers.AutoModelForCausalLM.from_config(
             config, dtype=_meta_dtype(kwargs["dtype"], config)
         )
-    expected = meta.state_dict()
-    mapping = get_model_conversion_mapping(meta)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    names = [name for name, _, _ in ckpt.tensors()]
+    sources = Sources(names, meta)
+    if distributed_config is not None:
+        from .transformers_distributed import load_share
 
-    state: dict[str, torch.Tensor] = {}
-    renamed_from: dict[str, str] = {}  # model name -> checkpoint name (plain renames)
-    shapes = {name: shape for name, _, shape in ckpt.tensors()}
-    layers_of = {name: layer for name, _, layer in whole.classes()}
-    groups: dict[tuple[str, int], list[tuple[str, str]]] = {}
-    for name in whole.tensors():
-        target, pattern = rename_source_key(
-            name, renamings, converters, meta.base_model_prefix, expected
-        )
-        if pattern is None:
-            state[name] = _whole_tensor(whole, name, shapes[name], layers_of.get(name))
-            renamed_from[target] = name
-            continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
-        groups.setdefault((target, id(converter)), []).append((name, pattern))
-
-    fused: dict[str, str] = {}
-    by_id = {id(c): c for c in converters}
-    for (target, conv_id), sources in groups.items():
-        converter = by_id[conv_id]
-        view, why = _fused_view(whole, converter, sources, layers_of, expected.get(target))
-        if view is not None:
-            state[target] = view
-            fused[target] = why
-        else:
-            # transformers' own converter does it (a copy); reported below.
-            for name, _ in sources:
-                state[name] = torch.from_dlpack(whole.tensor(name))
-            fused[target] = f"copy: {why}"
-
+        return load_share(ckpt, config, meta, sources, distributed_config, nodes,
+                          place_kwargs, kwargs)
+    if nodes is not None:
+        place_kwargs.setdefault("experts", f"split:{nodes}")
+        place_kwargs.setdefault("dense", f"replicate:{nodes}")
+    whole = ckpt.place(**place_kwargs)
+    state, fused, renamed_from = state_dict(whole, ckpt, sources)
     # The class AutoModelForCausalLM chose (the auto class takes no state dict alone).
     model = type(meta).from_pretrained(None, config=config, state_dict=state, **kwargs)
     model.eval()
     model.numapin_load = _account(model, whole, state, fused, renamed_from)
     return model, whole
+
+
+class Sources:
+    """Which checkpoint tensors make each model parameter, by transformers' own rules
+    (`rename_source_key`: its renamings, then at most one converter): `renamed[target]`
+    the one tensor renamed to it, `fused[target]` the (name, pattern) list a converter
+    gathers and the converter."""
+
+    def __init__(self, names: list[str], meta: Any) -> None:
+        expected = meta.state_dict()
+        mapping = get_model_conversion_mapping(meta)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self.expected = expected
+        self.renamed: dict[str, str] = {}
+        self.fused: dict[str, tuple[WeightConverter, list[tuple[str, str]]]] = {}
+        for name in names:
+            target, pattern = rename_source_key(
+                name, renamings, converters, meta.base_model_prefix, expected
+            )
+            if pattern is None:
+                self.renamed[target] = name
+                continue
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            entry = self.fused.setdefault(target, (converter, []))
+            entry[1].append((name, pattern))
+
+
+def state_dict(
+    whole: WholeModel, ckpt: Checkpoint, sources: Sources, skip: frozenset[str] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, str]]:
+    """The state dict transformers loads (checkpoint names; fused targets under the
+    model's name, one view), leaving out targets in `skip` and experts not held:
+    (state, {target: how it was fused or why copied}, {target: checkpoint name})."""
+    state: dict[str, torch.Tensor] = {}
+    shapes = {name: shape for name, _, shape in ckpt.tensors()}
+    layers_of = {name: layer for name, _, layer in whole.classes()}
+    renamed_from: dict[str, str] = {}
+    for target, name in sources.renamed.items():
+        if target in skip:
+            continue
+        state[name] = _whole_tensor(whole, name, shapes[name], layers_of.get(name))
+        renamed_from[target] = name
+    fused: dict[str, str] = {}
+    for target, (converter, group) in sources.fused.items():
+        if target in skip:
+            continue
+        group = held(whole, group)
+        view, why = _fused_view(whole, converter, group, layers_of, sources.expected.get(target))
+        if view is not None:
+            state[target] = view
+            fused[target] = why
+        else:
+            # transformers' own converter does it (a copy); reported below.
+            for name, _ in group:
+                state[name] = torch.from_dlpack(whole.tensor(name))
+            fused[target] = f"copy: {why}"
+    return state, fused, renamed_from
+
+
+def held(whole: WholeModel, group: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (name, pattern) pairs of `group` whose expert this rank holds."""
+    out = []
+    for name, pattern in group:
+        where = whole.locate(name)
+        if where is None or where[1] is None or where[1] in whole.expert_ids(where[0]):
+            out.append((name, pattern))
+    return out
 
 
 def _meta_dtype(dtype: Any, config: Any) -> torch.dtype:

@@ -192,7 +192,8 @@ impl Checkpoint {
     /// the framework's own tensor-parallel plan (transformers' `tp_plan` vocabulary:
     /// colwise rows, rowwise columns, embedding_rowwise vocabulary rows, replicate or
     /// unnamed whole) as this rank's share of the dense tensors, the routed experts whole
-    /// under `experts_held` (`FrameworkPlan::share`); not with `tensor_parallel`,
+    /// under `experts_held`, or cut (gate and up by rows, down by columns) where the plan
+    /// names every expert role (`FrameworkPlan::share`); not with `tensor_parallel`,
     /// `dense_slice` or `expert_slice`.
     /// Map budget and node memory are checked before anything is reserved. The GIL is
     /// released while loading; `progress` as in `pack`. Once loaded, the placed memory is

@@ -101,17 +101,6 @@ pub fn run_tests() -> Result<(), String> {
         .env("TRANSFORMERS_OFFLINE", "1")
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(&dir);
-    // The torchrun comparison is out of the suite until its one SIGABRT in 5 runs
-    // (a rank of qwen3_moe, first test of the stage, not reproduced in 4 runs by hand) is
-    // understood: a flaky test is a failing test. NUMAPIN_TORCHRUN=1 runs it
-    // (docs/frameworks.md).
-    if std::env::var_os("NUMAPIN_TORCHRUN").is_none_or(|v| v != "1") {
-        pytest.arg(format!(
-            "--ignore={}",
-            dir.join("test_torchrun_ep.py").display()
-        ));
-        eprintln!("xtask: test-frameworks: NOT RUN: test_torchrun_ep.py (set NUMAPIN_TORCHRUN=1)");
-    }
     run(&mut pytest)?;
     eprintln!(
         "xtask: test-frameworks: pytest {:.1} s, the stage (venv, build, fixtures, tests) {:.0} s",

@@ -8,6 +8,7 @@ use super::assign::{expert_tensor_indices, experts_of};
 use super::glob::glob_match;
 use super::plan::PlacementPlan;
 use super::shape::normalized_shape;
+use super::tp::expert_axis;
 use crate::error::{Error, Result, quote};
 use crate::model::{Checkpoint, SliceAxis, TensorSlice};
 
@@ -136,13 +137,16 @@ impl FrameworkPlan {
     /// tensor a cutting style names holds its part (a slice pattern naming it), every
     /// other tensor whole; routed experts whole. Under an expert share (EP) the plan's
     /// styles for routed experts are ignored (EP's `grouped_gemm`, `ep_router`, ...: the
-    /// held experts are whole); without one, a cutting style on a routed expert's tensor
-    /// is refused. An FP8 scale grid follows its weight.
+    /// held experts are whole); without one, cutting styles on the routed experts are
+    /// tensor parallelism of every expert (transformers' `tp_size=n` alone: gate and up
+    /// `colwise` / `packed_colwise`, rows k/n of each; down `rowwise`, columns k/n), the
+    /// preset's per-role axes ([`crate::model::Share::tensor_parallel`]): every routed
+    /// expert tensor cut so, or refused. An FP8 scale grid follows its weight.
     ///
     /// # Errors
     /// All before anything is reserved, each naming the tensor: a style numapin does not
-    /// know; `packed_colwise` on a tensor numapin cannot cut by packed part; a cutting
-    /// style on a routed expert's tensor (hold the experts whole, by `experts_held`); a
+    /// know; `packed_colwise` on a dense tensor (numapin cannot cut it by packed part); a
+    /// routed expert's tensor cut on another axis than its role's, or only some of them; a
     /// cut whose axis `ranks` does not divide; a cut of an attention projection whose
     /// heads (config.json's `num_attention_heads`, `num_key_value_heads` for `k_proj` /
     /// `v_proj`) `ranks` does not divide (fewer heads than ranks would split a head); a
@@ -160,6 +164,7 @@ impl FrameworkPlan {
         let held_whole = plan.expert_share().is_some_and(|s| !s.experts.is_all());
         let mut used = BTreeSet::new();
         let mut cuts: Vec<(&str, TensorSlice)> = Vec::new();
+        let mut expert_cuts = BTreeSet::new();
         for (index, t) in checkpoint.tensors().iter().enumerate() {
             let name = t.name();
             let words: Vec<&str> = name.split('.').collect();
@@ -196,14 +201,13 @@ impl FrameworkPlan {
                 continue;
             }
             if expert_tensors.contains(&index) {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: a routed expert's tensor; under a framework plan the routed \
-                         experts are held whole (experts_held=), not cut",
-                        named()
-                    ),
-                ));
+                // Tensor parallelism of the routed experts (transformers' `tp_size=n`
+                // without EP): gate and up by rows (`colwise`, or `packed_colwise` of
+                // the fused gate_up: rows k/n of each part), down by columns
+                // (`rowwise`): the preset's per-role axes, every expert held.
+                expert_cut(t, module, style, ranks, &named)?;
+                expert_cuts.insert(index);
+                continue;
             }
             if style == FrameworkStyle::PackedColwise {
                 return Err(Error::invalid(
@@ -253,11 +257,85 @@ impl FrameworkPlan {
                 ),
             ));
         }
+        if !expert_cuts.is_empty() {
+            let uncut = checkpoint.tensors().iter().enumerate().find(|(i, t)| {
+                expert_tensors.contains(i)
+                    && !expert_cuts.contains(i)
+                    && !t.name().contains("scale")
+            });
+            if let Some((_, t)) = uncut {
+                return Err(Error::invalid(
+                    "FrameworkPlan::share",
+                    format!(
+                        "{}: a routed expert's tensor the plan does not cut, where it cuts \
+                         {} others: numapin cuts every routed expert's gate, up and down or \
+                         none (hold them whole with experts_held=)",
+                        quote(t.name()),
+                        expert_cuts.len()
+                    ),
+                ));
+            }
+            let share = plan.share.take().unwrap_or_default();
+            plan.share = Some(share.tensor_parallel(rank, ranks)?);
+        }
         for (glob, slice) in patterns(checkpoint, &cuts) {
             plan = plan.slice_pattern(glob, slice);
         }
         Ok(plan)
     }
+}
+
+/// Checks a cutting style on a routed expert's tensor against the per-role axis numapin
+/// cuts it by (gate and up rows, down columns: [`expert_axis`]); 1 when it agrees.
+fn expert_cut(
+    t: &crate::model::TensorInfo,
+    module: &[&str],
+    style: FrameworkStyle,
+    ranks: u64,
+    named: &dyn Fn() -> String,
+) -> Result<()> {
+    let want = match style {
+        FrameworkStyle::Colwise | FrameworkStyle::PackedColwise => SliceAxis::Rows,
+        FrameworkStyle::Rowwise => SliceAxis::Columns,
+        _ => {
+            return Err(Error::invalid(
+                "FrameworkPlan::share",
+                format!("{}: a routed expert's tensor cannot be cut so", named()),
+            ));
+        }
+    };
+    let role = module.last().copied().unwrap_or_default();
+    let axis = expert_axis(role);
+    if axis != Some(want) {
+        return Err(Error::invalid(
+            "FrameworkPlan::share",
+            format!(
+                "{}: a routed expert's {} cut by {}; numapin cuts an expert's gate and up by \
+                 rows, its down by columns",
+                named(),
+                quote(role),
+                axis_name(want)
+            ),
+        ));
+    }
+    let shape = normalized_shape(t);
+    let extent = match want {
+        SliceAxis::Rows => shape.first(),
+        SliceAxis::Columns => shape.last(),
+    }
+    .copied()
+    .unwrap_or(1);
+    if extent % ranks != 0 {
+        return Err(Error::invalid(
+            "FrameworkPlan::share",
+            format!(
+                "{}: {} of {extent} do not divide into {ranks} ranks",
+                named(),
+                axis_name(want)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn axis_name(axis: SliceAxis) -> &'static str {
