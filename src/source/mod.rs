@@ -23,6 +23,7 @@ pub use mode::{
     DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency, ResidencyProbe,
 };
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
+pub(crate) use resident::residency;
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
