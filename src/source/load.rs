@@ -10,7 +10,7 @@ use std::thread::Scope;
 pub(crate) use super::behind::Advised;
 pub(crate) use super::progress::Meter;
 pub(crate) use super::read::{Reader, Scratch, Segment};
-use super::{Kind, Piece, Tensor};
+use super::{DirectReads, Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 use crate::node::Node;
 
@@ -71,7 +71,7 @@ pub(crate) struct Filled {
     /// in place).
     pub(crate) bounced_bytes: u64,
     /// What the direct reads did.
-    pub(crate) direct: DirectCounts,
+    pub(crate) direct: DirectReads,
     /// Bytes written by a loader that was on the CPUs filling the slot's target node (its
     /// own, or the nearest node's for a node without CPUs) when it finished it.
     pub(crate) local_bytes: u64,
@@ -360,11 +360,11 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         Ok(Filled {
             reads: self.reads.into_inner(),
             bounced_bytes: self.bounced.into_inner(),
-            direct: DirectCounts {
+            direct: DirectReads {
                 in_place_bytes: self.in_place.into_inner(),
                 blocking_reads: self.blocking.into_inner(),
                 uring_reads: self.ring_reads.into_inner(),
-                uring_peak_depth: self.peak.into_inner(),
+                uring_depth: self.peak.into_inner(),
             },
             local_bytes: self.local_bytes.into_inner(),
             off_node_loaders: self.off_node.into_inner(),
@@ -427,19 +427,6 @@ fn queueable(job: &Job<'_>) -> bool {
             (0..planned.len()).all(|at| gather_run(&planned[at..]) <= 1)
         }
     }
-}
-
-/// What the direct reads of a fill did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct DirectCounts {
-    /// Slot bytes read straight into place.
-    pub(crate) in_place_bytes: u64,
-    /// Blocking `pread`/`preadv` calls.
-    pub(crate) blocking_reads: u64,
-    /// Requests submitted to the loaders' rings.
-    pub(crate) uring_reads: u64,
-    /// The most requests one ring had in flight at once.
-    pub(crate) uring_peak_depth: usize,
 }
 
 /// Where a file tensor's last piece ends: its file and offset.

@@ -226,6 +226,7 @@ impl Checkpoint {
                 store: PinStore::new(layout.store_layout(), dense_options.clone())?,
                 reads: 0,
                 bounced: 0,
+                direct: crate::source::DirectReads::default(),
                 load_nanos: 0,
                 files: Vec::new(),
             });
@@ -265,6 +266,12 @@ impl Checkpoint {
             stores,
             experts,
             expert_load_nanos,
+            expert_reads: expert_report
+                .iter()
+                .flat_map(|r| &r.layer_reports)
+                .fold(crate::source::DirectReads::default(), |d, l| {
+                    d.plus(l.direct_reads)
+                }),
             expert_files: expert_report
                 .iter()
                 .flat_map(|r| &r.layer_reports)
@@ -336,6 +343,7 @@ impl Checkpoint {
         }
         dense.reads += report.reads;
         dense.bounced += report.bounced_bytes;
+        dense.direct = dense.direct.plus(report.direct_reads);
         let map = dense.store.slot_map(g.slot_layer)?;
         let mut slots = map.pieces(0, Kind::Weights).unwrap_or_default();
         for (&i, &count) in packed.iter().zip(&counts) {

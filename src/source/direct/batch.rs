@@ -169,6 +169,9 @@ fn partial_units(offset: u64, len: usize, unit: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::mode::ReadMode;
+    use crate::source::read::Reader;
+    use std::fs::File;
 
     #[test]
     fn interiors_and_partial_units() {
@@ -179,5 +182,120 @@ mod tests {
         assert_eq!(partial_units(100, 1000, 512), 2);
         assert_eq!(partial_units(512, 1000, 512), 1);
         assert_eq!(partial_units(512, 512, 512), 0);
+    }
+
+    /// A file of `len` bytes `i % 251` on the target directory's disk (not tmpfs).
+    fn pattern_file(name: &str, len: usize) -> (std::path::PathBuf, File, Vec<u8>) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target")
+            .join(format!("queued-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        std::fs::write(dir.join("f"), &bytes).unwrap();
+        let file = File::open(dir.join("f")).unwrap();
+        (dir, file, bytes)
+    }
+
+    /// Reads `pieces` (offset, length, skew of the address from congruence) as one batch,
+    /// each in its own window of one buffer of `0xee`: the buffer and each window's start.
+    fn read_batch(
+        reader: &Reader<'_>,
+        file: &File,
+        unit: usize,
+        pieces: &[(u64, usize, usize)],
+    ) -> (Result<()>, Vec<u8>, Vec<usize>, Scratch) {
+        let stride = pieces.iter().map(|p| p.1).max().unwrap() + 4 * unit;
+        let mut buf = vec![0xeeu8; stride * pieces.len() + unit];
+        let base = buf.as_ptr().align_offset(unit);
+        let starts: Vec<usize> = (pieces.iter().enumerate())
+            .map(|(i, &(offset, _, skew))| {
+                base + i * stride + unit + (offset % unit as u64) as usize + skew
+            })
+            .collect();
+        let mut segments = Vec::new();
+        let mut rest: &mut [u8] = &mut buf;
+        let mut consumed = 0;
+        for (&(offset, n, _), &at) in pieces.iter().zip(&starts) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
+            let (dest, tail) = tail.split_at_mut(n);
+            rest = tail;
+            consumed = at + n;
+            segments.push(Segment { file, offset, dest });
+        }
+        let mut scratch = reader.scratch().unwrap();
+        let result = reader.read_segments(&mut segments, &mut scratch, &|| "t".into());
+        drop(segments);
+        (result, buf, starts, scratch)
+    }
+
+    #[test]
+    fn a_batch_lands_in_place_and_touches_nothing_around_its_pieces() {
+        let len = (1 << 20) + 300;
+        let (dir, file, bytes) = pattern_file("batch", len);
+        let Ok(Ok(direct)) = super::super::open_direct(&file) else {
+            println!("NOT RUN: no O_DIRECT on the target directory's file system");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        };
+        let unit = direct.offset_align.max(direct.mem_align);
+        let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
+        // Odd offsets and lengths, one aligned, one not congruent (skew 1: through the
+        // bounce buffer), one whose last unit runs past the end of the file.
+        let pieces = [
+            (100u64, 300_000usize, 0usize),
+            (300_100, 70_001, 0),
+            (unit as u64 * 700, 5 * unit, 0),
+            (400_007, 3 * unit + 5, 1),
+            (len as u64 - 100_003, 100_003, 0),
+        ];
+        let (result, buf, starts, scratch) = read_batch(&reader, &file, unit, &pieces);
+        result.unwrap();
+        let mut outside = vec![true; buf.len()];
+        for (&(offset, n, _), &at) in pieces.iter().zip(&starts) {
+            let o = offset as usize;
+            assert!(buf[at..at + n] == bytes[o..o + n], "piece at {offset}");
+            outside[at..at + n].iter_mut().for_each(|b| *b = false);
+        }
+        assert!(buf.iter().zip(&outside).all(|(&b, &out)| !out || b == 0xee));
+        let (in_place, _, ring_reads, depth) = scratch.counts();
+        if scratch.has_ring() {
+            // The four congruent pieces: all but their partial units in place, in one
+            // submission with several reads in flight.
+            let congruent: usize = [0, 1, 2, 4].iter().map(|&i| pieces[i].1).sum();
+            assert!(in_place + 8 * unit as u64 >= congruent as u64, "{in_place}");
+            assert!(ring_reads >= 4 && depth > 1, "{ring_reads} {depth}");
+            // The non-congruent piece bounced whole, the others at most a unit at each end.
+            let bounced = scratch.bounced();
+            assert!(bounced >= pieces[3].1 as u64, "{bounced}");
+            assert!(bounced < pieces[3].1 as u64 + 8 * unit as u64, "{bounced}");
+        } else {
+            println!("NOT RUN (ring part): io_uring is not allowed here");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_shorter_than_a_piece_is_an_error_not_wrong_bytes() {
+        let len = 200_000;
+        let (dir, file, _) = pattern_file("short", len);
+        let Ok(Ok(direct)) = super::super::open_direct(&file) else {
+            println!("NOT RUN: no O_DIRECT on the target directory's file system");
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        };
+        let unit = direct.offset_align.max(direct.mem_align);
+        let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
+        // As if the file had shrunk after the layout was made: pieces past its end, one
+        // ending mid-unit past it, one wholly past it.
+        for piece in [(100_000u64, 150_000usize, 0usize), (150_001, 3 * unit, 0)] {
+            let (result, buf, starts, _) = read_batch(&reader, &file, unit, &[piece]);
+            let e = result.unwrap_err().to_string();
+            assert!(e.contains("end of the file"), "{e}");
+            // Nothing outside the piece was written.
+            let at = starts[0];
+            assert!(buf[..at].iter().all(|&b| b == 0xee));
+            assert!(buf[at + piece.1..].iter().all(|&b| b == 0xee));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
