@@ -325,3 +325,60 @@ fn bad_congruence_moduli_are_refused_before_anything_is_reserved() {
     let numpy = numpy_tensors(&dir.join("gguf-aligned64"));
     check_bytes("gguf-aligned64 buffered", &checkpoint, &model, &numpy);
 }
+
+/// A checkpoint on tmpfs (no `O_DIRECT` there): a direct placement falls back to buffered
+/// reads, says so per file, lays nothing out for direct reads (the cost is the layout's
+/// with the congruence off), bounces nothing, and holds numpy's bytes.
+#[test]
+fn a_direct_placement_on_tmpfs_falls_back_and_pads_nothing() {
+    let test = "a_direct_placement_on_tmpfs_falls_back_and_pads_nothing";
+    let Some(dir) = fixtures(test) else {
+        return;
+    };
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("NOT RUN: {test}: no /dev/shm");
+        return;
+    }
+    let name = "st-sharded";
+    let copy = shm.join(format!("numapin-dio-tmpfs-{}", std::process::id()));
+    let source = dir.join(name);
+    std::fs::create_dir_all(copy.join("model")).unwrap();
+    std::fs::copy(source.join("fixture.json"), copy.join("fixture.json")).unwrap();
+    for entry in std::fs::read_dir(source.join("model")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join("model").join(path.file_name().unwrap())).unwrap();
+    }
+    let checkpoint = Checkpoint::open(copy.join("model")).unwrap();
+    if dio_aligns(checkpoint.files()[0].file()).is_some() {
+        println!("NOT RUN: {test}: /dev/shm reports a direct-I/O alignment here");
+        std::fs::remove_dir_all(&copy).unwrap();
+        return;
+    }
+    let numpy = numpy_tensors(&source);
+    let nodes = common::nodes();
+    let off = checkpoint
+        .place(&plan(nodes), direct().piece_congruence(1))
+        .unwrap();
+    let placed = checkpoint.place(&plan(nodes), direct()).unwrap();
+    check_bytes(name, &checkpoint, &placed, &numpy);
+    let report = placed.report().unwrap();
+    assert_eq!(
+        report.cost,
+        off.report().unwrap().cost,
+        "padded for direct reads"
+    );
+    assert_eq!(dense_bounced(&placed), 0);
+    for m in &report.measured {
+        assert_eq!(m.direct_reads.in_place_bytes, 0, "{}", m.class);
+        for f in &m.files {
+            assert_eq!(f.mode, ReadMode::Buffered, "{}: {f}", m.class);
+            assert!(f.fallback.is_some(), "{}: {f}: no reason", m.class);
+        }
+    }
+    for l in report.experts.iter().flat_map(|r| &r.layer_reports) {
+        assert_eq!((l.read_mode, l.bounced_bytes), (ReadMode::Buffered, 0));
+        assert!(l.read_fallback.is_some(), "layer {}: no reason", l.layer);
+    }
+    std::fs::remove_dir_all(&copy).unwrap();
+}

@@ -204,7 +204,7 @@ mod tests {
         unit: usize,
         pieces: &[(u64, usize, usize)],
     ) -> (Result<()>, Vec<u8>, Vec<usize>, Scratch) {
-        let stride = pieces.iter().map(|p| p.1).max().unwrap() + 4 * unit;
+        let stride = (pieces.iter().map(|p| p.1).max().unwrap() + 4 * unit).next_multiple_of(unit);
         let mut buf = vec![0xeeu8; stride * pieces.len() + unit];
         let base = buf.as_ptr().align_offset(unit);
         let starts: Vec<usize> = (pieces.iter().enumerate())
@@ -287,7 +287,11 @@ mod tests {
         let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
         // As if the file had shrunk after the layout was made: pieces past its end, one
         // ending mid-unit past it, one wholly past it.
-        for piece in [(100_000u64, 150_000usize, 0usize), (150_001, 3 * unit, 0)] {
+        for piece in [
+            (100_000u64, 150_000usize, 0usize),
+            (199_001, 3 * unit, 0),
+            (250_001, 3 * unit, 0),
+        ] {
             let (result, buf, starts, _) = read_batch(&reader, &file, unit, &[piece]);
             let e = result.unwrap_err().to_string();
             assert!(e.contains("end of the file"), "{e}");
