@@ -180,15 +180,19 @@ impl Checkpoint {
     /// order. Every region is bound once before it is touched; replicas are copied from
     /// the first copy.
     ///
-    /// With [`ReadMode::Direct`] (and [`StoreOptions::piece_congruence`] at its default
-    /// 0), a dense tensor whose file offset is a multiple of that alignment also starts
-    /// at an offset congruent to its file offset modulo the file's direct-I/O memory
-    /// alignment (`stx_dio_mem_align`, where it exceeds the alignment): its read lands in
-    /// the slot in place, only the partial units at its two ends going through the
-    /// loader's bounce buffer, at the price of less than that alignment in padding per
-    /// tensor. A tensor off the alignment in the file keeps the alignment and is read
-    /// through the bounce buffer ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes)
-    /// counts those bytes). `piece_congruence(1)` keeps the alignment alone.
+    /// With [`ReadMode::Direct`], and [`ReadMode::Auto`] where a file is mostly not in
+    /// the page cache (and [`StoreOptions::piece_congruence`] at its default 0), every
+    /// dense tensor starts at an offset congruent to its file offset modulo the larger of
+    /// the files' direct-I/O memory alignment (`stx_dio_mem_align`) and that alignment,
+    /// whatever its file offset (one at a multiple of 64 in the file stays 64-aligned;
+    /// one that is not follows its offset, as in the file), and every expert piece modulo
+    /// the direct-I/O alignment (not under a [`PlacementPlan::share`], whose column-cut
+    /// rows must stay back to back): each read lands in the slot in place, only the
+    /// partial units at a piece's two ends going through the loader's bounce buffer
+    /// ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes),
+    /// [`ClassMeasured::direct_reads`](super::ClassMeasured::direct_reads)), at the price
+    /// of less than the modulus in padding per piece. `piece_congruence(1)` keeps the
+    /// dense alignment alone and the experts back to back.
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
