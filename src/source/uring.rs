@@ -282,7 +282,9 @@ impl Ring {
                 let len = request.need.min(request.len());
                 match settle(res, len) {
                     Settled::Done => {}
-                    Settled::Again { done } if (request.offset + done as u64) % align != 0 => {
+                    Settled::Again { done }
+                        if !(request.offset + done as u64).is_multiple_of(align) =>
+                    {
                         let at = request.offset + done as u64;
                         first_error.get_or_insert_with(|| eof(at, len - done));
                     }
