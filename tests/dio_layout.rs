@@ -1,6 +1,6 @@
 //! Dense tensors laid out for direct reads (`Checkpoint::place` with `ReadMode::Direct`):
-//! each tensor whose file offset is a multiple of the dense alignment (64) starts at an
-//! address congruent to its file offset modulo the file's direct-I/O alignment, so that
+//! each tensor starts at an address congruent to its file offset modulo the larger of the
+//! file's direct-I/O alignment and 64 (so 64-aligned where its file offset is), so that
 //! its read lands in place and only the partial units at its ends go through the bounce
 //! buffer. Counted, not timed: the bytes copied out of the bounce buffer with the layout
 //! off (`piece_congruence(1)`) and on (the default), on the `gguf-aligned64` fixture
@@ -160,8 +160,9 @@ fn dense_slots(checkpoint: &Checkpoint, model: &PlacedModel) -> Slots {
     slots
 }
 
-/// Layout (c): every dense tensor (every copy) 64-aligned; congruent to its file offset
-/// modulo `unit` where its file offset is 64-aligned; less than `max(unit, 64)` bytes of
+/// Layout (c): every dense tensor (every copy) congruent to its file offset modulo
+/// `max(unit, 64)` (64-aligned where its file offset is, since issue 34: a tensor off 64
+/// in the file follows its offset and lands in place); less than `max(unit, 64)` bytes of
 /// padding before each. And the cost counted before anything was reserved is what the slots
 /// take: each group's extent, from the page its first tensor is in to its last byte,
 /// rounded to the page, summed per class, is the class's bytes on the first node.
@@ -173,12 +174,16 @@ fn check_layout(name: &str, checkpoint: &Checkpoint, model: &PlacedModel, unit: 
         for &(address, len, offset) in &tensors {
             let at =
                 format!("{name} {class} layer {layer:?} copy {copy}: {address:#x} file {offset}");
-            assert!(address.is_multiple_of(64), "{at}");
-            if offset.is_multiple_of(64) {
-                assert_eq!(address as u64 % unit, offset % unit, "{at}: not congruent");
-            }
+            // Congruent to its file offset modulo max(unit, 64), whatever that offset: so
+            // 64-aligned where the file offset is, and read in place where it is not.
+            let modulus = unit.max(64);
+            assert_eq!(
+                address as u64 % modulus,
+                offset % modulus,
+                "{at}: not congruent"
+            );
             assert!(
-                address >= end && ((address - end) as u64) < unit,
+                address >= end && ((address - end) as u64) < modulus,
                 "{at}: padding"
             );
             end = address + len;
@@ -319,4 +324,61 @@ fn bad_congruence_moduli_are_refused_before_anything_is_reserved() {
     check_layout("gguf-aligned64 buffered", &checkpoint, &model, page as u64);
     let numpy = numpy_tensors(&dir.join("gguf-aligned64"));
     check_bytes("gguf-aligned64 buffered", &checkpoint, &model, &numpy);
+}
+
+/// A checkpoint on tmpfs (no `O_DIRECT` there): a direct placement falls back to buffered
+/// reads, says so per file, lays nothing out for direct reads (the cost is the layout's
+/// with the congruence off), bounces nothing, and holds numpy's bytes.
+#[test]
+fn a_direct_placement_on_tmpfs_falls_back_and_pads_nothing() {
+    let test = "a_direct_placement_on_tmpfs_falls_back_and_pads_nothing";
+    let Some(dir) = fixtures(test) else {
+        return;
+    };
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("NOT RUN: {test}: no /dev/shm");
+        return;
+    }
+    let name = "st-sharded";
+    let copy = shm.join(format!("numapin-dio-tmpfs-{}", std::process::id()));
+    let source = dir.join(name);
+    std::fs::create_dir_all(copy.join("model")).unwrap();
+    std::fs::copy(source.join("fixture.json"), copy.join("fixture.json")).unwrap();
+    for entry in std::fs::read_dir(source.join("model")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join("model").join(path.file_name().unwrap())).unwrap();
+    }
+    let checkpoint = Checkpoint::open(copy.join("model")).unwrap();
+    if dio_aligns(checkpoint.files()[0].file()).is_some() {
+        println!("NOT RUN: {test}: /dev/shm reports a direct-I/O alignment here");
+        std::fs::remove_dir_all(&copy).unwrap();
+        return;
+    }
+    let numpy = numpy_tensors(&source);
+    let nodes = common::nodes();
+    let off = checkpoint
+        .place(&plan(nodes), direct().piece_congruence(1))
+        .unwrap();
+    let placed = checkpoint.place(&plan(nodes), direct()).unwrap();
+    check_bytes(name, &checkpoint, &placed, &numpy);
+    let report = placed.report().unwrap();
+    assert_eq!(
+        report.cost,
+        off.report().unwrap().cost,
+        "padded for direct reads"
+    );
+    assert_eq!(dense_bounced(&placed), 0);
+    for m in &report.measured {
+        assert_eq!(m.direct_reads.in_place_bytes, 0, "{}", m.class);
+        for f in &m.files {
+            assert_eq!(f.mode, ReadMode::Buffered, "{}: {f}", m.class);
+            assert!(f.fallback.is_some(), "{}: {f}: no reason", m.class);
+        }
+    }
+    for l in report.experts.iter().flat_map(|r| &r.layer_reports) {
+        assert_eq!((l.read_mode, l.bounced_bytes), (ReadMode::Buffered, 0));
+        assert!(l.read_fallback.is_some(), "layer {}: no reason", l.layer);
+    }
+    std::fs::remove_dir_all(&copy).unwrap();
 }

@@ -9,7 +9,9 @@ use serde::Serialize;
 
 use super::args::{PinModelArgs, SliceArg};
 use crate::error::Error;
-use crate::model::{Checkpoint, FrameworkPlan, PlacementPlan, WholeReport, WholeVerify};
+use crate::model::{
+    Checkpoint, FrameworkPlan, PlacementPlan, TensorClass, WholeReport, WholeVerify,
+};
 use crate::store::{ReadMode, StoreOptions};
 
 /// Version of `pin_model --plan --json`.
@@ -46,6 +48,15 @@ pub struct ClassJson {
     pub load_gb_per_s: f64,
     /// Wall seconds its verify (re-read and compare, every copy) took.
     pub verify_seconds: f64,
+    /// Bytes its direct reads landed in place, and those copied through the bounce
+    /// buffers.
+    pub in_place_bytes: u64,
+    pub bounced_bytes: u64,
+    /// Reads its loads issued through `io_uring` and as blocking calls, and the most one
+    /// ring had in flight at once.
+    pub uring_reads: u64,
+    pub blocking_reads: u64,
+    pub uring_depth: usize,
     /// How its loads read each file and why (`PATH: direct (auto: 0 of N pages cached,
     /// by cachestat)`).
     pub files: Vec<String>,
@@ -135,6 +146,18 @@ impl WholeJson {
                     load_seconds,
                     load_gb_per_s: gb_per_s(c.bytes, load_seconds),
                     verify_seconds: verify_nanos as f64 / 1e9,
+                    in_place_bytes: m.map_or(0, |m| m.direct_reads.in_place_bytes),
+                    bounced_bytes: match (c.class, &report.experts) {
+                        (TensorClass::RoutedExperts, Some(experts)) => {
+                            (experts.layer_reports.iter())
+                                .map(|l| l.bounced_bytes)
+                                .sum()
+                        }
+                        _ => m.map_or(0, |m| m.bounced_bytes),
+                    },
+                    uring_reads: m.map_or(0, |m| m.direct_reads.uring_reads),
+                    blocking_reads: m.map_or(0, |m| m.direct_reads.blocking_reads),
+                    uring_depth: m.map_or(0, |m| m.direct_reads.uring_depth),
                     files: m.map_or(Vec::new(), |m| {
                         m.files.iter().map(ToString::to_string).collect()
                     }),
@@ -264,6 +287,16 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
             c.load_gb_per_s,
             c.verify_seconds
         );
+        if c.in_place_bytes + c.bounced_bytes > 0 {
+            outln!(
+                "      direct: {} bytes in place, {} bounced; {} io_uring reads (depth {}), {} blocking",
+                c.in_place_bytes,
+                c.bounced_bytes,
+                c.uring_reads,
+                c.uring_depth,
+                c.blocking_reads
+            );
+        }
         for file in &c.files {
             outln!("      {file}");
         }

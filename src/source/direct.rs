@@ -17,6 +17,7 @@ use super::segment::{Segment, path_of};
 use super::uring::{CHUNK, MAX_BUFS, Request, Ring};
 use crate::error::{Error, Result};
 
+mod batch;
 mod open;
 
 pub(crate) use open::{dio_mem_alignment, open_direct, readable};
@@ -52,6 +53,10 @@ pub(crate) struct Scratch {
     /// Slot bytes copied out of `buf` so far (the bytes a direct read did not land in
     /// place).
     bounced: u64,
+    /// Slot bytes direct reads wrote in place so far.
+    in_place: u64,
+    /// Blocking `pread`/`preadv` calls so far.
+    blocking: u64,
 }
 
 impl Scratch {
@@ -65,12 +70,26 @@ impl Scratch {
             len,
             ring: None,
             bounced: 0,
+            in_place: 0,
+            blocking: 0,
         }
     }
 
     /// Slot bytes this thread's direct reads copied out of the bounce buffer.
     pub(crate) fn bounced(&self) -> u64 {
         self.bounced
+    }
+
+    /// Whether direct reads go through this thread's `io_uring`.
+    pub(crate) fn has_ring(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// What this thread's direct reads did: (bytes in place, blocking calls, ring
+    /// requests, the most ring requests in flight at once).
+    pub(crate) fn counts(&self) -> (u64, u64, u64, usize) {
+        let (submitted, peak) = self.ring.as_ref().map_or((0, 0), |r| (r.submitted, r.peak));
+        (self.in_place, self.blocking, submitted, peak)
     }
 
     /// The same bounce buffer, with aligned reads submitted through `ring`.
@@ -134,7 +153,10 @@ impl Direct {
                 && (s.dest.as_ptr() as usize).is_multiple_of(mem)
         });
         if aligned && let Some(ring) = scratch.ring.as_mut() {
-            return self.read_ring(ring, requests(run), what);
+            let total: usize = run.iter().map(|s| s.dest.len()).sum();
+            self.read_ring(ring, requests(run), what)?;
+            scratch.in_place += total as u64;
+            return Ok(());
         }
         if aligned {
             for group in run.chunks_mut(IOV_MAX) {
@@ -164,6 +186,7 @@ impl Direct {
             let want = ((end - window_start) as usize)
                 .next_multiple_of(align)
                 .min(scratch.len);
+            scratch.blocking += 1;
             let bounce = scratch.get();
             let got = pread(&self.file, &mut bounce[..want], window_start)
                 .map_err(|e| self.failed("pread", e, window_start, want, what))?;
@@ -220,6 +243,7 @@ impl Direct {
         ring.read_all(
             &self.file,
             requests,
+            self.offset_align as u64,
             &|errno, offset, len| self.failed("io_uring read", errno, offset, len, what),
             &|offset, len| self.eof(offset, len, what),
         )
@@ -248,6 +272,8 @@ impl Direct {
             }
             .map_err(|e| self.failed("preadv", e, offset, total, what))?
         };
+        scratch.blocking += 1;
+        scratch.in_place += got as u64;
         if got == total {
             return Ok(());
         }
@@ -286,6 +312,7 @@ impl Direct {
                     let len = dest.len() / align * align;
                     let (now, rest) = std::mem::take(&mut dest).split_at_mut(len);
                     self.read_ring(ring, chunks(offset, now).collect(), what)?;
+                    scratch.in_place += len as u64;
                     dest = rest;
                     offset += len as u64;
                     continue;
@@ -293,6 +320,8 @@ impl Direct {
                 let len = (dest.len() / align * align).min(MAX_DIRECT);
                 let got = pread(&self.file, &mut dest[..len], offset)
                     .map_err(|e| failed(e, offset, len))?;
+                scratch.blocking += 1;
+                scratch.in_place += got as u64;
                 if got == 0 {
                     return Err(eof(offset, len));
                 }
@@ -316,6 +345,7 @@ impl Direct {
             };
             let window = (head + copy).next_multiple_of(align);
             let start = offset - head as u64;
+            scratch.blocking += 1;
             let bounce = scratch.get();
             let got = pread(&self.file, &mut bounce[..window], start)
                 .map_err(|e| failed(e, start, window))?;
@@ -338,10 +368,7 @@ impl Direct {
 fn chunks(offset: u64, dest: &mut [u8]) -> impl Iterator<Item = Request<'_>> {
     dest.chunks_mut(CHUNK)
         .enumerate()
-        .map(move |(i, buf)| Request {
-            offset: offset + (i * CHUNK) as u64,
-            bufs: vec![buf],
-        })
+        .map(move |(i, buf)| Request::full(offset + (i * CHUNK) as u64, vec![buf]))
 }
 
 /// A run of segments that continue each other in the file as ring requests: consecutive
@@ -354,17 +381,12 @@ fn requests<'d>(run: &'d mut [Segment<'_, '_>]) -> Vec<Request<'d>> {
         let mut offset = segment.offset;
         let mut rest: &'d mut [u8] = &mut *segment.dest;
         while !rest.is_empty() {
-            let (mut request, used) = current.take().unwrap_or_else(|| {
-                (
-                    Request {
-                        offset,
-                        bufs: Vec::new(),
-                    },
-                    0,
-                )
-            });
+            let (mut request, used) = current
+                .take()
+                .unwrap_or_else(|| (Request::full(offset, Vec::new()), 0));
             let take = (CHUNK - used).min(rest.len());
             let (now, later) = std::mem::take(&mut rest).split_at_mut(take);
+            request.need += now.len();
             request.bufs.push(now);
             rest = later;
             offset += take as u64;

@@ -10,7 +10,7 @@ use std::thread::Scope;
 pub(crate) use super::behind::Advised;
 pub(crate) use super::progress::Meter;
 pub(crate) use super::read::{Reader, Scratch, Segment};
-use super::{Kind, Piece, Tensor};
+use super::{DirectReads, Kind, Piece, Tensor};
 use crate::error::{Error, Result};
 use crate::node::Node;
 
@@ -70,6 +70,8 @@ pub(crate) struct Filled {
     /// Slot bytes the direct reads copied out of the loaders' bounce buffers (not landed
     /// in place).
     pub(crate) bounced_bytes: u64,
+    /// What the direct reads did.
+    pub(crate) direct: DirectReads,
     /// Bytes written by a loader that was on the CPUs filling the slot's target node (its
     /// own, or the nearest node's for a node without CPUs) when it finished it.
     pub(crate) local_bytes: u64,
@@ -120,6 +122,9 @@ struct Fill<'j, 'r, 'a> {
     spread: &'r [Node],
     /// The most bytes of consecutive slots a loader takes at once ([`take`]; 0: one).
     batch: usize,
+    /// Whether a batch may join slots whose pieces do not continue each other in the
+    /// file (direct reads through `io_uring`: the whole batch is in flight at once).
+    loose: bool,
     /// The jobs, reversed: taken from the end in the order given.
     queue: Mutex<Vec<Job<'j>>>,
     first_error: Mutex<Option<Error>>,
@@ -127,6 +132,10 @@ struct Fill<'j, 'r, 'a> {
     started: (Mutex<usize>, Condvar),
     reads: AtomicUsize,
     bounced: AtomicU64,
+    in_place: AtomicU64,
+    blocking: AtomicU64,
+    ring_reads: AtomicU64,
+    peak: AtomicUsize,
     local_bytes: AtomicU64,
     off_node: AtomicUsize,
     loader_nodes: Mutex<BTreeSet<Node>>,
@@ -151,11 +160,16 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
             target,
             spread,
             batch: reader.batch_bytes(),
+            loose: reader.queued(),
             queue: Mutex::new(jobs),
             first_error: Mutex::new(None),
             started: (Mutex::new(0), Condvar::new()),
             reads: AtomicUsize::new(0),
             bounced: AtomicU64::new(0),
+            in_place: AtomicU64::new(0),
+            blocking: AtomicU64::new(0),
+            ring_reads: AtomicU64::new(0),
+            peak: AtomicUsize::new(0),
             local_bytes: AtomicU64::new(0),
             off_node: AtomicUsize::new(0),
             loader_nodes: Mutex::new(BTreeSet::new()),
@@ -216,6 +230,11 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
     fn work(&self, worker: usize, mut scratch: Scratch) {
         self.take_batches(worker, &mut scratch);
         self.bounced.fetch_add(scratch.bounced(), Ordering::Relaxed);
+        let (in_place, blocking, ring, peak) = scratch.counts();
+        self.in_place.fetch_add(in_place, Ordering::Relaxed);
+        self.blocking.fetch_add(blocking, Ordering::Relaxed);
+        self.ring_reads.fetch_add(ring, Ordering::Relaxed);
+        self.peak.fetch_max(peak, Ordering::Relaxed);
     }
 
     fn take_batches(&self, worker: usize, scratch: &mut Scratch) {
@@ -231,7 +250,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
                 return;
             }
             let batch = match self.queue.lock() {
-                Ok(mut q) => take(&mut q, self.batch),
+                Ok(mut q) => take(&mut q, self.batch, self.loose.then_some(self.target)),
                 Err(_) => Vec::new(),
             };
             if batch.is_empty() {
@@ -292,7 +311,8 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         }
         let sizes: Vec<usize> = batch.iter().map(|job| job.tensor.len()).collect();
         let batch_bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
-        let result = if batch.len() == 1 {
+        let single = batch.len() == 1 && !(self.reader.queued() && queueable(&batch[0]));
+        let result = if single {
             batch
                 .into_iter()
                 .try_for_each(|job| fill_one(job, &self.reads, self.reader, scratch))
@@ -340,6 +360,12 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         Ok(Filled {
             reads: self.reads.into_inner(),
             bounced_bytes: self.bounced.into_inner(),
+            direct: DirectReads {
+                in_place_bytes: self.in_place.into_inner(),
+                blocking_reads: self.blocking.into_inner(),
+                uring_reads: self.ring_reads.into_inner(),
+                uring_depth: self.peak.into_inner(),
+            },
             local_bytes: self.local_bytes.into_inner(),
             off_node_loaders: self.off_node.into_inner(),
             loader_nodes: self
@@ -352,8 +378,14 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
 }
 
 /// The next job from the (reversed) queue; with a `batch` of bytes, also the jobs after it
-/// whose file pieces continue it in the same file, up to `batch` bytes in all.
-fn take<'a>(queue: &mut Vec<Job<'a>>, batch_bytes: usize) -> Vec<Job<'a>> {
+/// whose file pieces continue it in the same file, up to `batch` bytes in all. With
+/// `loose` (the slots' target node, for direct reads through `io_uring`), any file jobs
+/// after it whose slots have the same target node.
+fn take<'a>(
+    queue: &mut Vec<Job<'a>>,
+    batch_bytes: usize,
+    loose: Option<&(dyn Fn(usize) -> Option<Node> + Sync)>,
+) -> Vec<Job<'a>> {
     let Some(first) = queue.pop() else {
         return Vec::new();
     };
@@ -367,10 +399,13 @@ fn take<'a>(queue: &mut Vec<Job<'a>>, batch_bytes: usize) -> Vec<Job<'a>> {
         let (Some((file, at)), Tensor::File(pieces)) = (end, next.tensor) else {
             break;
         };
-        let continues = pieces
-            .iter()
-            .find(|p| p.len > 0)
-            .is_some_and(|p| std::ptr::eq(p.file, file) && p.offset == at);
+        let continues = match loose {
+            Some(target) => target(next.what.1) == target(batch[0].what.1),
+            None => pieces
+                .iter()
+                .find(|p| p.len > 0)
+                .is_some_and(|p| std::ptr::eq(p.file, file) && p.offset == at),
+        };
         let len = next.tensor.len();
         if !continues || bytes + len > batch_bytes {
             break;
@@ -380,6 +415,18 @@ fn take<'a>(queue: &mut Vec<Job<'a>>, batch_bytes: usize) -> Vec<Job<'a>> {
         batch.extend(queue.pop());
     }
     batch
+}
+
+/// Whether a single job is read with the batch path (file pieces, no strided rows
+/// to gather).
+fn queueable(job: &Job<'_>) -> bool {
+    match job.tensor {
+        Tensor::Memory(_) => false,
+        Tensor::File(pieces) => {
+            let planned = plan_reads(pieces);
+            (0..planned.len()).all(|at| gather_run(&planned[at..]) <= 1)
+        }
+    }
 }
 
 /// Where a file tensor's last piece ends: its file and offset.

@@ -20,9 +20,11 @@ use crate::error::{Error, Result};
 pub use behind::DROP_BEHIND_EVERY;
 pub use load::{LOADER_THREAD_MAPS, MAX_READ};
 pub use mode::{
-    DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency, ResidencyProbe,
+    DirectIo, DirectReads, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency,
+    ResidencyProbe,
 };
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
+pub(crate) use resident::residency;
 
 /// Which tensor of an expert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

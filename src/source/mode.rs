@@ -230,6 +230,35 @@ impl fmt::Display for IoUringFallback {
     }
 }
 
+/// What the direct reads of a load did ([`LayerReport::direct_reads`](crate::store::LayerReport::direct_reads)):
+/// the bytes that landed in the slots in place (the rest of a direct load's bytes went
+/// through the bounce buffers: `bounced_bytes`), and the reads issued per mechanism.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DirectReads {
+    /// Slot bytes read straight into place.
+    pub in_place_bytes: u64,
+    /// Requests submitted to the loaders' `io_uring`s (resubmissions included).
+    pub uring_reads: u64,
+    /// Blocking `pread`/`preadv` calls of the loader threads.
+    pub blocking_reads: u64,
+    /// The most requests one loader's ring had in flight at once (0: no ring).
+    pub uring_depth: usize,
+}
+
+impl DirectReads {
+    /// Both loads' counts: sums, and the larger depth.
+    #[must_use]
+    pub fn plus(self, other: DirectReads) -> DirectReads {
+        DirectReads {
+            in_place_bytes: self.in_place_bytes + other.in_place_bytes,
+            uring_reads: self.uring_reads + other.uring_reads,
+            blocking_reads: self.blocking_reads + other.blocking_reads,
+            uring_depth: self.uring_depth.max(other.uring_depth),
+        }
+    }
+}
+
 /// A file's page-cache residency, as [`ReadMode::Auto`] measured it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

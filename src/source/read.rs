@@ -360,6 +360,13 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Whether batches are read with many reads in flight (direct reads through
+    /// `io_uring`): a loader then takes consecutive slots whether or not their pieces
+    /// continue each other in the file.
+    pub(crate) fn queued(&self) -> bool {
+        self.io.is_some_and(DirectIo::is_io_uring)
+    }
+
     /// Reads every segment; runs of segments that continue each other in one directly
     /// read file are read together (one `preadv` straight into the slots when every
     /// segment is aligned, else aligned windows through the bounce buffer).
@@ -374,6 +381,21 @@ impl<'a> Reader<'a> {
     ) -> Result<()> {
         let mut i = 0;
         while i < segments.len() {
+            let source = self
+                .index
+                .get(&key(segments[i].file))
+                .map(|&k| &self.files[k]);
+            if let (Some(How::Direct(direct)), true) = (source.map(|s| &s.how), scratch.has_ring())
+            {
+                // Every segment of this file up to the next file's, in flight together.
+                let mut j = i + 1;
+                while j < segments.len() && std::ptr::eq(segments[j].file, segments[i].file) {
+                    j += 1;
+                }
+                direct.read_queued(&mut segments[i..j], scratch, what)?;
+                i = j;
+                continue;
+            }
             let mut j = i + 1;
             while j < segments.len()
                 && std::ptr::eq(segments[j].file, segments[i].file)

@@ -84,9 +84,18 @@ pub(crate) const MAX_BUFS: usize = 64;
 pub(crate) struct Request<'d> {
     pub(crate) offset: u64,
     pub(crate) bufs: Vec<&'d mut [u8]>,
+    /// The bytes that must be read (the rest may lie past the end of the file: the
+    /// partial alignment unit at a piece's end, read whole into a bounce buffer).
+    pub(crate) need: usize,
 }
 
 impl<'d> Request<'d> {
+    /// A request that must be read in full.
+    pub(crate) fn full(offset: u64, bufs: Vec<&'d mut [u8]>) -> Self {
+        let need = bufs.iter().map(|b| b.len()).sum();
+        Request { offset, bufs, need }
+    }
+
     fn len(&self) -> usize {
         self.bufs.iter().map(|b| b.len()).sum()
     }
@@ -103,7 +112,11 @@ impl<'d> Request<'d> {
                 done = 0;
             }
         }
-        Request { offset, bufs }
+        Request {
+            offset,
+            bufs,
+            need: self.need.saturating_sub(done),
+        }
     }
 }
 
@@ -156,6 +169,10 @@ pub(crate) const MAX_CANCELED: usize = 1 << 16;
 /// A loader thread's ring.
 pub(crate) struct Ring {
     ring: IoUring,
+    /// Requests submitted so far (resubmissions included).
+    pub(crate) submitted: u64,
+    /// The most requests in flight at once so far.
+    pub(crate) peak: usize,
 }
 
 impl Ring {
@@ -168,13 +185,19 @@ impl Ring {
             .setup_cqsize(2 * DEPTH as u32)
             .build(DEPTH as u32)
         {
-            Ok(ring) => Ok(Ok(Ring { ring })),
+            Ok(ring) => Ok(Ok(Ring {
+                ring,
+                submitted: 0,
+                peak: 0,
+            })),
             Err(e) => fallback_or_error(errno_of(e), DEPTH).map(Err),
         }
     }
 
-    /// Reads every request in full from `file`, at most [`DEPTH`] in flight; a short read
-    /// is submitted again for the rest. Returns only once nothing is in flight.
+    /// Reads every request from `file` (at least its `need` bytes), at most [`DEPTH`] in
+    /// flight; a short read is submitted again for the rest, from where it stopped when
+    /// that is a multiple of `align` (the direct-I/O offset alignment; a read that ended
+    /// elsewhere ended at the end of the file). Returns only once nothing is in flight.
     ///
     /// # Errors
     /// A read failed (`failed(errno, offset, len)` makes the error) or the file ended
@@ -184,9 +207,11 @@ impl Ring {
         &mut self,
         file: &File,
         requests: Vec<Request<'_>>,
+        align: u64,
         failed: &dyn Fn(Errno, u64, usize) -> Error,
         eof: &dyn Fn(u64, usize) -> Error,
     ) -> Result<()> {
+        let align = align.max(1);
         let fd = types::Fd(file.as_raw_fd());
         // Taken from the end: reverse so that the file is read forwards.
         let mut pending: Vec<Request<'_>> = requests.into_iter().rev().collect();
@@ -230,6 +255,8 @@ impl Ring {
                 } else {
                     flight[slot] = Some((request, iovecs));
                     in_flight += 1;
+                    self.submitted += 1;
+                    self.peak = self.peak.max(in_flight);
                     self.submit();
                 }
             } else if in_flight == 0 {
@@ -252,9 +279,15 @@ impl Ring {
                 };
                 free.push(slot as usize);
                 in_flight -= 1;
-                let len = request.len();
+                let len = request.need.min(request.len());
                 match settle(res, len) {
                     Settled::Done => {}
+                    Settled::Again { done }
+                        if !(request.offset + done as u64).is_multiple_of(align) =>
+                    {
+                        let at = request.offset + done as u64;
+                        first_error.get_or_insert_with(|| eof(at, len - done));
+                    }
                     Settled::Again { done } => pending.push(request.advance(done)),
                     Settled::Canceled if canceled < MAX_CANCELED => {
                         canceled += 1;
@@ -336,10 +369,7 @@ mod tests {
     #[test]
     fn a_short_read_leaves_the_rest_of_the_buffers() {
         let (mut a, mut b, mut c) = ([0u8; 10], [0u8; 20], [0u8; 5]);
-        let request = Request {
-            offset: 100,
-            bufs: vec![&mut a[..], &mut b[..], &mut c[..]],
-        };
+        let request = Request::full(100, vec![&mut a[..], &mut b[..], &mut c[..]]);
         assert_eq!(request.len(), 35);
         let rest = request.advance(15);
         assert_eq!(rest.offset, 115);

@@ -78,9 +78,10 @@ pub struct StoreOptions {
     /// of two from `piece_align` to the slot alignment (slots start at multiples of it,
     /// so a larger modulus could not reach the addresses).
     ///
-    /// `Checkpoint::place` (feature `model`) lays its dense stores out
-    /// with the files' direct-I/O alignment when this is 0 and the read mode is
-    /// [`ReadMode::Direct`]; 1 keeps them at the alignment alone.
+    /// `Checkpoint::place` (feature `model`) lays its dense stores and its experts out
+    /// with the files' direct-I/O alignment when this is 0 and the files are read
+    /// directly ([`ReadMode::Direct`], or [`ReadMode::Auto`] on files mostly not cached);
+    /// 1 keeps them at the alignment alone.
     pub piece_congruence: usize,
     /// Which node of a [`Layout::SplitExperts`](super::Layout::SplitExperts) set each
     /// expert lives on, for the layers it names (default none: every layer split by

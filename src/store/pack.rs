@@ -168,6 +168,7 @@ impl PinStore {
             mbind_calls,
             reads: filled.reads,
             bounced_bytes: filled.bounced_bytes,
+            direct_reads: filled.direct,
             read_mode,
             read_fallback,
             direct_io,

@@ -105,6 +105,10 @@ pub struct LayerReport {
     /// ones that do (see [`StoreOptions::piece_congruence`]). 0 for other read modes.
     ///
     pub bounced_bytes: u64,
+    /// What the direct reads did: bytes in place, reads per mechanism, the ring depth
+    /// reached (all 0 where nothing was read directly).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub direct_reads: crate::source::DirectReads,
     /// How the files were read: [`StoreOptions::read_mode`], or [`ReadMode::Buffered`]
     /// when a direct read fell back (then [`LayerReport::read_fallback`] says why).
     pub read_mode: ReadMode,

@@ -33,23 +33,26 @@ impl PlacedModel {
                     s.class,
                     &s.store,
                     s.reads,
-                    s.bounced,
+                    (s.bounced, s.direct),
                     s.load_nanos,
                     &s.files,
                 )
             })
             .chain(self.experts.iter().map(|s| {
                 let nanos = self.expert_load_nanos;
+                // The experts' bounced bytes stay in their report (`bounced_bytes` counts
+                // the dense classes').
+                let (bounced, direct) = (0, self.expert_reads);
                 (
                     TensorClass::RoutedExperts,
                     s,
                     0,
-                    0,
+                    (bounced, direct),
                     nanos,
                     &self.expert_files,
                 )
             }));
-        for (class, store, reads, bounced, load_nanos, files) in stores {
+        for (class, store, reads, (bounced, direct), load_nanos, files) in stores {
             let stats = store.stats()?;
             let placement = placement_text(store, stats.placement);
             match out.iter_mut().find(|m| m.class == class) {
@@ -58,6 +61,7 @@ impl PlacedModel {
                     m.mbind_calls += stats.mbind_calls;
                     m.reads += reads;
                     m.bounced_bytes += bounced;
+                    m.direct_reads = m.direct_reads.plus(direct);
                     m.load_nanos += load_nanos;
                     for f in files {
                         super::place::note_file(&mut m.files, f);
@@ -72,6 +76,7 @@ impl PlacedModel {
                     mbind_calls: stats.mbind_calls,
                     reads,
                     bounced_bytes: bounced,
+                    direct_reads: direct,
                     placement,
                     load_nanos,
                     files: files.clone(),

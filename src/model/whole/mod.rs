@@ -12,10 +12,9 @@
 //! # Shape: one store per class and layout
 //! Dense tensors reuse [`PinStore`](crate::store::PinStore): each (class, model layer,
 //! layout) group is one layer of its store with a single slot holding the group's
-//! tensors in file order at multiples of `max(piece_align, 64)` (for
-//! [`ReadMode::Direct`](crate::store::ReadMode::Direct), each 64-aligned one also
-//! congruent to its file offset modulo the file's direct-I/O memory alignment, so that
-//! its read lands in place: see [`StoreOptions::piece_congruence`](crate::store::StoreOptions::piece_congruence)).
+//! tensors in file order at multiples of `max(piece_align, 64)` (for direct reads, each
+//! congruent to its file offset modulo the larger of 64 and the file's direct-I/O memory
+//! alignment instead, so that its read lands in place: see [`StoreOptions::piece_congruence`](crate::store::StoreOptions::piece_congruence)).
 //! So binding before first touch, replicas, the map budget, loaders and the slot map are
 //! the store's, and a group costs one mapping per copy.
 //!

@@ -43,21 +43,18 @@ impl Checkpoint {
     }
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
-        let align = options.piece_align.max(DENSE_ALIGN);
         let slot = options.slot_align.bytes()?;
+        let unit = self.direct_unit(options)?;
         // The experts' store would refuse a bad modulus only after the dense ones are
         // packed: refused here, before anything is reserved (and by the dry run too).
         let experts = PieceLayout {
             align: options.piece_align,
-            modulus: options.piece_congruence,
+            modulus: expert_congruence(options, unit.filter(|_| plan.share.is_none()), slot),
         };
         experts.check(slot)?;
-        let layout = PieceLayout {
-            align,
-            modulus: self.dense_congruence(options, align, slot),
-        };
+        let layout = dense_layout(options, unit, slot);
         layout.check(slot)?;
-        let assigned = assign(self, plan, (layout, options.piece_congruence))?;
+        let assigned = assign(self, plan, (layout, experts.modulus))?;
         // A node past the node sets' bits would drop out of the set the store is given
         // (`bind:65535` became "no nodes in LayerPerNode()"): named here, before the
         // cost counts bytes on it.
@@ -77,36 +74,35 @@ impl Checkpoint {
         Ok((assigned, slot as u64))
     }
 
-    /// The congruence modulus of the dense stores: the caller's
-    /// [`StoreOptions::piece_congruence`] when set (1: off, the layout of other read
-    /// modes); at its default 0, for [`ReadMode::Direct`] the largest direct-I/O memory
-    /// alignment the files report (`STATX_DIOALIGN`'s `stx_dio_mem_align`: a read lands
-    /// in place from the first aligned file offset on where the address follows the
-    /// offset modulo it), so that a tensor whose file offset is a multiple of the dense
-    /// alignment is read in place; 0 (off) for other read modes, for files read
-    /// buffered anyway (no alignment reported), for an alignment below `align` (then
-    /// every aligned slot offset already follows an aligned file offset modulo it) and
-    /// above `slot` (a modulus the store would refuse).
-    fn dense_congruence(&self, options: &StoreOptions, align: usize, slot: usize) -> usize {
-        match options.piece_congruence {
-            0 => {}
-            1 => return 0,
-            modulus => return modulus.max(align),
+    /// The direct-I/O memory alignment the pieces are laid out for (`None`: none): the
+    /// largest `stx_dio_mem_align` the files report (a read lands in place from the first
+    /// aligned file offset on where the address follows the offset modulo it), for
+    /// [`ReadMode::Direct`], and for [`ReadMode::Auto`] where some file is mostly not in
+    /// the page cache (Auto reads it directly; a cached checkpoint keeps the layout of
+    /// buffered reads). `None` for other read modes and for files that report no
+    /// alignment (read buffered anyway).
+    fn direct_unit(&self, options: &StoreOptions) -> Result<Option<usize>> {
+        match options.read_mode {
+            ReadMode::Direct => {}
+            ReadMode::Auto => {
+                let mut cold = false;
+                for f in &self.files {
+                    if !crate::source::residency(f.file())?.mostly_cached() {
+                        cold = true;
+                        break;
+                    }
+                }
+                if !cold {
+                    return Ok(None);
+                }
+            }
+            _ => return Ok(None),
         }
-        if options.read_mode != ReadMode::Direct {
-            return 0;
-        }
-        let unit = self
+        Ok(self
             .files
             .iter()
             .filter_map(|f| dio_mem_alignment(f.file()))
-            .max()
-            .unwrap_or(0);
-        if (align..=slot).contains(&unit) {
-            unit
-        } else {
-            0
-        }
+            .max())
     }
 
     /// The default plan over `nodes`, which looks at free memory per node: routed experts
@@ -184,15 +180,19 @@ impl Checkpoint {
     /// order. Every region is bound once before it is touched; replicas are copied from
     /// the first copy.
     ///
-    /// With [`ReadMode::Direct`] (and [`StoreOptions::piece_congruence`] at its default
-    /// 0), a dense tensor whose file offset is a multiple of that alignment also starts
-    /// at an offset congruent to its file offset modulo the file's direct-I/O memory
-    /// alignment (`stx_dio_mem_align`, where it exceeds the alignment): its read lands in
-    /// the slot in place, only the partial units at its two ends going through the
-    /// loader's bounce buffer, at the price of less than that alignment in padding per
-    /// tensor. A tensor off the alignment in the file keeps the alignment and is read
-    /// through the bounce buffer ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes)
-    /// counts those bytes). `piece_congruence(1)` keeps the alignment alone.
+    /// With [`ReadMode::Direct`], and [`ReadMode::Auto`] where a file is mostly not in
+    /// the page cache (and [`StoreOptions::piece_congruence`] at its default 0), every
+    /// dense tensor starts at an offset congruent to its file offset modulo the larger of
+    /// the files' direct-I/O memory alignment (`stx_dio_mem_align`) and that alignment,
+    /// whatever its file offset (one at a multiple of 64 in the file stays 64-aligned;
+    /// one that is not follows its offset, as in the file), and every expert piece modulo
+    /// the direct-I/O alignment (not under a [`PlacementPlan::share`], whose column-cut
+    /// rows must stay back to back): each read lands in the slot in place, only the
+    /// partial units at a piece's two ends going through the loader's bounce buffer
+    /// ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes),
+    /// [`ClassMeasured::direct_reads`](super::ClassMeasured::direct_reads)), at the price
+    /// of less than the modulus in padding per piece. `piece_congruence(1)` keeps the
+    /// dense alignment alone and the experts back to back.
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
@@ -232,6 +232,7 @@ impl Checkpoint {
                 store: PinStore::new(layout.store_layout(), dense_options.clone())?,
                 reads: 0,
                 bounced: 0,
+                direct: crate::source::DirectReads::default(),
                 load_nanos: 0,
                 files: Vec::new(),
             });
@@ -243,7 +244,8 @@ impl Checkpoint {
         let mut expert_load_nanos = 0;
         let (experts, expert_report) = match &assigned.naming {
             Some(naming) => {
-                let store = PinStore::new(plan.experts, options.clone())?;
+                let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
+                let store = PinStore::new(plan.experts, expert_options)?;
                 let started = std::time::Instant::now();
                 let report = match &plan.share {
                     Some(share) => self.pack_share_with(&store, naming, share)?,
@@ -270,6 +272,12 @@ impl Checkpoint {
             stores,
             experts,
             expert_load_nanos,
+            expert_reads: expert_report
+                .iter()
+                .flat_map(|r| &r.layer_reports)
+                .fold(crate::source::DirectReads::default(), |d, l| {
+                    d.plus(l.direct_reads)
+                }),
             expert_files: expert_report
                 .iter()
                 .flat_map(|r| &r.layer_reports)
@@ -346,6 +354,7 @@ impl Checkpoint {
         }
         dense.reads += report.reads;
         dense.bounced += report.bounced_bytes;
+        dense.direct = dense.direct.plus(report.direct_reads);
         let map = dense.store.slot_map(g.slot_layer)?;
         let mut slots = map.pieces(0, Kind::Weights).unwrap_or_default();
         for (&i, &count) in packed.iter().zip(&counts) {
@@ -428,6 +437,42 @@ impl Checkpoint {
             Error::overflow(OP, format!("{}: {bytes} bytes as a usize", quote(t.name())))
         })?;
         Ok(Piece::new(file.file(), offset, len))
+    }
+}
+
+/// How the dense stores lay their tensors out in a slot. The caller's
+/// [`StoreOptions::piece_congruence`] when set (1: off, tensors at multiples of
+/// `max(piece_align, 64)`; otherwise that modulus, at least the alignment). At its default
+/// 0, with a direct-I/O alignment `unit` (see `Checkpoint::direct_unit`): every tensor
+/// congruent to its file offset modulo `max(unit, piece_align, 64)` (one whose file
+/// offset is a multiple of 64 is still 64-aligned; one that is not follows its file
+/// offset, so that its read lands in place), a modulus the slot alignment cannot reach
+/// leaving the alignment alone; without one, the alignment alone.
+fn dense_layout(options: &StoreOptions, unit: Option<usize>, slot: usize) -> PieceLayout {
+    let align = options.piece_align.max(DENSE_ALIGN);
+    let modulus = match (options.piece_congruence, unit) {
+        (0, Some(unit)) if unit.max(align) <= slot => {
+            return PieceLayout {
+                align: options.piece_align,
+                modulus: unit.max(align),
+            };
+        }
+        (0 | 1, _) => 0,
+        (modulus, _) => modulus.max(align),
+    };
+    PieceLayout { align, modulus }
+}
+
+/// The experts' congruence modulus: the caller's [`StoreOptions::piece_congruence`] when
+/// set (1: off), else the direct-I/O alignment `unit` where there is one within the piece
+/// and slot alignments (every expert piece then follows its file offset modulo it and
+/// lands in place). Not under a share (a column-sliced role's rows must stay back to
+/// back).
+fn expert_congruence(options: &StoreOptions, unit: Option<usize>, slot: usize) -> usize {
+    match (options.piece_congruence, unit) {
+        (0, Some(unit)) if (options.piece_align..=slot).contains(&unit) => unit,
+        (0 | 1, _) => 0,
+        (modulus, _) => modulus,
     }
 }
 

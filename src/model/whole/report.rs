@@ -60,6 +60,10 @@ pub struct ClassMeasured {
     /// the bounce buffer instead of reading in place (dense classes; the experts' are in
     /// their report's [`LayerReport::bounced_bytes`](crate::store::LayerReport::bounced_bytes)).
     pub bounced_bytes: u64,
+    /// What its direct loads did: bytes in place, reads per mechanism, ring depth (the
+    /// experts' summed over their layers' reports).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub direct_reads: crate::source::DirectReads,
     /// `bound`, `unplaced`, or `degraded: REASON` (one copy, no policy).
     pub placement: String,
     /// Wall nanoseconds its loads took (its stores' `pack_layer` calls, one after the

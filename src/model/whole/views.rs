@@ -77,6 +77,8 @@ pub(crate) struct DenseStore {
     pub(crate) store: PinStore,
     pub(crate) reads: usize,
     pub(crate) bounced: u64,
+    /// What its direct reads did.
+    pub(crate) direct: crate::source::DirectReads,
     /// Wall nanoseconds its `pack_layer` calls took.
     pub(crate) load_nanos: u64,
     /// How its loads read each file, and why (the first load that read it).
@@ -95,6 +97,8 @@ pub struct PlacedModel {
     pub(crate) expert_load_nanos: u64,
     /// How the experts' pack read each file, and why (the first layer that read it).
     pub(crate) expert_files: Vec<crate::store::FileRead>,
+    /// What the experts' direct reads did (all layers).
+    pub(crate) expert_reads: crate::source::DirectReads,
     pub(crate) expert_plan: Option<ExpertPlan>,
     pub(crate) naming: Option<Naming>,
     pub(crate) report: Option<WholeReport>,

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Cold whole-model loads against dd, in rounds (issue 34; docs/benchmarks.md, "Whole-model
+loads: place against dd"): each round runs `dd bs=8M iflag=direct` over the checkpoint's
+shards, then every NUMAPIN binary's `place --model DIR --plan default --read MODE --json`
+in a rotating order, the page cache dropped before every run (root). Prints each round's
+ratios to dd, then per binary the medians (min-max) of: the whole process's wall over
+dd's (load + verify against one read), and the load alone (the JSON's load_seconds) over
+dd's wall. Ratios within a round only: the machine may be shared.
+
+    python3 benches/place_pairs.py ROUNDS MODE DIR NUMAPIN [NUMAPIN...]
+
+DIR: a checkpoint from benches/place_checkpoint.py. NUMAPIN: target/release/numapin, or
+copies built from other commits (A/B)."""
+import glob, json, os, statistics, subprocess, sys, time
+
+rounds, mode, root, binaries = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+shards = sorted(glob.glob(os.path.join(root, "*.safetensors")))
+
+
+def drop():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def timed(argv):
+    drop()
+    start = time.monotonic()
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return time.monotonic() - start, out
+
+
+def dd():
+    drop()
+    start = time.monotonic()
+    for shard in shards:
+        subprocess.run(["dd", f"if={shard}", "of=/dev/null", "bs=8M", "iflag=direct"],
+                       check=True, capture_output=True)
+    return time.monotonic() - start
+
+
+wall = {b: [] for b in binaries}
+load = {b: [] for b in binaries}
+for r in range(rounds):
+    base = dd()
+    order = binaries[r % len(binaries):] + binaries[:r % len(binaries)]
+    line = [f"round {r + 1}: dd {base:.2f} s"]
+    for b in order:
+        seconds, out = timed([b, "place", "--model", root, "--plan", "default",
+                              "--read", mode, "--json"])
+        report = json.loads(out)
+        assert report["verified"], b
+        wall[b].append(seconds / base)
+        load[b].append(report["load_seconds"] / base)
+        line.append(f"{b}: wall {seconds / base:.2f}x load {report['load_seconds'] / base:.2f}x")
+    print("; ".join(line), flush=True)
+
+
+def med(xs):
+    return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+
+
+for b in binaries:
+    print(f"{b}: wall/dd {med(wall[b])}, load/dd {med(load[b])}, dd/load {med([1 / x for x in load[b]])}")
