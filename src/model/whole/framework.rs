@@ -8,8 +8,8 @@ use super::assign::{expert_tensor_indices, experts_of};
 use super::glob::glob_match;
 use super::plan::PlacementPlan;
 use super::shape::normalized_shape;
-use crate::error::{Error, Result, quote};
-use crate::model::{Checkpoint, SliceAxis, TensorSlice};
+use crate::error::{Error, Invalid, Result, quote};
+use crate::model::{Checkpoint, SliceAxis, TensorInfo, TensorSlice};
 
 /// What a framework plan asks of a module's tensors, in transformers' vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,84 +180,116 @@ impl FrameworkPlan {
             if held_whole && expert_tensors.contains(&index) {
                 continue;
             }
-            let (glob, style_name) = &self.entries[at];
-            let named = || format!("{} ({}: {})", quote(name), glob.join("."), style_name);
-            let Some(style) = FrameworkStyle::from_name(style_name) else {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: unknown style (numapin knows colwise, rowwise, \
-                         embedding_rowwise, packed_colwise, replicate)",
-                        named()
-                    ),
-                ));
-            };
-            if style == FrameworkStyle::Replicate {
-                continue;
+            let expert = expert_tensors.contains(&index);
+            if let Some(axis) = self.axis_of(checkpoint, t, module, at, expert, ranks)? {
+                cuts.push((name, TensorSlice::part(axis, rank, ranks)?));
             }
-            if expert_tensors.contains(&index) {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: a routed expert's tensor; under a framework plan the routed \
-                         experts are held whole (experts_held=), not cut",
-                        named()
-                    ),
-                ));
-            }
-            if style == FrameworkStyle::PackedColwise {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: numapin cannot yet cut a dense tensor by packed part",
-                        named()
-                    ),
-                ));
-            }
-            let shape = normalized_shape(t);
-            let axis = match (style, shape.len()) {
-                // A row-parallel layer's bias is added once, after the reduction: whole.
-                (FrameworkStyle::Rowwise, 0 | 1) => continue,
-                (FrameworkStyle::Rowwise, _) => SliceAxis::Columns,
-                _ => SliceAxis::Rows,
-            };
-            let extent = match axis {
-                SliceAxis::Rows => shape.first(),
-                SliceAxis::Columns => shape.last(),
-            }
-            .copied()
-            .unwrap_or(1);
-            if extent % ranks != 0 {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: {} of {extent} do not divide into {ranks} ranks",
-                        named(),
-                        axis_name(axis)
-                    ),
-                ));
-            }
-            check_heads(checkpoint, module, ranks, &named)?;
-            cuts.push((name, TensorSlice::part(axis, rank, ranks)?));
         }
-        let unknown = self.entries.iter().enumerate().find(|(i, (_, style))| {
-            !used.contains(i) && FrameworkStyle::from_name(style).is_none()
-        });
-        if let Some((_, (glob, style))) = unknown {
-            return Err(Error::invalid(
-                "FrameworkPlan::share",
-                format!(
-                    "{} names no tensor and its style {} is unknown",
-                    quote(&glob.join(".")),
-                    quote(style)
-                ),
-            ));
-        }
+        self.check_unused(&used)?;
         for (glob, slice) in patterns(checkpoint, &cuts) {
             plan = plan.slice_pattern(glob, slice);
         }
         Ok(plan)
     }
+
+    /// The axis entry `at`'s style cuts tensor `t` (of `module`) along for `ranks` ranks;
+    /// `None` when it stays whole (replicated, a row-parallel layer's bias). Refused: an
+    /// unknown style, a routed expert's tensor, a packed cut, an axis `ranks` does not
+    /// divide, a cut through an attention head.
+    fn axis_of(
+        &self,
+        checkpoint: &Checkpoint,
+        t: &TensorInfo,
+        module: &[&str],
+        at: usize,
+        expert: bool,
+        ranks: u64,
+    ) -> Result<Option<SliceAxis>> {
+        let (glob, style_name) = &self.entries[at];
+        let named = || format!("{} ({}: {})", quote(t.name()), glob.join("."), style_name);
+        let Some(style) = FrameworkStyle::from_name(style_name) else {
+            return Err(unknown_style(style_name, named()));
+        };
+        if style == FrameworkStyle::Replicate {
+            return Ok(None);
+        }
+        if expert {
+            return Err(Error::invalid(
+                SHARE,
+                format!(
+                    "{}: a routed expert's tensor; under a framework plan the routed \
+                     experts are held whole (experts_held=), not cut",
+                    named()
+                ),
+            ));
+        }
+        if style == FrameworkStyle::PackedColwise {
+            return Err(Error::invalid(
+                SHARE,
+                format!(
+                    "{}: numapin cannot yet cut a dense tensor by packed part",
+                    named()
+                ),
+            ));
+        }
+        let shape = normalized_shape(t);
+        let axis = match (style, shape.len()) {
+            // A row-parallel layer's bias is added once, after the reduction: whole.
+            (FrameworkStyle::Rowwise, 0 | 1) => return Ok(None),
+            (FrameworkStyle::Rowwise, _) => SliceAxis::Columns,
+            _ => SliceAxis::Rows,
+        };
+        let extent = match axis {
+            SliceAxis::Rows => shape.first(),
+            SliceAxis::Columns => shape.last(),
+        }
+        .copied()
+        .unwrap_or(1);
+        if extent % ranks != 0 {
+            return Err(Error::invalid(
+                SHARE,
+                format!(
+                    "{}: {} of {extent} do not divide into {ranks} ranks",
+                    named(),
+                    axis_name(axis)
+                ),
+            ));
+        }
+        check_heads(checkpoint, module, ranks, &named)?;
+        Ok(Some(axis))
+    }
+
+    /// Refuses an entry that named no tensor when its style is unknown too (a typo in
+    /// both is otherwise silent).
+    fn check_unused(&self, used: &BTreeSet<usize>) -> Result<()> {
+        let unknown = self.entries.iter().enumerate().find(|(i, (_, style))| {
+            !used.contains(i) && FrameworkStyle::from_name(style).is_none()
+        });
+        match unknown {
+            Some((_, (glob, style))) => Err(unknown_style(
+                style,
+                format!("{} names no tensor", quote(&glob.join("."))),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+const SHARE: &str = "FrameworkPlan::share";
+
+/// A style numapin does not know, typed: the style and what named it.
+fn unknown_style(style: &str, named: String) -> Error {
+    Error::invalid_because(
+        SHARE,
+        Invalid::BadValue {
+            what: "framework plan style",
+            value: quote(style),
+            why: format!(
+                "{named}: numapin knows colwise, rowwise, embedding_rowwise, packed_colwise, \
+                 replicate"
+            ),
+        },
+    )
 }
 
 fn axis_name(axis: SliceAxis) -> &'static str {
@@ -293,7 +325,7 @@ fn check_heads(
     };
     if heads % ranks != 0 {
         return Err(Error::invalid(
-            "FrameworkPlan::share",
+            SHARE,
             format!(
                 "{}: {ranks} ranks would split an attention head ({what} = {heads} in \
                  config.json)",
