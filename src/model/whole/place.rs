@@ -219,8 +219,10 @@ impl Checkpoint {
         let cost = assigned.cost(self, plan, slot, options.assignment.as_ref())?;
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
+        // The assignment places the routed experts: a dense store has none to assign.
         let dense_options = options
             .clone()
+            .assignment(None)
             .piece_align(assigned.layout.align)
             .piece_congruence(assigned.layout.modulus);
         let mut stores = Vec::with_capacity(assigned.stores.len());
