@@ -9,8 +9,8 @@ use super::glob::glob_match;
 use super::plan::PlacementPlan;
 use super::shape::normalized_shape;
 use super::tp::expert_axis;
-use crate::error::{Error, Result, quote};
-use crate::model::{Checkpoint, SliceAxis, TensorSlice};
+use crate::error::{Error, Invalid, Result, quote};
+use crate::model::{Checkpoint, SliceAxis, TensorInfo, TensorSlice};
 
 /// What a framework plan asks of a module's tensors, in transformers' vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,96 +185,19 @@ impl FrameworkPlan {
             if held_whole && expert_tensors.contains(&index) {
                 continue;
             }
-            let (glob, style_name) = &self.entries[at];
-            let named = || format!("{} ({}: {})", quote(name), glob.join("."), style_name);
-            let Some(style) = FrameworkStyle::from_name(style_name) else {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: unknown style (numapin knows colwise, rowwise, \
-                         embedding_rowwise, packed_colwise, replicate)",
-                        named()
-                    ),
-                ));
-            };
-            if style == FrameworkStyle::Replicate {
-                continue;
-            }
             if expert_tensors.contains(&index) {
-                // Tensor parallelism of the routed experts (transformers' `tp_size=n`
-                // without EP): gate and up by rows (`colwise`, or `packed_colwise` of
-                // the fused gate_up: rows k/n of each part), down by columns
-                // (`rowwise`): the preset's per-role axes, every expert held.
-                expert_cut(t, module, style, ranks, &named)?;
-                expert_cuts.insert(index);
+                if self.cuts_expert(t, module, at, ranks)? {
+                    expert_cuts.insert(index);
+                }
                 continue;
             }
-            if style == FrameworkStyle::PackedColwise {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: numapin cannot yet cut a dense tensor by packed part",
-                        named()
-                    ),
-                ));
+            if let Some(axis) = self.axis_of(checkpoint, t, module, at, ranks)? {
+                cuts.push((name, TensorSlice::part(axis, rank, ranks)?));
             }
-            let shape = normalized_shape(t);
-            let axis = match (style, shape.len()) {
-                // A row-parallel layer's bias is added once, after the reduction: whole.
-                (FrameworkStyle::Rowwise, 0 | 1) => continue,
-                (FrameworkStyle::Rowwise, _) => SliceAxis::Columns,
-                _ => SliceAxis::Rows,
-            };
-            let extent = match axis {
-                SliceAxis::Rows => shape.first(),
-                SliceAxis::Columns => shape.last(),
-            }
-            .copied()
-            .unwrap_or(1);
-            if extent % ranks != 0 {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: {} of {extent} do not divide into {ranks} ranks",
-                        named(),
-                        axis_name(axis)
-                    ),
-                ));
-            }
-            check_heads(checkpoint, module, ranks, &named)?;
-            cuts.push((name, TensorSlice::part(axis, rank, ranks)?));
         }
-        let unknown = self.entries.iter().enumerate().find(|(i, (_, style))| {
-            !used.contains(i) && FrameworkStyle::from_name(style).is_none()
-        });
-        if let Some((_, (glob, style))) = unknown {
-            return Err(Error::invalid(
-                "FrameworkPlan::share",
-                format!(
-                    "{} names no tensor and its style {} is unknown",
-                    quote(&glob.join(".")),
-                    quote(style)
-                ),
-            ));
-        }
+        self.check_unused(&used)?;
         if !expert_cuts.is_empty() {
-            let uncut = checkpoint.tensors().iter().enumerate().find(|(i, t)| {
-                expert_tensors.contains(i)
-                    && !expert_cuts.contains(i)
-                    && !t.name().contains("scale")
-            });
-            if let Some((_, t)) = uncut {
-                return Err(Error::invalid(
-                    "FrameworkPlan::share",
-                    format!(
-                        "{}: a routed expert's tensor the plan does not cut, where it cuts \
-                         {} others: numapin cuts every routed expert's gate, up and down or \
-                         none (hold them whole with experts_held=)",
-                        quote(t.name()),
-                        expert_cuts.len()
-                    ),
-                ));
-            }
+            check_every_expert_cut(checkpoint, &expert_tensors, &expert_cuts)?;
             let share = plan.share.take().unwrap_or_default();
             plan.share = Some(share.tensor_parallel(rank, ranks)?);
         }
@@ -283,12 +206,117 @@ impl FrameworkPlan {
         }
         Ok(plan)
     }
+
+    /// The axis entry `at`'s style cuts tensor `t` (of `module`) along for `ranks` ranks;
+    /// `None` when it stays whole (replicated, a row-parallel layer's bias). Refused: an
+    /// unknown style, a packed cut, an axis `ranks` does not divide, a cut through an
+    /// attention head.
+    fn axis_of(
+        &self,
+        checkpoint: &Checkpoint,
+        t: &TensorInfo,
+        module: &[&str],
+        at: usize,
+        ranks: u64,
+    ) -> Result<Option<SliceAxis>> {
+        let (glob, style_name) = &self.entries[at];
+        let named = || format!("{} ({}: {})", quote(t.name()), glob.join("."), style_name);
+        let Some(style) = FrameworkStyle::from_name(style_name) else {
+            return Err(unknown_style(style_name, named()));
+        };
+        if style == FrameworkStyle::Replicate {
+            return Ok(None);
+        }
+        if style == FrameworkStyle::PackedColwise {
+            return Err(Error::invalid(
+                SHARE,
+                format!(
+                    "{}: numapin cannot yet cut a dense tensor by packed part",
+                    named()
+                ),
+            ));
+        }
+        let shape = normalized_shape(t);
+        let axis = match (style, shape.len()) {
+            // A row-parallel layer's bias is added once, after the reduction: whole.
+            (FrameworkStyle::Rowwise, 0 | 1) => return Ok(None),
+            (FrameworkStyle::Rowwise, _) => SliceAxis::Columns,
+            _ => SliceAxis::Rows,
+        };
+        let extent = match axis {
+            SliceAxis::Rows => shape.first(),
+            SliceAxis::Columns => shape.last(),
+        }
+        .copied()
+        .unwrap_or(1);
+        if extent % ranks != 0 {
+            return Err(Error::invalid(
+                SHARE,
+                format!(
+                    "{}: {} of {extent} do not divide into {ranks} ranks",
+                    named(),
+                    axis_name(axis)
+                ),
+            ));
+        }
+        check_heads(checkpoint, module, ranks, &named)?;
+        Ok(Some(axis))
+    }
+
+    /// Whether entry `at`'s style cuts routed expert tensor `t` (tensor parallelism of
+    /// every expert: gate and up by rows, down by columns); `false` when it replicates.
+    /// Refused: an unknown style, a style or axis that is not the role's, an axis
+    /// `ranks` does not divide.
+    fn cuts_expert(&self, t: &TensorInfo, module: &[&str], at: usize, ranks: u64) -> Result<bool> {
+        let (glob, style_name) = &self.entries[at];
+        let named = || format!("{} ({}: {})", quote(t.name()), glob.join("."), style_name);
+        let Some(style) = FrameworkStyle::from_name(style_name) else {
+            return Err(unknown_style(style_name, named()));
+        };
+        if style == FrameworkStyle::Replicate {
+            return Ok(false);
+        }
+        expert_cut(t, module, style, ranks, &named)?;
+        Ok(true)
+    }
+
+    /// Refuses an entry that named no tensor when its style is unknown too (a typo in
+    /// both is otherwise silent).
+    fn check_unused(&self, used: &BTreeSet<usize>) -> Result<()> {
+        let unknown = self.entries.iter().enumerate().find(|(i, (_, style))| {
+            !used.contains(i) && FrameworkStyle::from_name(style).is_none()
+        });
+        match unknown {
+            Some((_, (glob, style))) => Err(unknown_style(
+                style,
+                format!("{} names no tensor", quote(&glob.join("."))),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+const SHARE: &str = "FrameworkPlan::share";
+
+/// A style numapin does not know, typed: the style and what named it.
+fn unknown_style(style: &str, named: String) -> Error {
+    Error::invalid_because(
+        SHARE,
+        Invalid::BadValue {
+            what: "framework plan style",
+            value: quote(style),
+            why: format!(
+                "{named}: numapin knows colwise, rowwise, embedding_rowwise, packed_colwise, \
+                 replicate"
+            ),
+        },
+    )
 }
 
 /// Checks a cutting style on a routed expert's tensor against the per-role axis numapin
 /// cuts it by (gate and up rows, down columns: [`expert_axis`]); 1 when it agrees.
 fn expert_cut(
-    t: &crate::model::TensorInfo,
+    t: &TensorInfo,
     module: &[&str],
     style: FrameworkStyle,
     ranks: u64,
@@ -299,7 +327,7 @@ fn expert_cut(
         FrameworkStyle::Rowwise => SliceAxis::Columns,
         _ => {
             return Err(Error::invalid(
-                "FrameworkPlan::share",
+                SHARE,
                 format!("{}: a routed expert's tensor cannot be cut so", named()),
             ));
         }
@@ -308,7 +336,7 @@ fn expert_cut(
     let axis = expert_axis(role);
     if axis != Some(want) {
         return Err(Error::invalid(
-            "FrameworkPlan::share",
+            SHARE,
             format!(
                 "{}: a routed expert's {} cut by {}; numapin cuts an expert's gate and up by \
                  rows, its down by columns",
@@ -327,7 +355,7 @@ fn expert_cut(
     .unwrap_or(1);
     if extent % ranks != 0 {
         return Err(Error::invalid(
-            "FrameworkPlan::share",
+            SHARE,
             format!(
                 "{}: {} of {extent} do not divide into {ranks} ranks",
                 named(),
@@ -336,6 +364,31 @@ fn expert_cut(
         ));
     }
     Ok(())
+}
+
+/// Refuses a plan that cuts some routed expert tensors and not others: numapin's
+/// tensor parallelism of the experts cuts every expert's gate, up and down, or none.
+fn check_every_expert_cut(
+    checkpoint: &Checkpoint,
+    expert_tensors: &BTreeSet<usize>,
+    expert_cuts: &BTreeSet<usize>,
+) -> Result<()> {
+    let uncut = checkpoint.tensors().iter().enumerate().find(|(i, t)| {
+        expert_tensors.contains(i) && !expert_cuts.contains(i) && !t.name().contains("scale")
+    });
+    match uncut {
+        Some((_, t)) => Err(Error::invalid(
+            SHARE,
+            format!(
+                "{}: a routed expert's tensor the plan does not cut, where it cuts {} \
+                 others: numapin cuts every routed expert's gate, up and down or none (hold \
+                 them whole with experts_held=)",
+                quote(t.name()),
+                expert_cuts.len()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn axis_name(axis: SliceAxis) -> &'static str {
@@ -371,7 +424,7 @@ fn check_heads(
     };
     if heads % ranks != 0 {
         return Err(Error::invalid(
-            "FrameworkPlan::share",
+            SHARE,
             format!(
                 "{}: {ranks} ranks would split an attention head ({what} = {heads} in \
                  config.json)",

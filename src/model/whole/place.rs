@@ -39,7 +39,7 @@ impl Checkpoint {
         options: &StoreOptions,
     ) -> Result<PlacementCost> {
         let (assigned, slot) = self.assigned(plan, options)?;
-        Ok(assigned.cost(self, plan, slot))
+        assigned.cost(self, plan, slot, options.assignment.as_ref())
     }
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
@@ -216,10 +216,10 @@ impl Checkpoint {
     pub fn place(&self, plan: &PlacementPlan, options: StoreOptions) -> Result<PlacedModel> {
         self.check_not_truncated()?;
         let (assigned, slot) = self.assigned(plan, &options)?;
-        let cost = assigned.cost(self, plan, slot);
+        let cost = assigned.cost(self, plan, slot, options.assignment.as_ref())?;
         check_budget(&cost, &options)?;
         check_memory(&cost)?;
-        // An expert assignment (a hybrid split) is the experts' alone.
+        // The assignment places the routed experts: a dense store has none to assign.
         let dense_options = options
             .clone()
             .assignment(None)

@@ -45,7 +45,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::layout::block;
+use super::layout::{Layout, block};
 
 mod hot;
 use crate::error::{Error, Result};
@@ -197,6 +197,27 @@ impl ExpertAssignment {
     /// The assigned layers.
     pub fn layers(&self) -> impl Iterator<Item = (usize, &[Home])> {
         self.layers.iter().map(|(&l, h)| (l, &h[..]))
+    }
+
+    /// The slot order of `layer` (of `experts`) under `layout`: its experts grouped by
+    /// home; `None` where the layout has no blocks or the layer is not assigned. What the
+    /// store packs and the dry run prices.
+    ///
+    /// # Errors
+    /// A home outside the layout's set, or homes that are not one per expert.
+    pub(crate) fn slot_order(
+        &self,
+        layout: Layout,
+        layer: usize,
+        experts: usize,
+    ) -> Result<Option<SlotOrder>> {
+        let Some(set) = layout.blocks() else {
+            return Ok(None);
+        };
+        let Some(homes) = self.indices(layer, &set)? else {
+            return Ok(None);
+        };
+        SlotOrder::new(layer, &homes, experts, set.len()).map(Some)
     }
 
     /// The homes of `layer` as indices into `set` (a hot expert [`HOT`]), for the slot
@@ -405,13 +426,10 @@ impl super::PinStore {
 
     /// The slot order of `layer` under the store's assignment (`None`: by index).
     pub(super) fn slot_order(&self, layer: usize, experts: usize) -> Result<Option<SlotOrder>> {
-        let (Some(set), Some(a)) = (self.layout.blocks(), self.options.assignment.as_ref()) else {
-            return Ok(None);
-        };
-        let Some(homes) = a.indices(layer, &set)? else {
-            return Ok(None);
-        };
-        SlotOrder::new(layer, &homes, experts, set.len()).map(Some)
+        match self.options.assignment.as_ref() {
+            Some(a) => a.slot_order(self.layout, layer, experts),
+            None => Ok(None),
+        }
     }
 
     /// The node `expert` of `layer` (of `experts`) is bound to in the first copy: its

@@ -3,11 +3,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::Assigned;
+use crate::error::Result;
 use crate::model::whole::classes::TensorClass;
 use crate::model::whole::plan::{PlacementPlan, expert_layout_text};
 use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, LayerPlan, TensorPiece};
 use crate::node::{Node, NodeSet};
-use crate::store::{LayerPlacement, Layout, PieceLayout, Placer};
+use crate::store::{ExpertAssignment, LayerPlacement, Layout, PieceLayout, Placer, SlotOrder};
 
 /// What a plan costs, counted from the layouts before anything is reserved: the whole
 /// checkpoint and each class.
@@ -102,13 +103,19 @@ fn add(into: &mut BTreeMap<Node, u64>, node: Node, bytes: u64) {
 }
 
 impl Assigned {
-    /// The cost of the assignment under `plan`; `slot` is the store's slot alignment.
+    /// The cost of the assignment under `plan`; `slot` is the store's slot alignment,
+    /// `experts` the store's assignment of the routed experts (its hot copies and slot
+    /// orders priced as the store packs them).
+    ///
+    /// # Errors
+    /// An assigned home outside the experts' layout's set.
     pub(crate) fn cost(
         &self,
         checkpoint: &Checkpoint,
         plan: &PlacementPlan,
         slot: u64,
-    ) -> PlacementCost {
+        assignment: Option<&ExpertAssignment>,
+    ) -> Result<PlacementCost> {
         let mut classes: BTreeMap<TensorClass, ClassCost> = BTreeMap::new();
         let mut unbound = 0u64;
         let mut one_copy = 0u64;
@@ -142,7 +149,7 @@ impl Assigned {
                 align: self.layout.align,
                 modulus: self.expert_modulus,
             };
-            let (u, o) = expert_cost(&mut c, experts, plan.experts, layout, slot);
+            let (u, o) = expert_cost(&mut c, experts, (plan.experts, assignment), layout, slot)?;
             unbound = unbound.saturating_add(u);
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
@@ -155,7 +162,7 @@ impl Assigned {
                 add(&mut node_bytes, n, b);
             }
         }
-        PlacementCost {
+        Ok(PlacementCost {
             mappings: classes.iter().map(|c| c.mappings).sum(),
             mbind_calls: classes.iter().map(|c| c.mbind_calls).sum(),
             per_tensor_mappings: classes.iter().map(|c| c.per_tensor_mappings).sum(),
@@ -163,7 +170,7 @@ impl Assigned {
             node_bytes,
             unbound_bytes: unbound,
             one_copy_bytes: one_copy,
-        }
+        })
     }
 }
 
@@ -287,18 +294,24 @@ fn tensors_of(layer: &LayerPlan) -> usize {
 
 /// The routed experts' share: per MoE layer, the store's placement of its regions (one
 /// per tensor kind per copy, split in blocks for [`Layout::SplitExperts`]) by the one
-/// arithmetic ([`Placer`]). Returns the unbound bytes and one copy's bytes.
+/// arithmetic ([`Placer`]), with the hot copies and slot order of `assignment` where
+/// it names the layer. Returns the unbound bytes and one copy's bytes.
 fn expert_cost(
     c: &mut ClassCost,
     experts: &ExpertPlan,
-    layout: Layout,
+    (layout, assignment): (Layout, Option<&ExpertAssignment>),
     pieces_layout: PieceLayout,
     slot: u64,
-) -> (u64, u64) {
-    let placer = Placer::with_domains(layout, None, live_domains);
+) -> Result<(u64, u64)> {
+    let hot = assignment.map(ExpertAssignment::hot_copy_shape);
+    let placer = Placer::with_domains(layout, hot, live_domains);
     let (mut unbound, mut one_copy) = (0u64, 0u64);
     for layer in experts.layers() {
-        let Some(placed) = expert_placement(&placer, layer, pieces_layout, slot) else {
+        let order = match assignment {
+            Some(a) => a.slot_order(layout, layer.layer(), layer.experts().len())?,
+            None => None,
+        };
+        let Some(placed) = expert_placement(&placer, layer, pieces_layout, slot, order) else {
             continue;
         };
         let count = layer.experts().len();
@@ -311,16 +324,18 @@ fn expert_cost(
         one_copy = one_copy.saturating_add(placed.one_copy_bytes);
         unbound = unbound.saturating_add(absorb(c, &placed));
     }
-    (unbound, one_copy)
+    Ok((unbound, one_copy))
 }
 
 /// Where the store puts MoE layer `layer`'s experts under `placer` (`None`: the layer has
-/// none): each kind's slot stride from its pieces as the store lays them out.
+/// none): each kind's slot stride from its pieces as the store lays them out; `order`
+/// an assignment's slot order (`None`: by index).
 pub(crate) fn expert_placement(
     placer: &Placer,
     layer: &LayerPlan,
     pieces_layout: PieceLayout,
     slot: u64,
+    order: Option<SlotOrder>,
 ) -> Option<LayerPlacement> {
     let first = layer.experts().first()?;
     let kinds: [fn(&ExpertPieces) -> &[TensorPiece]; 2] =
@@ -344,5 +359,5 @@ pub(crate) fn expert_placement(
             extent(first)
         })
     });
-    Some(placer.arrange(layer.layer(), layer.experts().len(), strides, None))
+    Some(placer.arrange(layer.layer(), layer.experts().len(), strides, order))
 }
