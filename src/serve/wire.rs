@@ -263,7 +263,9 @@ fn receive(name: &str, sock: &OwnedFd, limits: &Limits) -> Result<Parcel> {
         ));
     }
     let files = receive_files(name, sock, count as usize)?;
-    let manifest = receive_manifest(name, sock, len as usize)?;
+    // Within max_manifest_bytes, which may be u64::MAX: allocated as the bytes come.
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let manifest = receive_manifest(name, sock, len)?;
     let files = files
         .into_iter()
         .enumerate()
@@ -317,9 +319,15 @@ fn receive_files(name: &str, sock: &OwnedFd, count: usize) -> Result<Vec<OwnedFd
 /// The `len` manifest bytes, then the end of the stream.
 fn receive_manifest(name: &str, sock: &OwnedFd, len: usize) -> Result<Vec<u8>> {
     let fault = |f: ServeFault, d: String| Error::serve(OP, name, f, d);
-    let mut manifest = vec![0u8; len];
+    // What came so far, grown as it comes (doubling, from 1 MiB): a header announcing
+    // more than the server sends costs no more memory than the bytes sent.
+    let mut manifest = Vec::new();
     let mut got = 0;
     while got < len {
+        if got == manifest.len() {
+            let more = (len - got).min(manifest.len().max(1 << 20));
+            manifest.resize(got + more, 0);
+        }
         let (n, stray) = recv(name, sock, &mut manifest[got..], 1, "the manifest", got)?;
         if stray {
             return Err(fault(
