@@ -66,6 +66,7 @@ const CASES: &[(&str, ServeFault)] = &[
     ("chunk_short_of_fds", ServeFault::FdCount),
     ("more_fds_than_announced", ServeFault::FdCount),
     ("fds_with_the_header", ServeFault::FdCount),
+    ("more_fds_than_the_control_buffer", ServeFault::FdCount),
     ("files_end_early", ServeFault::Truncated),
     ("plain_file", ServeFault::FdKind),
     ("pipe", ServeFault::FdKind),
@@ -111,6 +112,12 @@ fn behave(case: &str, conn: &OwnedFd) {
             assert!(control.push(SendAncillaryMessage::ScmRights(&one)));
             let h = header(0, 0);
             sendmsg(conn, &[IoSlice::new(&h)], &mut control, SendFlags::NOSIGNAL).unwrap();
+        }
+        "more_fds_than_the_control_buffer" => {
+            // SCM_MAX_FD fds in one chunk: more than the client's room (MSG_CTRUNC); the
+            // fds it got are closed, the kernel closes the others (the fd count checks).
+            put(conn, &header(253, 0));
+            send_fds(conn, 253, &[fd.as_fd(); 253]);
         }
         "files_end_early" => {
             put(conn, &header(2, 0));
@@ -192,6 +199,7 @@ hostile! {
     a_chunk_short_of_its_fds: "chunk_short_of_fds",
     more_fds_than_announced: "more_fds_than_announced",
     fds_with_the_header: "fds_with_the_header",
+    more_fds_than_the_control_buffer: "more_fds_than_the_control_buffer",
     files_that_end_early: "files_end_early",
     a_plain_file: "plain_file",
     a_pipe: "pipe",
