@@ -66,6 +66,7 @@ const CASES: &[(&str, ServeFault)] = &[
     ("chunk_short_of_fds", ServeFault::FdCount),
     ("more_fds_than_announced", ServeFault::FdCount),
     ("fds_with_the_header", ServeFault::FdCount),
+    ("more_fds_than_the_control_buffer", ServeFault::FdCount),
     ("files_end_early", ServeFault::Truncated),
     ("plain_file", ServeFault::FdKind),
     ("pipe", ServeFault::FdKind),
@@ -112,6 +113,12 @@ fn behave(case: &str, conn: &OwnedFd) {
             let h = header(0, 0);
             sendmsg(conn, &[IoSlice::new(&h)], &mut control, SendFlags::NOSIGNAL).unwrap();
         }
+        "more_fds_than_the_control_buffer" => {
+            // SCM_MAX_FD fds in one chunk: more than the client's room (MSG_CTRUNC); the
+            // fds it got are closed, the kernel closes the others (the fd count checks).
+            put(conn, &header(253, 0));
+            send_fds(conn, 253, &[fd.as_fd(); 253]);
+        }
         "files_end_early" => {
             put(conn, &header(2, 0));
             send_fds(conn, 1, &one);
@@ -136,6 +143,10 @@ fn behave(case: &str, conn: &OwnedFd) {
             put(conn, &header(1, 0));
             send_fds(conn, 1, &[m.as_fd()]);
         }
+        "endless_manifest" => {
+            put(conn, &header(0, u64::MAX));
+            put(conn, &[1; 40]);
+        }
         "silent" => std::thread::sleep(Duration::from_millis(1500)),
         "closed" => {}
         _ => unreachable!("{case}"),
@@ -144,6 +155,11 @@ fn behave(case: &str, conn: &OwnedFd) {
 
 /// A hostile server for `case` on a fresh name; the fault `fetch` answers.
 fn fetch_from(case: &str) -> numapin::Error {
+    fetch_with(case, Limits::default().timeout(Duration::from_millis(400)))
+}
+
+/// A hostile server for `case`; the fault `fetch` with `limits` answers.
+fn fetch_with(case: &str, limits: Limits) -> numapin::Error {
     let name = unique(case);
     let me = rustix::process::geteuid().as_raw();
     let addr = serve::address(&name, &Endpoint::Abstract, me).unwrap();
@@ -156,7 +172,6 @@ fn fetch_from(case: &str) -> numapin::Error {
         let conn = accept(&sock).unwrap();
         behave(&case_owned, &conn);
     });
-    let limits = Limits::default().timeout(Duration::from_millis(400));
     let result = serve::fetch(&name, &limits);
     thread.join().unwrap();
     result.unwrap_err()
@@ -184,6 +199,7 @@ hostile! {
     a_chunk_short_of_its_fds: "chunk_short_of_fds",
     more_fds_than_announced: "more_fds_than_announced",
     fds_with_the_header: "fds_with_the_header",
+    more_fds_than_the_control_buffer: "more_fds_than_the_control_buffer",
     files_that_end_early: "files_end_early",
     a_plain_file: "plain_file",
     a_pipe: "pipe",
@@ -325,4 +341,108 @@ fn a_directory_open_to_others_is_refused() {
     let e = Server::bind("m", p, Access::same_uid().at(Endpoint::Dir(dir))).unwrap_err();
     assert_eq!(e.serve_fault(), Some(ServeFault::UnsafeDirectory), "{e}");
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_manifest_of_u64_max_bytes_allowed_by_the_limits_is_truncated_not_a_panic() {
+    // The limits let any length through: the client must not allocate what the header
+    // announces before the bytes come.
+    let limits = Limits::default()
+        .timeout(Duration::from_millis(400))
+        .max_manifest_bytes(u64::MAX);
+    let e = fetch_with("endless_manifest", limits);
+    assert_eq!(e.serve_fault(), Some(ServeFault::Truncated), "{e}");
+}
+
+/// A parcel far bigger than a socket's buffers: the server cannot finish sending it to
+/// a peer that does not read.
+fn big_parcel() -> serve::Parcel {
+    serve::Parcel {
+        manifest: (0..16u32 << 20).map(|i| (i % 251) as u8).collect(),
+        files: vec![],
+    }
+}
+
+fn connect_to(addr: &str) -> OwnedFd {
+    let sock = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    let abs = addr.strip_prefix('@').unwrap().as_bytes();
+    connect(&sock, &SocketAddrUnix::new_abstract_name(abs).unwrap()).unwrap();
+    sock
+}
+
+/// Waits (at most 20 s) until `sock` has something to read: the server is sending to it.
+fn wait_readable(sock: &OwnedFd) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    let t = Timespec {
+        tv_sec: 20,
+        tv_nsec: 0,
+    };
+    assert_eq!(
+        poll(&mut fds, Some(&t)).unwrap(),
+        1,
+        "the server sent nothing"
+    );
+}
+
+#[test]
+fn a_peer_that_never_reads_starves_no_one() {
+    let name = unique("stall");
+    let p = big_parcel();
+    let want = p.manifest.clone();
+    let server = Server::bind(&name, p, Access::same_uid()).unwrap();
+    let stalled = connect_to(&server.address());
+    wait_readable(&stalled);
+    // Well under the server's budget for one peer: served while the first peer stalls.
+    let limits = Limits::default().timeout(Duration::from_secs(3));
+    let got = serve::fetch(&name, &limits).unwrap();
+    assert!(got.manifest == want, "the manifest's bytes");
+    drop(stalled);
+    drop(server);
+}
+
+#[test]
+fn a_peer_that_reads_a_trickle_is_cut_off() {
+    let name = unique("trickle");
+    let p = big_parcel();
+    let total = p.manifest.len() + 24;
+    let server = Server::bind(&name, p, Access::same_uid()).unwrap();
+    let sock = connect_to(&server.address());
+    // 64 KiB a second: every blocked send of the server makes progress, and the whole
+    // parcel would take minutes. The server's budget for a peer is its total.
+    let mut got = 0;
+    let mut buf = vec![0u8; 64 << 10];
+    let give_up = std::time::Instant::now() + Duration::from_secs(40);
+    let cut = loop {
+        if std::time::Instant::now() > give_up {
+            break false;
+        }
+        match recv(&sock, &mut buf, RecvFlags::empty()) {
+            Ok((0, _)) | Err(_) => break true,
+            Ok((n, _)) => got += n,
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    assert!(cut, "still served after {got} bytes");
+    assert!(got < total, "{got} of {total} bytes");
+    assert_eq!(settle(&server, 1).failed, 1);
+}
+
+#[test]
+fn dropping_the_server_does_not_wait_for_a_stalled_peer() {
+    let name = unique("drop-stall");
+    let server = Server::bind(&name, big_parcel(), Access::same_uid()).unwrap();
+    let stalled = connect_to(&server.address());
+    wait_readable(&stalled);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(server);
+        tx.send(()).unwrap();
+    });
+    // The docs promise 50 ms; a stalled peer's send budget is 10 s.
+    assert!(
+        rx.recv_timeout(Duration::from_secs(5)).is_ok(),
+        "the drop waits on a peer that does not read"
+    );
+    drop(stalled);
 }

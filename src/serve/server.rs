@@ -6,20 +6,22 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketFlags, SocketType, sockopt::Timeout};
+use rustix::net::{AddressFamily, SocketFlags, SocketType};
 
 use super::name::{Addr, private_dir, resolve};
 use super::{Access, Parcel, euid, wire};
 use crate::error::{Error, Result, ServeFault};
 
-/// How long a peer may take to read its parcel before the server moves on.
+/// How long, in all, a peer may take to read its parcel before the server closes it.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the serving thread looks at its stop flag.
 const POLL_EVERY: Duration = Duration::from_millis(50);
+/// The most peers sent to at once (a thread each); more wait in the backlog.
+const MAX_PEERS: usize = 64;
 
 /// What a [`Server`] has done so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -156,13 +158,22 @@ impl Drop for Server {
 
 const OP: &str = "Server::bind";
 
-/// The serving loop: accept, check the peer, send, close; until the stop flag.
-fn serve(listener: OwnedFd, parcel: &Parcel, shared: &Shared, allowed: &[u32]) {
+/// The serving loop: accept, check the peer, and send to it on a thread of its own
+/// (within [`SEND_TIMEOUT`] in all), so that a peer that does not read delays no other;
+/// until the stop flag, then the peers' threads are joined (they stop within
+/// [`POLL_EVERY`]).
+fn serve(listener: OwnedFd, parcel: &Arc<Parcel>, shared: &Arc<Shared>, allowed: &[u32]) {
     let timeout = Timespec {
         tv_sec: 0,
         tv_nsec: POLL_EVERY.as_nanos() as _,
     };
+    let mut peers: Vec<JoinHandle<()>> = Vec::new();
     while !shared.stop.load(Ordering::Relaxed) {
+        peers.retain(|t| !t.is_finished());
+        if peers.len() >= MAX_PEERS {
+            std::thread::sleep(POLL_EVERY);
+            continue;
+        }
         let mut fds = [PollFd::new(&listener, PollFlags::IN)];
         match rustix::event::poll(&mut fds, Some(&timeout)) {
             Ok(0) | Err(Errno::INTR) => continue,
@@ -180,15 +191,30 @@ fn serve(listener: OwnedFd, parcel: &Parcel, shared: &Shared, allowed: &[u32]) {
             shared.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let sent =
-            rustix::net::sockopt::set_socket_timeout(&conn, Timeout::Send, Some(SEND_TIMEOUT))
-                .and_then(|()| wire::send(&conn, parcel));
-        let counter = if sent.is_ok() {
-            &shared.served
-        } else {
-            &shared.failed
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + SEND_TIMEOUT;
+        let (p, s) = (Arc::clone(parcel), Arc::clone(shared));
+        let peer = std::thread::Builder::new()
+            .name("numapin-serve-peer".to_string())
+            .spawn(move || {
+                let budget = wire::Budget {
+                    deadline,
+                    stop: &s.stop,
+                };
+                let sent = wire::send(&conn, &p, &budget);
+                // Closed before it is counted: a count seen means the fd is gone.
+                drop(conn);
+                let counter = if sent.is_ok() { &s.served } else { &s.failed };
+                counter.fetch_add(1, Ordering::Relaxed);
+            });
+        match peer {
+            Ok(t) => peers.push(t),
+            Err(_) => {
+                shared.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    for t in peers {
+        let _ = t.join();
     }
 }
 

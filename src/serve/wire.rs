@@ -5,8 +5,10 @@ use std::fs::File;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
+use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 use rustix::net::{
     AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
@@ -37,9 +39,55 @@ fn header(files: usize, manifest: usize) -> [u8; HEADER] {
     h
 }
 
-/// Sends `parcel` on the connected socket `conn` (the server's side).
-pub(super) fn send(conn: &OwnedFd, parcel: &Parcel) -> rustix::io::Result<()> {
-    send_all(conn, &header(parcel.files.len(), parcel.manifest.len()))?;
+/// How often a blocked send looks at its stop flag.
+const STEP: Duration = Duration::from_millis(50);
+
+/// How long, in all, sending to one peer may take, and the flag that stops it sooner.
+pub(super) struct Budget<'a> {
+    /// When the send fails (`ETIMEDOUT`) however much the peer has read.
+    pub deadline: Instant,
+    /// Set when the server is dropped: the send fails (`ECANCELED`).
+    pub stop: &'a AtomicBool,
+}
+
+impl Budget<'_> {
+    /// Waits until `conn` takes more bytes (or fails): `ETIMEDOUT` past the deadline,
+    /// `ECANCELED` once stopped.
+    fn wait(&self, conn: &OwnedFd) -> rustix::io::Result<()> {
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Err(Errno::CANCELED);
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Errno::TIMEDOUT);
+            }
+            let step = left.min(STEP);
+            let t = Timespec {
+                tv_sec: step.as_secs() as _,
+                tv_nsec: step.subsec_nanos() as _,
+            };
+            let mut fds = [PollFd::new(conn, PollFlags::OUT)];
+            match rustix::event::poll(&mut fds, Some(&t)) {
+                Ok(0) | Err(Errno::INTR) => {}
+                Ok(_) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Sends never block: a peer that does not read makes them wait on the budget.
+const SEND: SendFlags = SendFlags::NOSIGNAL.union(SendFlags::DONTWAIT);
+
+/// Sends `parcel` on the connected socket `conn` (the server's side), within `budget`
+/// in all (a peer reading a trickle does not extend it).
+pub(super) fn send(conn: &OwnedFd, parcel: &Parcel, budget: &Budget<'_>) -> rustix::io::Result<()> {
+    send_all(
+        conn,
+        &header(parcel.files.len(), parcel.manifest.len()),
+        budget,
+    )?;
     for chunk in parcel.files.chunks(FDS_PER_CHUNK) {
         let fds: Vec<BorrowedFd<'_>> = chunk.iter().map(AsFd::as_fd).collect();
         let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
@@ -48,25 +96,27 @@ pub(super) fn send(conn: &OwnedFd, parcel: &Parcel) -> rustix::io::Result<()> {
             return Err(Errno::NOBUFS);
         }
         let count = [chunk.len() as u8];
-        let sent = rustix::net::sendmsg(
-            conn,
-            &[IoSlice::new(&count)],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        )?;
+        let sent = loop {
+            match rustix::net::sendmsg(conn, &[IoSlice::new(&count)], &mut control, SEND) {
+                Err(Errno::INTR) => {}
+                Err(Errno::AGAIN) => budget.wait(conn)?,
+                other => break other?,
+            }
+        };
         if sent != 1 {
             return Err(Errno::PIPE);
         }
     }
-    send_all(conn, &parcel.manifest)
+    send_all(conn, &parcel.manifest, budget)
 }
 
-fn send_all(conn: &OwnedFd, mut bytes: &[u8]) -> rustix::io::Result<()> {
+fn send_all(conn: &OwnedFd, mut bytes: &[u8], budget: &Budget<'_>) -> rustix::io::Result<()> {
     while !bytes.is_empty() {
-        match rustix::net::send(conn, bytes, SendFlags::NOSIGNAL) {
+        match rustix::net::send(conn, bytes, SEND) {
             Ok(0) => return Err(Errno::PIPE),
             Ok(n) => bytes = &bytes[n..],
             Err(Errno::INTR) => {}
+            Err(Errno::AGAIN) => budget.wait(conn)?,
             Err(e) => return Err(e),
         }
     }
@@ -213,7 +263,9 @@ fn receive(name: &str, sock: &OwnedFd, limits: &Limits) -> Result<Parcel> {
         ));
     }
     let files = receive_files(name, sock, count as usize)?;
-    let manifest = receive_manifest(name, sock, len as usize)?;
+    // Within max_manifest_bytes, which may be u64::MAX: allocated as the bytes come.
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let manifest = receive_manifest(name, sock, len)?;
     let files = files
         .into_iter()
         .enumerate()
@@ -267,9 +319,15 @@ fn receive_files(name: &str, sock: &OwnedFd, count: usize) -> Result<Vec<OwnedFd
 /// The `len` manifest bytes, then the end of the stream.
 fn receive_manifest(name: &str, sock: &OwnedFd, len: usize) -> Result<Vec<u8>> {
     let fault = |f: ServeFault, d: String| Error::serve(OP, name, f, d);
-    let mut manifest = vec![0u8; len];
+    // What came so far, grown as it comes (doubling, from 1 MiB): a header announcing
+    // more than the server sends costs no more memory than the bytes sent.
+    let mut manifest = Vec::new();
     let mut got = 0;
     while got < len {
+        if got == manifest.len() {
+            let more = (len - got).min(manifest.len().max(1 << 20));
+            manifest.resize(got + more, 0);
+        }
         let (n, stray) = recv(name, sock, &mut manifest[got..], 1, "the manifest", got)?;
         if stray {
             return Err(fault(
