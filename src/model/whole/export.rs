@@ -350,6 +350,8 @@ impl PlacedModel {
                 bounced: 0,
                 load_nanos: 0,
                 files: Vec::new(),
+                // An attached store read nothing.
+                direct: crate::source::DirectReads::default(),
             });
         }
         let experts = match &body.experts {
@@ -376,6 +378,7 @@ impl PlacedModel {
             experts,
             expert_load_nanos: 0,
             expert_files: Vec::new(),
+            expert_reads: crate::source::DirectReads::default(),
             expert_plan,
             naming: None,
             report: None,
