@@ -47,6 +47,7 @@ mod measure;
 mod place;
 mod plan;
 mod report;
+mod served;
 mod shape;
 mod structure;
 mod text;
