@@ -233,15 +233,22 @@ fn child_join() {
     println!("CHECKED {t} tensors {p} pieces");
 }
 
-/// A child that joins with another checkpoint is refused by name, nothing mapped.
+/// `place_or_attach` on a free name places and serves; a child that joins with another
+/// checkpoint is refused by name, nothing mapped.
 #[test]
 fn another_checkpoint_is_refused_by_name() {
     let Some(dir) = fixtures("another_checkpoint_is_refused_by_name") else {
         return;
     };
-    let (_, mut model) = placed(&dir);
+    // The first to join an unserved name places and serves.
     let name = unique("other");
-    let _server = model.serve(&name, Access::same_uid()).unwrap();
+    let checkpoint = open_fixture(&dir, FIXTURE);
+    let plan = checkpoint.default_plan(common::nodes()).unwrap();
+    let (model, server) = checkpoint
+        .place_or_attach(&name, &plan, options(), Access::same_uid(), &limits())
+        .unwrap();
+    let server = server.expect("the name was free: this process places");
+    assert_eq!(model.len(), checkpoint.tensors().len());
     let out = spawn(
         "child_other",
         &[("MS_NAME", &name), ("MS_DIR", dir.to_str().unwrap())],
@@ -257,6 +264,12 @@ fn another_checkpoint_is_refused_by_name() {
     assert!(line.contains("Checkpoint::place_or_attach"), "{line}");
     assert!(line.contains(&name), "{line}");
     assert!(line.contains("another model"), "{line}");
+    // The server counts a peer after its last write, which the child may have read.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while server.stats().served < 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(server.stats().served, 1);
 }
 
 #[test]
