@@ -343,3 +343,59 @@ fn readers_keep_reading_after_the_server_is_killed() {
         assert!(r.wait().unwrap().success());
     }
 }
+
+/// A parcel with another file count than its manifest, or a store's parcel served under
+/// the name: refused by name, nothing mapped.
+#[test]
+fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
+    let Some(dir) = fixtures("a_wrong_parcel_is_refused_by_name_with_nothing_mapped") else {
+        return;
+    };
+    let (_, mut model) = placed(&dir);
+    let export = model.export().unwrap();
+    let before = memfd_mappings();
+    let mut files: Vec<_> = export
+        .files
+        .iter()
+        .map(|f| f.try_clone().unwrap())
+        .collect();
+    files.pop();
+    let parcel = numapin::serve::Parcel {
+        manifest: export.manifest.to_bytes(),
+        files,
+    };
+    let e = PlacedModel::attach_parcel(parcel).unwrap_err().to_string();
+    assert!(e.contains("files in the served parcel"), "{e}");
+    assert_eq!(memfd_mappings(), before, "{e}");
+    // A store's parcel under the name: not a model manifest, named with the name.
+    let mut store = numapin::store::PinStore::new(
+        numapin::store::Layout::Unplaced,
+        StoreOptions::default().shared(true),
+    )
+    .unwrap();
+    let (w, s) = (vec![7u8; 4096], vec![1u8; 64]);
+    let spec = numapin::store::LayerSpec {
+        experts: 1,
+        weight_bytes: 4096,
+        scale_bytes: 64,
+    };
+    store
+        .pack_layer(
+            0,
+            &spec,
+            &[numapin::store::ExpertSource::Memory {
+                weights: &w,
+                scales: &s,
+            }],
+        )
+        .unwrap();
+    let name = unique("store");
+    let _server = store.serve(&name, Access::same_uid()).unwrap();
+    let before = memfd_mappings();
+    let e = PlacedModel::attach_served(&name, &limits())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a numapin model manifest"), "{e}");
+    assert!(e.contains(&name), "{e}");
+    assert_eq!(memfd_mappings(), before, "{e}");
+}
