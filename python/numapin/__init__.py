@@ -32,6 +32,7 @@ from ._numapin import (
     View,
     ViewsAlive,
     WholeModel,
+    attach,
     probe,
 )
 
@@ -55,5 +56,6 @@ __all__ = [
     "View",
     "ViewsAlive",
     "WholeModel",
+    "attach",
     "probe",
 ]

@@ -42,6 +42,12 @@ class Cancelled(NumapinError):
 def probe() -> dict[str, Any]:
     """What this process may do here: the probe's facts, its verdict and a summary."""
 
+def attach(name: str, *, timeout: float = 30.0) -> WholeModel:
+    """The whole model another process of this uid serves as `name`
+    (Checkpoint.place(..., serve_as=name)): fetched over a Unix socket and mapped
+    read-only, the same pages, no copy (GIL released). NumapinError naming the fault
+    when no process serves it, or the wait exceeds `timeout` seconds."""
+
 def main(argv: Sequence[str]) -> int:
     """The `numapin` command on `argv` (the program name first): its exit status."""
 
@@ -184,6 +190,7 @@ class Checkpoint:
         read_mode: Literal["auto", "buffered", "direct", "drop-behind"] = "auto",
         progress: ProgressCallback | Literal[False] | None = None,
         writable: bool = False,
+        serve_as: str | None = None,
         **classes: str,
     ) -> WholeModel:
         """Places every tensor (GIL released): routed experts under `experts`
@@ -218,7 +225,11 @@ class Checkpoint:
         whole under `experts_held`, or, without it, cut when the plan names every expert
         role (gate and up colwise/packed_colwise by rows, down rowwise by columns); an
         unknown style, a cut that does not divide its axis, splits an attention head or
-        cuts an expert role on another axis raises InvalidArgument naming the tensor."""
+        cuts an expert role on another axis raises InvalidArgument naming the tensor.
+
+        `serve_as=name` places memfd-backed stores and serves the model under `name`
+        (an abstract Unix socket, this uid only) as long as the returned WholeModel
+        lives: numapin.attach(name) in another process maps the same pages."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""
@@ -295,7 +306,14 @@ class WholeModel:
     def report(self) -> str: ...
     def report_dict(self) -> dict[str, Any]: ...
     def verify(self) -> dict[str, Any]:
-        """Every copy of every tensor re-read from the files: "verified", "mismatched"."""
+        """Every copy of every tensor re-read from the files: "verified", "mismatched".
+        InvalidArgument for a model attached by name (no checkpoint)."""
+    @property
+    def served_as(self) -> str | None:
+        """The name given as place(..., serve_as=name): served while this model lives."""
+    @property
+    def attached(self) -> bool:
+        """Whether numapin.attach(name) made this model (read-only, the placer's pages)."""
     def __len__(self) -> int: ...
 
 class CacheEntry:

@@ -198,14 +198,17 @@ impl Checkpoint {
     /// Map budget and node memory are checked before anything is reserved. The GIL is
     /// released while loading; `progress` as in `pack`. Once loaded, the placed memory is
     /// read-only (`PROT_READ`: a write through a pointer made from a view faults);
-    /// `writable=True` keeps it writable. Returns a `WholeModel`.
+    /// `writable=True` keeps it writable. `serve_as=name` places memfd-backed stores and
+    /// serves the model under `name` as long as the returned `WholeModel` lives: other
+    /// processes of this uid `numapin.attach(name)` it with no copy. Returns a
+    /// `WholeModel`.
     #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
                         experts_held = None, expert_slice = None, dense_slice = None,
                         whole = None, tensor_parallel = None, slice_class = None,
                         slice_pattern = None, framework_plan = None, rank = None,
                         huge_pages = true, populate = true,
                         loader_threads = None, read_mode = "auto", progress = None,
-                        writable = false, **classes))]
+                        writable = false, serve_as = None, **classes))]
     #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
@@ -228,6 +231,7 @@ impl Checkpoint {
         read_mode: &str,
         progress: Option<Bound<'_, PyAny>>,
         writable: bool,
+        serve_as: Option<&str>,
         classes: Option<Bound<'_, PyDict>>,
     ) -> PyResult<crate::whole::WholeModel> {
         let mut overrides = Vec::new();
@@ -272,7 +276,7 @@ impl Checkpoint {
             read_mode: read_mode.to_owned(),
             writable,
         };
-        crate::whole::place(py, &self.inner, plan, &options, progress)
+        crate::whole::place(py, &self.inner, plan, &options, progress, serve_as)
     }
 
     fn __repr__(&self) -> String {

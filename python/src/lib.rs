@@ -10,6 +10,7 @@ mod checkpoint;
 mod errors;
 mod experts_view;
 mod progress;
+mod served;
 mod store;
 mod view;
 mod whole;
@@ -44,6 +45,7 @@ fn _numapin(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
+    m.add_function(wrap_pyfunction!(served::attach, m)?)?;
     m.add_class::<view::View>()?;
     m.add_class::<progress::Progress>()?;
     m.add_class::<store::PinStore>()?;

@@ -297,9 +297,14 @@ pub fn place(
     plan: PlacementPlan,
     options: &Options,
     progress: Option<Bound<'_, PyAny>>,
+    serve_as: Option<&str>,
 ) -> PyResult<WholeModel> {
     let callbacks = Callbacks::default();
-    let store_options: StoreOptions = options.build(&callbacks)?;
+    let mut store_options: StoreOptions = options.build(&callbacks)?;
+    if serve_as.is_some() {
+        // Serving exports the stores: they must be memfd-backed.
+        store_options = store_options.shared(true);
+    }
     // The bytes the stores will read (one copy; a share's part): the plan's cost.
     let total = || {
         let cost = py
@@ -330,10 +335,30 @@ pub fn place(
     {
         cb.bind(py).call_method0("close")?;
     }
+    let mut model = outcome?;
+    let server = match serve_as {
+        Some(name) => Some(
+            py.detach(|| model.serve(name, numapin::serve::Access::same_uid()))
+                .py_err()?,
+        ),
+        None => None,
+    };
     Ok(WholeModel {
-        inner: Arc::new(outcome?),
-        checkpoint: checkpoint.clone(),
+        inner: Arc::new(model),
+        checkpoint: Some(checkpoint.clone()),
+        server: std::sync::Mutex::new(server),
+        served_as: serve_as.map(str::to_owned),
     })
+}
+
+/// A model attached by name (`numapin.attach`): no checkpoint, no server.
+pub fn attached(model: numapin::model::PlacedModel) -> WholeModel {
+    WholeModel {
+        inner: Arc::new(model),
+        checkpoint: None,
+        server: std::sync::Mutex::new(None),
+        served_as: None,
+    }
 }
 
 /// A checkpoint placed whole by `Checkpoint.place`: `tensor(name)` gives any tensor as a
@@ -344,7 +369,13 @@ pub fn place(
 #[pyclass(frozen, module = "numapin")]
 pub struct WholeModel {
     inner: Arc<numapin::model::PlacedModel>,
-    checkpoint: Arc<numapin::model::Checkpoint>,
+    /// `None` for a model attached by name (`numapin.attach`).
+    checkpoint: Option<Arc<numapin::model::Checkpoint>>,
+    /// The server of `place(..., serve_as=name)`: serves as long as this model lives
+    /// (held for its `Drop`, which stops serving).
+    #[allow(dead_code)]
+    server: std::sync::Mutex<Option<numapin::serve::Server>>,
+    served_as: Option<String>,
 }
 
 #[pymethods]
@@ -513,14 +544,34 @@ impl WholeModel {
 
     /// Re-reads every tensor from the files and compares it with every copy: a dict with
     /// `mismatched` (0) and the experts' `mismatched_slots`, plus `verified`.
+    /// An attached model (`numapin.attach`) raises `InvalidArgument`: it has no
+    /// checkpoint to read.
     fn verify(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let report = py.detach(|| self.inner.verify(&self.checkpoint)).py_err()?;
+        let Some(checkpoint) = &self.checkpoint else {
+            return Err(InvalidArgument::new_err(
+                "verify: a model attached by name has no checkpoint to compare with (verify \
+                 in the placer)",
+            ));
+        };
+        let report = py.detach(|| self.inner.verify(checkpoint)).py_err()?;
         let mut value = serde_json::to_value(&report)
             .map_err(|e| crate::errors::NumapinError::new_err(format!("verify: {e}")))?;
         if let Some(map) = value.as_object_mut() {
             map.insert("verified".into(), report.verified().into());
         }
         crate::store::json_to_py(py, &value)
+    }
+
+    /// The name this model is served as (`place(..., serve_as=name)`), or None.
+    #[getter]
+    fn served_as(&self) -> Option<String> {
+        self.served_as.clone()
+    }
+
+    /// Whether this model was attached by name (`numapin.attach`).
+    #[getter]
+    fn attached(&self) -> bool {
+        self.checkpoint.is_none()
     }
 
     fn __len__(&self) -> usize {

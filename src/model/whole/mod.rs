@@ -46,6 +46,7 @@ mod measure;
 mod place;
 mod plan;
 mod report;
+mod served;
 mod shape;
 mod structure;
 mod text;
