@@ -147,7 +147,7 @@ fn behave(case: &str, conn: &OwnedFd) {
             put(conn, &header(0, u64::MAX));
             put(conn, &[1; 40]);
         }
-        "silent" => std::thread::sleep(Duration::from_millis(1500)),
+        "silent" => std::thread::sleep(Duration::from_secs(6)),
         "closed" => {}
         _ => unreachable!("{case}"),
     }
@@ -155,7 +155,7 @@ fn behave(case: &str, conn: &OwnedFd) {
 
 /// A hostile server for `case` on a fresh name; the fault `fetch` answers.
 fn fetch_from(case: &str) -> numapin::Error {
-    fetch_with(case, Limits::default().timeout(Duration::from_millis(400)))
+    fetch_with(case, Limits::default().timeout(Duration::from_secs(2)))
 }
 
 /// A hostile server for `case`; the fault `fetch` with `limits` answers.
@@ -348,7 +348,7 @@ fn a_manifest_of_u64_max_bytes_allowed_by_the_limits_is_truncated_not_a_panic() 
     // The limits let any length through: the client must not allocate what the header
     // announces before the bytes come.
     let limits = Limits::default()
-        .timeout(Duration::from_millis(400))
+        .timeout(Duration::from_secs(2))
         .max_manifest_bytes(u64::MAX);
     let e = fetch_with("endless_manifest", limits);
     assert_eq!(e.serve_fault(), Some(ServeFault::Truncated), "{e}");
