@@ -35,8 +35,9 @@ const LOW_MAP_LIMIT: usize = 4096;
 const VM_FIXTURES: &str = "/fixtures";
 /// Mutated headers per format in the VM: TCG runs the parsers ~10× slower than the host.
 const VM_FUZZ_CASES: usize = 10_000;
-/// Operations of the randomized cache test under TCG (1,000,000 on the host).
-const VM_CACHE_OPS: usize = 100_000;
+/// Operations of the randomized cache tests under TCG (1,000,000 on the host): at
+/// 100,000 the cache binary alone took over 13 minutes of a 4-node boot on 2 host cores.
+const VM_CACHE_OPS: usize = 20_000;
 
 pub fn run() -> Result<(), String> {
     let started = Instant::now();
