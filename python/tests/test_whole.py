@@ -312,7 +312,8 @@ def test_a_split_layer_is_one_range_and_each_role_one_view(fixture, name):
                 assert row == np.asarray(piece).tobytes()
                 assert any(row == data or row in _rows_of(data, len(ids), e)
                            for _, data in want.values()), (name, layer, role, e)
-            maps = _mappings_over(first.address, first.address + len(ids) * stride)
-            assert maps and maps[0][0] <= first.address
-            assert maps[-1][1] >= first.address + len(ids) * stride
+            # The view's bytes, from its first row's first byte to its last row's last.
+            end = first.address + (len(ids) - 1) * stride + got[0].nbytes
+            maps = _mappings_over(first.address, end)
+            assert maps and maps[0][0] <= first.address and maps[-1][1] >= end
             assert all(a[1] == b[0] for a, b in zip(maps, maps[1:])), maps
