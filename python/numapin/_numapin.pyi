@@ -300,7 +300,9 @@ class WholeModel:
         """[experts, ...] view of one role of every expert the model holds, the slot
         stride as the outer stride (this thread's node's copy where replicated); with
         `through`, roles role..through joined along their first dimension. NumapinError
-        where the pieces are not at one stride (a layer split over nodes)."""
+        where the pieces are not at one stride (an expert assignment's slot order, or
+        pieces congruent to their file offsets for direct reads); a layer split over
+        nodes is one range bound node block by node block: one view."""
     def stats(self) -> dict[str, Any]:
         """{"experts": store stats or None, "dense": [store stats + "class"]}."""
     def report(self) -> str: ...

@@ -251,7 +251,7 @@ def _fused_view(
             view = whole.layer(layer, roles[0])
         else:
             view = whole.layer(layer, roles[0], through=roles[1])
-    except Exception as e:  # numapin says why (a layer split over nodes, roles apart)
+    except Exception as e:  # numapin says why (not at one stride, roles apart)
         return None, str(e)
     tensor = torch.from_dlpack(view)
     if tensor.shape != want.shape or tensor.dtype != want.dtype:

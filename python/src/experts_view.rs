@@ -113,9 +113,9 @@ fn strided(
         .all(|(e, &a)| Some(a) == e.checked_mul(stride).and_then(|o| firsts[0].checked_add(o)));
     if !uniform || stride < len {
         return Err(crate::errors::NumapinError::new_err(format!(
-            "layer {layer}: the experts' {:?} pieces are not at one stride (a layout \
-             that splits the layer over nodes keeps one block per node): read them with \
-             expert(layer, e)",
+            "layer {layer}: the experts' {:?} pieces are not at one stride (slots in an \
+             expert assignment's order, or pieces placed congruent to their file offsets \
+             for direct reads): read them with expert(layer, e)",
             clip(role)
         )));
     }
@@ -151,7 +151,8 @@ pub fn role_view(
 /// stride: `[E, ...]` strided by the slot (`experts.gate_up_proj`, Granite's
 /// `input_linear`), or, for DBRX's `[E·I, H]`, only where the pieces are back to back.
 /// `None` where the layout does not keep the tensor whole (a share, a slice, a layer
-/// split over nodes, DBRX's pieces a slot apart).
+/// whose slots an expert assignment orders, DBRX's pieces a slot apart). A layer split over
+/// nodes is one range bound node block by node block, its slots at one stride: a view.
 pub fn whole_tensor(
     model: &Arc<PlacedModel>,
     t: &TensorView<'_>,

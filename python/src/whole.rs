@@ -482,8 +482,10 @@ impl WholeModel {
     /// fused-experts parameter is assigned without a copy. With `through`, the roles from
     /// `role` to `through` (back to back in each slot, one dtype, the same inner
     /// dimensions) joined along their first dimension, as transformers' `gate_up_proj`.
-    /// The experts' pieces must lie at one stride: a layer split over nodes is in one
-    /// block per node (`NumapinError`: read its experts with `expert(layer, e)`).
+    /// The experts' pieces must lie at one stride, as every layout keeps them (a layer
+    /// split over nodes is one range, bound node block by node block); not where an
+    /// expert assignment orders the slots or direct reads place each piece congruent to
+    /// its file offset (`NumapinError`: read its experts with `expert(layer, e)`).
     #[pyo3(signature = (layer, role, *, through = None))]
     fn layer(&self, layer: usize, role: &str, through: Option<&str>) -> PyResult<View> {
         crate::experts_view::role_view(&self.inner, layer, role, through)

@@ -276,25 +276,44 @@ def _rows_of(data, experts, e):
     return (data[e * per:(e + 1) * per],)
 
 
-def test_a_split_layer_is_one_view_only_where_its_slots_are_at_one_stride(fixture):
-    """Split over several nodes, a layer is one block per node: the view is refused where
-    the experts' pieces are not at one stride (the VM), and given where they are (one
-    node: one block)."""
-    fx = fixture("gguf-single")
-    model = numapin.Checkpoint(fx.path).place("split:all", "replicate:all", progress=False)
-    layer = next(layer for _, cls, layer in model.classes() if cls == "experts")
-    role = next(iter(model.expert(layer, 0)))
-    addresses = []
-    while True:
-        try:
-            addresses.append(model.expert(layer, len(addresses))[role].address)
-        except numapin.InvalidArgument:
-            break
-    steps = {b - a for a, b in zip(addresses, addresses[1:])}
-    if len(steps) <= 1:
-        got = np.asarray(model.layer(layer, role))
-        for e, address in enumerate(addresses):
-            assert got[e].tobytes() == np.asarray(model.expert(layer, e)[role]).tobytes()
-    else:
-        with pytest.raises(numapin.NumapinError, match="one stride"):
-            model.layer(layer, role)
+def _mappings_over(start, end):
+    """(start, end) of this process's mappings overlapping [start, end), in order."""
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            if a < end and b > start:
+                out.append((a, b))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("name", ["gguf-single", "st-sharded"])
+def test_a_split_layer_is_one_range_and_each_role_one_view(fixture, name):
+    """Split over the nodes, a layer is one virtual range per kind bound node block by
+    node block: every role is one strided view, its rows numpy's bytes, the layer's
+    mappings back to back in /proc/self/maps (one per node block; the VM checks the
+    nodes page by page, tests/whole_model/one_range.rs). Buffered reads: direct reads
+    may place a piece congruent to its file offset, off the stride."""
+    fx = fixture(name)
+    want = numpy_tensors(fx.root)
+    model = numapin.Checkpoint(fx.path).place("split:all", "replicate:all",
+                                              read_mode="buffered", progress=False)
+    for layer in model.layers:
+        ids = model.expert_ids(layer)
+        for role, first in model.expert(layer, ids[0]).items():
+            view = model.layer(layer, role)
+            got = np.asarray(view)
+            assert view.address == first.address and got.shape[0] == len(ids)
+            stride = view.strides[0]
+            for e in ids:
+                piece = model.expert(layer, e)[role]
+                assert piece.address == first.address + e * stride, (name, layer, role, e)
+                row = got[e].tobytes()
+                assert row == np.asarray(piece).tobytes()
+                assert any(row == data or row in _rows_of(data, len(ids), e)
+                           for _, data in want.values()), (name, layer, role, e)
+            # The view's bytes, from its first row's first byte to its last row's last.
+            end = first.address + (len(ids) - 1) * stride + got[0].nbytes
+            maps = _mappings_over(first.address, end)
+            assert maps and maps[0][0] <= first.address and maps[-1][1] >= end
+            assert all(a[1] == b[0] for a, b in zip(maps, maps[1:])), maps

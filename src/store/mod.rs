@@ -151,11 +151,12 @@ impl PinStore {
                 ),
             ));
         }
+        check_role_major(&options)?;
         let hot = options
             .assignment
             .as_ref()
             .map(ExpertAssignment::hot_copy_shape);
-        let placer = layout::Placer::live(layout, hot)?;
+        let placer = layout::Placer::live(layout, hot)?.role_major(options.role_major);
         Ok(PinStore {
             layout,
             placer,
@@ -256,4 +257,33 @@ fn broken(op: &'static str) -> Error {
               already unmapped it"
             .into(),
     }
+}
+
+/// [`StoreOptions::role_major`]: at least 1, and alone (an assignment orders the slots
+/// node by node, and an export's manifest does not carry the runs).
+fn check_role_major(options: &StoreOptions) -> Result<()> {
+    let roles = options.role_major;
+    let bad = |why: &str| {
+        Error::bad_value(
+            "PinStore::new",
+            "role_major",
+            roles.to_string(),
+            why.to_owned(),
+        )
+    };
+    if roles == 0 {
+        return Err(bad("a slot order needs at least 1 role"));
+    }
+    if roles > 1 && options.assignment.is_some() {
+        return Err(bad(
+            "role-major slots with an expert assignment: the assignment orders the slots \
+             node by node",
+        ));
+    }
+    if roles > 1 && options.shared {
+        return Err(bad(
+            "role-major slots in a shared store: an export's manifest does not carry them",
+        ));
+    }
+    Ok(())
 }

@@ -94,6 +94,19 @@ pub struct StoreOptions {
     /// opens a region for its fill and closes it after, whole, so a region never splits
     /// into more mappings. On: the regions stay `PROT_READ | PROT_WRITE`.
     pub writable: bool,
+    /// Role-major slots (default 1: a slot per expert). With `roles` > 1 a layer of
+    /// `S` slots holds `roles` runs of its `E = S / roles` experts: slot `r × E + e`
+    /// holds role `r` of expert `e` (the caller packs one source per role and expert in
+    /// that order), so that each role's experts lie back to back at one stride and a
+    /// framework tensor holding one role of every expert (DBRX's `w1`/`v1`/`w2`,
+    /// `[E·I, H]` each) is one view of its run. [`PinStore::home_node`] and the loaders
+    /// take expert `e`'s node for each of its slots. Cost in mappings: none, except
+    /// under [`Layout::SplitExperts`](super::Layout::SplitExperts) on several nodes,
+    /// where each run is split in the node blocks: `roles × blocks` mappings and `mbind`
+    /// calls per region instead of `blocks` (a run's last block and the next run's first
+    /// are on different nodes, so they never merge; on one node the runs are one block).
+    /// Not with [`StoreOptions::assignment`] or [`StoreOptions::shared`].
+    pub role_major: usize,
 }
 
 /// The largest slot or piece alignment a store accepts: 1 GiB, the largest huge page.
@@ -239,6 +252,13 @@ impl StoreOptions {
         self.writable = on;
         self
     }
+
+    /// [`StoreOptions::role_major`].
+    #[must_use]
+    pub fn role_major(mut self, roles: usize) -> Self {
+        self.role_major = roles;
+        self
+    }
 }
 
 impl Default for StoreOptions {
@@ -257,6 +277,7 @@ impl Default for StoreOptions {
             piece_congruence: 0,
             assignment: None,
             writable: false,
+            role_major: 1,
         }
     }
 }

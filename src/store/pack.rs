@@ -487,6 +487,18 @@ impl PinStore {
                 sources.len(),
             ));
         }
+        let roles = self.options.role_major;
+        if roles > 1 && !spec.experts.is_multiple_of(roles) {
+            return Err(Error::bad_value(
+                PACK,
+                "experts",
+                spec.experts,
+                format!(
+                    "layer {layer}: role-major slots come in {roles} runs of the experts, \
+                     one source per role and expert"
+                ),
+            ));
+        }
         sources
             .iter()
             .enumerate()

@@ -11,6 +11,7 @@
 mod common;
 mod dry_run;
 mod figures;
+mod one_range;
 mod verify_mode;
 
 use common::{fixtures, numpy_tensors, open_fixture, pages_of_bytes};

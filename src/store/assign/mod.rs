@@ -434,8 +434,15 @@ impl super::PinStore {
 
     /// The node `expert` of `layer` (of `experts`) is bound to in the first copy: its
     /// assigned home where the store's assignment names the layer (the first node for a
-    /// hot expert), else the layout's node.
+    /// hot expert), else the layout's node; with role-major slots
+    /// ([`StoreOptions::role_major`](crate::store::StoreOptions::role_major)), slot
+    /// `expert` holds a role of expert `expert mod E` and goes to that expert's node.
     pub(super) fn expert_node(&self, layer: usize, experts: usize, expert: usize) -> Option<Node> {
+        let (per, runs) = self.placer.runs(experts);
+        let (experts, expert) = match runs {
+            1 => (experts, expert),
+            _ => (per, expert % per),
+        };
         if let (Some(set), Some(homes)) = (
             self.layout.blocks(),
             (self.options.assignment.as_ref()).and_then(|a| a.layers.get(&layer)),

@@ -37,6 +37,9 @@ pub(crate) struct Placer {
     pub(crate) copy_groups: Vec<NodeSet>,
     /// The groups a hybrid layer's hot experts get a copy on (empty: no assignment).
     pub(crate) hot_groups: Vec<NodeSet>,
+    /// Runs of experts per layer ([`StoreOptions::role_major`](crate::store::StoreOptions::role_major); 1: a slot per
+    /// expert).
+    pub(crate) roles: usize,
 }
 
 /// One range of slots of one copy of a layer, bound under one policy: each region of the
@@ -101,6 +104,7 @@ impl Placer {
             layout,
             copy_groups,
             hot_groups,
+            roles: 1,
         })
     }
 
@@ -119,6 +123,23 @@ impl Placer {
                 (Some(shape), Some(set)) => hot_groups(shape, set, read).unwrap_or_default(),
                 _ => Vec::new(),
             },
+            roles: 1,
+        }
+    }
+
+    /// The placer with role-major slots: each layer's slots are `roles` runs of its
+    /// experts (see [`StoreOptions::role_major`](crate::store::StoreOptions::role_major)).
+    pub(crate) fn role_major(mut self, roles: usize) -> Placer {
+        self.roles = roles.max(1);
+        self
+    }
+
+    /// The experts of a layer of `slots` slots and the runs they come in: `(slots, 1)`
+    /// unless the slots are role-major and divide into the runs.
+    pub(crate) fn runs(&self, slots: usize) -> (usize, usize) {
+        match self.roles {
+            r if r > 1 && slots.is_multiple_of(r) => (slots / r, r),
+            _ => (slots, 1),
         }
     }
 
@@ -244,9 +265,30 @@ impl Placer {
             whole: false,
         };
         let mut out: Vec<Block> = match order {
-            None => (set.iter().enumerate())
-                .map(|(i, node)| bound(0, block(i, set.len(), experts), bind(node)))
-                .collect(),
+            None => {
+                // Role-major: each run of the experts split in the node blocks, a block
+                // merged with the one before where both are on one node (one node: the
+                // runs are one block, as the kernel merges them).
+                let (per, runs) = self.runs(experts);
+                let mut out: Vec<Block> = Vec::new();
+                for run in 0..runs {
+                    for (i, node) in set.iter().enumerate() {
+                        let b = block(i, set.len(), per);
+                        let slots = run * per + b.start..run * per + b.end;
+                        match out.last_mut() {
+                            Some(last)
+                                if last.slots.end == slots.start
+                                    && last.policy == Some(bind(node)) =>
+                            {
+                                last.slots.end = slots.end;
+                            }
+                            _ if slots.is_empty() => {}
+                            _ => out.push(bound(0, slots, bind(node))),
+                        }
+                    }
+                }
+                out
+            }
             Some(order) => {
                 let apart =
                     (self.hot_groups.first()).filter(|g| g.len() > 1 && !order.hot.is_empty());
@@ -271,5 +313,72 @@ impl Placer {
         };
         out.retain(|b| !b.slots.is_empty());
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ids: &[usize]) -> NodeSet {
+        NodeSet::from_nodes(ids.iter().copied()).unwrap()
+    }
+
+    fn split(ids: &[usize], roles: usize) -> Placer {
+        Placer::with_domains(Layout::SplitExperts(set(ids)), None, |s| vec![*s]).role_major(roles)
+    }
+
+    /// Role-major slots under a split: each run of the experts in the node blocks, the
+    /// cost `roles × blocks` per region on several nodes, one block on one node; a
+    /// slot per expert is the split by index, unchanged.
+    #[test]
+    fn role_major_runs_cost_a_block_per_run_and_node() {
+        let strides = [Some(8192), Some(4096)];
+        // 6 experts × 3 roles over 3 nodes: runs of 6, blocks of 2.
+        let placed = split(&[0, 1, 2], 3).arrange(0, 18, strides, None);
+        let slots: Vec<(Range<usize>, Option<MemPolicy>)> = (placed.blocks.iter())
+            .map(|b| (b.slots.clone(), b.policy))
+            .collect();
+        let bind = |n: u16| Some(MemPolicy::Bind(std::iter::once(Node(n)).collect()));
+        let mut want = Vec::new();
+        for run in 0..3 {
+            for node in 0..3u16 {
+                let at = run * 6 + 2 * node as usize;
+                want.push((at..at + 2, bind(node)));
+            }
+        }
+        assert_eq!(slots, want);
+        assert_eq!((placed.mappings, placed.mbind_calls), (18, 18));
+        for node in 0..3u16 {
+            // 3 roles × 2 experts × (weights + scales) on each node.
+            assert_eq!(placed.node_bytes[&Node(node)], 6 * (8192 + 4096));
+        }
+        // A slot per expert: n blocks, as before.
+        let by_index = split(&[0, 1, 2], 1).arrange(0, 18, strides, None);
+        assert_eq!((by_index.mappings, by_index.mbind_calls), (6, 6));
+        // One node: the runs are one block (the kernel merges them too).
+        let one = split(&[1], 3).arrange(0, 18, strides, None);
+        assert_eq!(one.blocks.len(), 1);
+        assert_eq!(one.blocks[0].slots, 0..18);
+        assert_eq!((one.mappings, one.mbind_calls), (2, 2));
+        // Fewer experts than nodes: empty blocks left out, neighbours on one node merged.
+        let few = split(&[0, 1, 2], 2).arrange(0, 4, [Some(4096), None], None);
+        let nodes: Vec<_> = few
+            .blocks
+            .iter()
+            .map(|b| (b.slots.clone(), b.policy))
+            .collect();
+        assert_eq!(
+            nodes,
+            [
+                (0..1, bind(0)),
+                (1..2, bind(1)),
+                (2..3, bind(0)),
+                (3..4, bind(1))
+            ]
+        );
+        // Slots that do not divide into the runs: by index (the store refuses them).
+        assert_eq!(split(&[0, 1, 2], 4).runs(18), (18, 1));
+        assert_eq!(split(&[0, 1, 2], 3).runs(18), (6, 3));
     }
 }
