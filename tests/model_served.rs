@@ -24,6 +24,13 @@ use numapin::{Error, ServeFault};
 const FIXTURE: &str = "st-sharded";
 const OTHER: &str = "gguf-single";
 
+/// Tests that map memfds in this process, or count its memfd mappings, run one at a time.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ALONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn limits() -> Limits {
     Limits::default().timeout(Duration::from_secs(30))
 }
@@ -151,6 +158,7 @@ fn four_processes_attach_by_name_equal_to_numpy() {
     let Some(dir) = fixtures("four_processes_attach_by_name_equal_to_numpy") else {
         return;
     };
+    let _alone = alone();
     let (_, mut model) = placed(&dir);
     let name = unique("four");
     let server = model.serve(&name, Access::same_uid()).unwrap();
@@ -240,6 +248,7 @@ fn another_checkpoint_is_refused_by_name() {
     let Some(dir) = fixtures("another_checkpoint_is_refused_by_name") else {
         return;
     };
+    let _alone = alone();
     // The first to join an unserved name places and serves.
     let name = unique("other");
     let checkpoint = open_fixture(&dir, FIXTURE);
@@ -351,6 +360,7 @@ fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
     let Some(dir) = fixtures("a_wrong_parcel_is_refused_by_name_with_nothing_mapped") else {
         return;
     };
+    let _alone = alone();
     let (_, mut model) = placed(&dir);
     let export = model.export().unwrap();
     let before = memfd_mappings();
@@ -367,6 +377,35 @@ fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
     let e = PlacedModel::attach_parcel(parcel).unwrap_err().to_string();
     assert!(e.contains("files in the served parcel"), "{e}");
     assert_eq!(memfd_mappings(), before, "{e}");
+    // The same parcel served by name: the typed kind kept, the name added.
+    let mut files: Vec<_> = export
+        .files
+        .iter()
+        .map(|f| f.try_clone().unwrap())
+        .collect();
+    files.pop();
+    let parcel = numapin::serve::Parcel {
+        manifest: export.manifest.to_bytes(),
+        files,
+    };
+    let name = unique("short");
+    let server = numapin::serve::Server::bind(&name, parcel, Access::same_uid()).unwrap();
+    let e = PlacedModel::attach_served(&name, &limits()).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidArgument {
+                op: "PlacedModel::attach_served",
+                reason: numapin::Invalid::Mismatch { expected, found, .. },
+            } if *expected == *found + 1
+        ),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(text.contains(&name), "{text}");
+    assert!(text.contains("files in the served parcel"), "{text}");
+    assert_eq!(memfd_mappings(), before, "{text}");
+    drop(server);
     // A store's parcel under the name: not a model manifest, named with the name.
     let mut store = numapin::store::PinStore::new(
         numapin::store::Layout::Unplaced,
@@ -497,4 +536,23 @@ fn child_attach_loop() {
     loop {
         drop(PlacedModel::attach_served(&name, &limits()).unwrap());
     }
+}
+
+/// A reader knows the placer's expert naming (a preset's name in the manifest); its
+/// report stays the placer's alone.
+#[test]
+fn a_reader_has_the_placers_naming() {
+    let Some(dir) = fixtures("a_reader_has_the_placers_naming") else {
+        return;
+    };
+    let _alone = alone();
+    let (checkpoint, mut model) = placed(&dir);
+    let detected = numapin::model::Naming::detect(&checkpoint).unwrap();
+    let detected = detected.name();
+    assert_eq!(model.naming().map(|n| n.name()), Some(detected));
+    let name = unique("naming");
+    let _server = model.serve(&name, Access::same_uid()).unwrap();
+    let attached = PlacedModel::attach_served(&name, &limits()).unwrap();
+    assert_eq!(attached.naming().map(|n| n.name()), Some(detected));
+    assert!(attached.report().is_none());
 }
