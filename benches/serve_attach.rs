@@ -17,6 +17,10 @@
 //!
 //! Prints each process's seconds, the sums of `Pss` in GiB and against one copy, and the
 //! ratios of the times. Figures are printed, never asserted: the machine is shared.
+//!
+//! `-- store` runs only the above; `-- model` only the whole-model mode (`model.rs`: a
+//! ~1 GiB safetensors checkpoint placed and served by `Checkpoint::place_or_attach`,
+//! attached by `PlacedModel::attach_served`); with neither, both run.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::FileExt;
@@ -25,6 +29,9 @@ use std::time::Instant;
 
 use numapin::serve::{self, Access, Limits, Parcel, Server};
 use numapin::store::{ExpertSource, LayerSpec, Layout, Manifest, PinStore, StoreOptions};
+
+#[path = "serve_attach/model.rs"]
+mod model;
 
 const EXPERTS: usize = 32;
 const EXPERT_BYTES: usize = 2 << 20;
@@ -129,6 +136,9 @@ fn wait_stdin() {
 }
 
 fn child(role: &str, name: &str) {
+    if model::child(role, name) {
+        return;
+    }
     match role {
         "server" => {
             let mut store = place(true);
@@ -217,6 +227,18 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    let store = std::env::args().any(|a| a == "store");
+    let whole = std::env::args().any(|a| a == "model");
+    if store || !whole {
+        store_bench();
+    }
+    if whole || !store {
+        model::run();
+    }
+}
+
+/// The store mode: a `PinStore` served, against own copies.
+fn store_bench() {
     let t = Instant::now();
     write_file();
     let copy = (layers() * EXPERTS * EXPERT_BYTES) as f64;

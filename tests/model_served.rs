@@ -24,6 +24,13 @@ use numapin::{Error, ServeFault};
 const FIXTURE: &str = "st-sharded";
 const OTHER: &str = "gguf-single";
 
+/// Tests that map memfds in this process, or count its memfd mappings, run one at a time.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ALONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn limits() -> Limits {
     Limits::default().timeout(Duration::from_secs(30))
 }
@@ -151,6 +158,7 @@ fn four_processes_attach_by_name_equal_to_numpy() {
     let Some(dir) = fixtures("four_processes_attach_by_name_equal_to_numpy") else {
         return;
     };
+    let _alone = alone();
     let (_, mut model) = placed(&dir);
     let name = unique("four");
     let server = model.serve(&name, Access::same_uid()).unwrap();
@@ -240,6 +248,7 @@ fn another_checkpoint_is_refused_by_name() {
     let Some(dir) = fixtures("another_checkpoint_is_refused_by_name") else {
         return;
     };
+    let _alone = alone();
     // The first to join an unserved name places and serves.
     let name = unique("other");
     let checkpoint = open_fixture(&dir, FIXTURE);
@@ -351,6 +360,7 @@ fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
     let Some(dir) = fixtures("a_wrong_parcel_is_refused_by_name_with_nothing_mapped") else {
         return;
     };
+    let _alone = alone();
     let (_, mut model) = placed(&dir);
     let export = model.export().unwrap();
     let before = memfd_mappings();
@@ -367,6 +377,35 @@ fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
     let e = PlacedModel::attach_parcel(parcel).unwrap_err().to_string();
     assert!(e.contains("files in the served parcel"), "{e}");
     assert_eq!(memfd_mappings(), before, "{e}");
+    // The same parcel served by name: the typed kind kept, the name added.
+    let mut files: Vec<_> = export
+        .files
+        .iter()
+        .map(|f| f.try_clone().unwrap())
+        .collect();
+    files.pop();
+    let parcel = numapin::serve::Parcel {
+        manifest: export.manifest.to_bytes(),
+        files,
+    };
+    let name = unique("short");
+    let server = numapin::serve::Server::bind(&name, parcel, Access::same_uid()).unwrap();
+    let e = PlacedModel::attach_served(&name, &limits()).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidArgument {
+                op: "PlacedModel::attach_served",
+                reason: numapin::Invalid::Mismatch { expected, found, .. },
+            } if *expected == *found + 1
+        ),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(text.contains(&name), "{text}");
+    assert!(text.contains("files in the served parcel"), "{text}");
+    assert_eq!(memfd_mappings(), before, "{text}");
+    drop(server);
     // A store's parcel under the name: not a model manifest, named with the name.
     let mut store = numapin::store::PinStore::new(
         numapin::store::Layout::Unplaced,
@@ -398,4 +437,122 @@ fn a_wrong_parcel_is_refused_by_name_with_nothing_mapped() {
     assert!(e.contains("not a numapin model manifest"), "{e}");
     assert!(e.contains(&name), "{e}");
     assert_eq!(memfd_mappings(), before, "{e}");
+}
+
+/// Open fds of this process.
+fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Waits (at most 30 s) for this process's fd count to be `want` again: the server
+/// closes a dead peer's socket once its send fails. The count it ends with.
+fn fds_back_to(want: usize) -> usize {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = fd_count();
+        if n == want || std::time::Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Readers SIGKILLed while attaching the whole model over and over leak nothing in the
+/// server (its `/proc/self/fd` count is back to what it was), and the server still
+/// serves a new reader every byte of which equals numpy's.
+#[test]
+fn a_reader_killed_mid_attach_leaks_no_fd_in_the_server() {
+    let Some(dir) = fixtures("a_reader_killed_mid_attach_leaks_no_fd_in_the_server") else {
+        return;
+    };
+    let root = dir.join(FIXTURE);
+    let out = spawn(
+        "child_leak_server",
+        &[
+            ("MS_DIR", dir.to_str().unwrap()),
+            ("MS_ROOT", root.to_str().unwrap()),
+        ],
+    )
+    .wait_with_output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("LEAK-CHECKED"), "{text}");
+}
+
+/// Alone in its process, so that its fd count is exact: places and serves, has readers
+/// that attach in a loop killed at spread-out instants (so that kills land in the
+/// connect, the header, the fds, the manifest and the maps), then a reader that checks
+/// every byte; the fd count before and after.
+#[test]
+#[ignore = "a child process of the model_served tests"]
+fn child_leak_server() {
+    let dir = PathBuf::from(var("MS_DIR"));
+    let (_, mut model) = placed(&dir);
+    let name = unique("leak");
+    let server = model.serve(&name, Access::same_uid()).unwrap();
+    let before = fd_count();
+    const KILLED: u64 = 8;
+    for i in 0..KILLED {
+        let mut c = spawn("child_attach_loop", &[("MS_NAME", &name)]);
+        let mut out = BufReader::new(c.stdout.take().unwrap());
+        wait_line(&mut out, "LOOPING");
+        std::thread::sleep(Duration::from_millis(i * 3));
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    let after_kills = fds_back_to(before);
+    assert_eq!(after_kills, before, "server fds before and after the kills");
+    let killed = server.stats();
+    // A new reader after the killed ones (the backlog is served in order: every
+    // killed peer's connection was handled before this one's).
+    let root = var("MS_ROOT");
+    let out = spawn("child_attach", &[("MS_NAME", &name), ("MS_ROOT", &root)])
+        .wait_with_output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("CHECKED"), "{text}");
+    assert_eq!(
+        fds_back_to(before),
+        before,
+        "server fds after the new reader"
+    );
+    assert!(
+        server.stats().served > killed.served,
+        "{:?}",
+        server.stats()
+    );
+    eprintln!("{KILLED} readers killed while attaching: server stats then {killed:?}");
+    println!("LEAK-CHECKED");
+}
+
+/// Attaches by name over and over until killed.
+#[test]
+#[ignore = "a child process of the model_served tests"]
+fn child_attach_loop() {
+    let name = var("MS_NAME");
+    println!("LOOPING");
+    loop {
+        drop(PlacedModel::attach_served(&name, &limits()).unwrap());
+    }
+}
+
+/// A reader knows the placer's expert naming (a preset's name in the manifest); its
+/// report stays the placer's alone.
+#[test]
+fn a_reader_has_the_placers_naming() {
+    let Some(dir) = fixtures("a_reader_has_the_placers_naming") else {
+        return;
+    };
+    let _alone = alone();
+    let (checkpoint, mut model) = placed(&dir);
+    let detected = numapin::model::Naming::detect(&checkpoint).unwrap();
+    let detected = detected.name();
+    assert_eq!(model.naming().map(|n| n.name()), Some(detected));
+    let name = unique("naming");
+    let _server = model.serve(&name, Access::same_uid()).unwrap();
+    let attached = PlacedModel::attach_served(&name, &limits()).unwrap();
+    assert_eq!(attached.naming().map(|n| n.name()), Some(detected));
+    assert!(attached.report().is_none());
 }

@@ -210,6 +210,25 @@ impl Invalid {
         }
         self
     }
+
+    /// The same condition, its description prefixed with `context` (a
+    /// [`Invalid::BadValue`], whose `what` is fixed, gets it after its `why`): what a
+    /// caller adds when it passes on an error of a call it made, keeping its kind.
+    pub(crate) fn in_context(mut self, context: &str) -> Invalid {
+        match &mut self {
+            Invalid::Misaligned { what, .. }
+            | Invalid::OutOfBounds { what, .. }
+            | Invalid::Overflow { what }
+            | Invalid::TooLarge { what, .. }
+            | Invalid::Mismatch { what, .. }
+            | Invalid::Empty { what }
+            | Invalid::NoSuchNode { what, .. }
+            | Invalid::WrongBacking { found: what, .. }
+            | Invalid::Other(what) => *what = format!("{context}: {what}"),
+            Invalid::BadValue { why, .. } => *why = format!("{why} ({context})"),
+        }
+        self.bounded()
+    }
 }
 
 /// A size or count as `u64` (saturating: no size of this crate exceeds it on Linux).

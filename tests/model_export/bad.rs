@@ -76,7 +76,7 @@ fn bad_manifests_and_files_are_refused_by_name_with_nothing_mapped() {
     let e = parse_err(&vec![b' '; MAX_MANIFEST_BYTES + 1]);
     assert!(e.contains("MAX_MANIFEST_BYTES"), "{e}");
     let mut v2 = bytes.clone();
-    v2[14] = b'2'; // "numapin-model 1" -> 2
+    v2[14] = b'3'; // "numapin-model 2" -> 3
     assert!(
         parse_err(&v2).contains("unsupported version"),
         "{}",

@@ -5,7 +5,7 @@
 //! reading its own node's copy, with no file read and no copy.
 //!
 //! The manifest's text ([`ModelManifest::to_bytes`]) is a header line
-//! `numapin-model 1\n` then one JSON object, parsed strictly
+//! `numapin-model 2\n` then one JSON object, parsed strictly
 //! ([`ModelManifest::parse`]): unknown and duplicate keys are refused by name, the size
 //! is bounded ([`MAX_MANIFEST_BYTES`]), numbers must fit their type, and every index a
 //! view follows (a tensor of an expert piece, a dense store, a file) is checked before
@@ -22,11 +22,13 @@ use serde::{Deserialize, Serialize};
 use super::views::{DenseStore, PlacedModel};
 use super::wire::{self, ATTACH, PlanPart, TensorPart};
 use crate::error::{Error, Result};
-use crate::model::Checkpoint;
+use crate::model::{Checkpoint, Naming};
 use crate::store::{PinStore, StorePart};
 
 /// The manifest's header line (format and version), before the JSON body.
-pub const MODEL_MANIFEST_HEADER: &str = "numapin-model 1";
+/// Version 2 added the expert naming (a preset's name); a version-1 manifest is refused
+/// as "unsupported version".
+pub const MODEL_MANIFEST_HEADER: &str = "numapin-model 2";
 
 /// The largest manifest [`ModelManifest::parse`] reads (64 MiB: a 1000-layer model
 /// with 256 experts a layer is a few MiB).
@@ -106,6 +108,15 @@ struct Body {
     /// Per dense store: its class's name and the store.
     dense: Vec<(String, StorePart)>,
     experts: Option<StorePart>,
+    /// The expert naming's name where it is a preset ([`Naming::PRESETS`]); `None`
+    /// without experts or for a custom naming (its rules are code: they cannot cross
+    /// processes).
+    naming: Option<String>,
+}
+
+/// The preset called `name`.
+fn preset(name: &str) -> Option<Naming> {
+    Naming::PRESETS.into_iter().find(|n| n.name() == name)
 }
 
 /// What a reader needs to rebuild a placed model's views from its exported memfds:
@@ -154,7 +165,8 @@ impl ModelManifest {
     /// [`Error::InvalidArgument`]: more than [`MAX_MANIFEST_BYTES`]; a missing or other
     /// header (another version is named); a body that is not the JSON `to_bytes` writes
     /// (serde names the unknown or duplicate key, the missing field, the number that
-    /// does not fit, the place a truncated body ends); a tensor named twice.
+    /// does not fit, the place a truncated body ends); a tensor named twice; an expert
+    /// naming that is not a preset's name.
     pub fn parse(bytes: &[u8]) -> Result<ModelManifest> {
         if bytes.len() > MAX_MANIFEST_BYTES {
             return Err(Error::too_large(
@@ -186,6 +198,14 @@ impl ModelManifest {
         }
         let body: Body = serde_json::from_slice(body)
             .map_err(|e| Error::invalid(PARSE, format!("the manifest's body: {e}")))?;
+        if let Some(n) = body.naming.as_deref().filter(|n| preset(n).is_none()) {
+            return Err(Error::bad_value(
+                PARSE,
+                "expert naming",
+                crate::error::quote(n),
+                "not the name of a preset (Naming::PRESETS)",
+            ));
+        }
         let mut names = std::collections::HashSet::new();
         if let Some(t) = body.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
             return Err(Error::bad_value(
@@ -294,6 +314,11 @@ impl PlacedModel {
             expert_plan: self.expert_plan.as_ref().map(wire::plan_part),
             dense,
             experts,
+            naming: self
+                .naming
+                .as_ref()
+                .filter(|n| !matches!(n, Naming::Custom(_)))
+                .map(|n| n.name().to_owned()),
         };
         Ok(ModelExport {
             manifest: ModelManifest { body },
@@ -306,8 +331,9 @@ impl PlacedModel {
     /// [`PlacedModel::expert_ids`], [`PlacedModel::tensors`] and
     /// [`PlacedModel::tensor_copies`] answer as in the exporter; a replicated class or
     /// expert layer is read from the copy on the calling thread's node (or the nearest).
-    /// [`PlacedModel::naming`] and [`PlacedModel::report`] are `None` (a custom naming
-    /// cannot cross processes; the report is the placer's).
+    /// [`PlacedModel::naming`] is the placer's where it is a preset (a custom naming's
+    /// rules are code and cannot cross processes: `None`); [`PlacedModel::report`] is
+    /// `None` (it measures the placer's loads, which a reader did not make).
     ///
     /// Every file must be a memfd sealed `F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW`
     /// and at least as long as the manifest says (the kernel then guarantees that no
@@ -380,7 +406,7 @@ impl PlacedModel {
             expert_files: Vec::new(),
             expert_reads: crate::source::DirectReads::default(),
             expert_plan,
-            naming: None,
+            naming: body.naming.as_deref().and_then(preset),
             report: None,
             identity: Some(body.identity.clone()),
         })
@@ -425,7 +451,7 @@ mod tests {
         format!("{MODEL_MANIFEST_HEADER}\n{body}").into_bytes()
     }
 
-    const EMPTY: &str = r#"{"identity":{"tensors":0,"files":[]},"files":0,"tensors":[],"expert_plan":null,"dense":[],"experts":null}"#;
+    const EMPTY: &str = r#"{"identity":{"tensors":0,"files":[]},"files":0,"tensors":[],"expert_plan":null,"dense":[],"experts":null,"naming":null}"#;
 
     #[test]
     fn an_empty_manifest_round_trips_and_odd_ones_are_named() {
@@ -440,8 +466,12 @@ mod tests {
             ),
             (EMPTY.replace(r#""tensors":0"#, r#""tensors":-3"#), "-3"),
             (
-                EMPTY.replace(r#""experts":null}"#, r#""experts":null,"more":1}"#),
+                EMPTY.replace(r#""naming":null}"#, r#""naming":null,"more":1}"#),
                 "unknown field `more`",
+            ),
+            (
+                EMPTY.replace(r#""naming":null"#, r#""naming":"made-up""#),
+                "expert naming \"made-up\": not the name of a preset",
             ),
             (
                 EMPTY.replace(r#""files":0,"#, r#""files":0,"files":1,"#),
@@ -460,7 +490,8 @@ mod tests {
         }
         for (bytes, needle) in [
             (&b""[..], "not a numapin model manifest"),
-            (b"numapin-model 1", "does not end with a newline"),
+            (b"numapin-model 2", "does not end with a newline"),
+            (b"numapin-model 1\n{}", "unsupported version"),
             (b"numapin-model 7\n{}", "unsupported version"),
         ] {
             let e = ModelManifest::parse(bytes).unwrap_err().to_string();

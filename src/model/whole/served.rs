@@ -94,14 +94,16 @@ impl Checkpoint {
             Joined::Attached(parcel) => {
                 let manifest =
                     ModelManifest::parse(&parcel.manifest).map_err(|e| context(e, name))?;
-                manifest.check_identity(self).map_err(|e| {
-                    Error::invalid(
+                manifest.check_identity(self).map_err(|e| match e {
+                    // The kind kept; an I/O error reading the headers stays one.
+                    Error::InvalidArgument { reason, .. } => Error::invalid_because(
                         PLACE_OR_ATTACH,
-                        format!(
-                            "the model served as {:?} is not this checkpoint's: {e}",
+                        reason.in_context(&format!(
+                            "the model served as {:?} is not this checkpoint's",
                             crate::error::clip(name, 80).0
-                        ),
-                    )
+                        )),
+                    ),
+                    e => e,
                 })?;
                 check_count(&manifest, &parcel).map_err(|e| context(e, name))?;
                 let model =
@@ -125,15 +127,16 @@ fn check_count(manifest: &ModelManifest, parcel: &Parcel) -> Result<()> {
     Ok(())
 }
 
-/// `e`, unchanged in kind; an invalid argument also names the served `name`.
+/// `e`, unchanged in kind; an invalid argument (its [`crate::Invalid`] detail kept)
+/// also names the served `name` and the call that refused.
 fn context(e: Error, name: &str) -> Error {
     match e {
-        Error::InvalidArgument { .. } => Error::invalid(
+        Error::InvalidArgument { op, reason } => Error::invalid_because(
             ATTACH_SERVED,
-            format!(
-                "the model served as {:?}: {e}",
+            reason.in_context(&format!(
+                "the model served as {:?}: {op}",
                 crate::error::clip(name, 80).0
-            ),
+            )),
         ),
         e => e,
     }
