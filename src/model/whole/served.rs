@@ -94,15 +94,9 @@ impl Checkpoint {
             Joined::Attached(parcel) => {
                 let manifest =
                     ModelManifest::parse(&parcel.manifest).map_err(|e| context(e, name))?;
-                manifest.check_identity(self).map_err(|e| {
-                    Error::invalid(
-                        PLACE_OR_ATTACH,
-                        format!(
-                            "the model served as {:?} is not this checkpoint's: {e}",
-                            crate::error::clip(name, 80).0
-                        ),
-                    )
-                })?;
+                manifest
+                    .check_identity(self)
+                    .map_err(|e| within(e, PLACE_OR_ATTACH, name))?;
                 check_count(&manifest, &parcel).map_err(|e| context(e, name))?;
                 let model =
                     PlacedModel::attach(&manifest, parcel.files).map_err(|e| context(e, name))?;
@@ -127,14 +121,20 @@ fn check_count(manifest: &ModelManifest, parcel: &Parcel) -> Result<()> {
 
 /// `e`, unchanged in kind; an invalid argument also names the served `name`.
 fn context(e: Error, name: &str) -> Error {
+    within(e, ATTACH_SERVED, name)
+}
+
+/// `e`, unchanged in kind; an invalid argument (its detail's variant and figures kept)
+/// becomes `op`'s, naming the operation that refused it and the served `name`.
+fn within(e: Error, op: &'static str, name: &str) -> Error {
     match e {
-        Error::InvalidArgument { .. } => Error::invalid(
-            ATTACH_SERVED,
-            format!(
-                "the model served as {:?}: {e}",
+        Error::InvalidArgument { op: inner, reason } => Error::InvalidArgument {
+            op,
+            reason: reason.within(&format!(
+                "{inner} of the model served as {:?}",
                 crate::error::clip(name, 80).0
-            ),
-        ),
+            )),
+        },
         e => e,
     }
 }
