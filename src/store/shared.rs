@@ -80,8 +80,8 @@ impl PinStore {
             return Err(Error::wrong_backing(
                 OP,
                 format!("layer {layer} has replicas or a hybrid slot order"),
-                "one copy in slot order, which the store manifest describes (export the \
-                 others through PlacedModel::export)",
+                "one copy per layer in slot order, all the store manifest describes \
+                 (PlacedModel::export describes replicas and hybrid orders)",
             ));
         }
         self.state = State::Frozen;
