@@ -99,31 +99,7 @@ fn probe_json_says_what_proc_says() {
 /// A safetensors file: MoE layers 0 and 3, 8 experts of gate/up/down (3 × 2048 bytes)
 /// with a 256-byte scale each, and a 4096-byte embedding.
 fn checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
-    let (mut tensors, mut len) = (Vec::new(), 0u64);
-    let mut add = |name: String, bytes: u64| {
-        tensors.push(format!(
-            r#""{name}":{{"dtype":"U8","shape":[{bytes}],"data_offsets":[{len},{}]}}"#,
-            len + bytes
-        ));
-        len += bytes;
-    };
-    add("model.embed_tokens.weight".into(), 4096);
-    for layer in [0, 3] {
-        for e in 0..8 {
-            for proj in ["gate", "up", "down"] {
-                let p = format!("model.layers.{layer}.mlp.experts.{e}.{proj}_proj");
-                add(format!("{p}.weight"), 2048);
-                add(format!("{p}.weight_scale_inv"), 256);
-            }
-        }
-    }
-    let header = format!("{{{}}}", tensors.join(","));
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend(header.as_bytes());
-    file.resize(file.len() + len as usize, 0);
-    let path = dir.join("model.safetensors");
-    std::fs::write(&path, file).unwrap();
-    path
+    common::moe_safetensors(dir, 4096, &[0, 3], 8, (2048, 256))
 }
 
 #[test]

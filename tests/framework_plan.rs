@@ -9,9 +9,9 @@ mod common;
 
 use common::{fixtures, numpy_tensors, open_fixture};
 
-use numapin::NodeSet;
 use numapin::model::{Checkpoint, DenseLayout, ExpertShare, FrameworkPlan, PlacementPlan, Share};
 use numapin::store::{Layout, StoreOptions};
+use numapin::{Error, Invalid, NodeSet};
 
 const PLAN: &str = r#"{
     "embed_tokens": "embedding_rowwise",
@@ -146,12 +146,50 @@ fn a_plan_cutting_the_experts_holds_each_experts_rows_and_columns() {
 }
 
 fn refused(checkpoint: &Checkpoint, json: &str, ranks: u64) -> String {
+    refused_typed(checkpoint, json, ranks).to_string()
+}
+
+fn refused_typed(checkpoint: &Checkpoint, json: &str, ranks: u64) -> Error {
     let all = NodeSet::parse("all").unwrap();
     let plan = FrameworkPlan::from_json(json).unwrap();
     plan.share(checkpoint, base(all), 0, ranks)
         .map(|_| ())
         .expect_err(json)
-        .to_string()
+}
+
+/// Each refusal is an `Invalid::BadValue` saying what it refuses: the rank count (an
+/// axis it does not divide), a style on a tensor, the plan (an expert left uncut).
+#[test]
+fn refusals_are_typed_by_what_they_refuse() {
+    let Some(dir) = fixtures("refusals_are_typed_by_what_they_refuse") else {
+        return;
+    };
+    let checkpoint = open_fixture(&dir, "st-sharded");
+    let what = |json: &str, ranks: u64| match refused_typed(&checkpoint, json, ranks) {
+        Error::InvalidArgument {
+            op: "FrameworkPlan::share",
+            reason: Invalid::BadValue { what, value, .. },
+        } => (what, value),
+        e => panic!("{json}: {e:?}"),
+    };
+    // q_proj has 64 rows: 3 ranks do not divide them, 2 do.
+    assert_eq!(
+        what(r#"{"layers.*.self_attn.q_proj": "colwise"}"#, 3),
+        ("rank count", "3".to_owned())
+    );
+    assert_eq!(
+        what(r#"{"layers.*.mlp.gate_proj": "packed_colwise"}"#, 2).0,
+        "framework plan style"
+    );
+    let down_by_rows = r#"{"layers.*.mlp.experts.*.gate_proj": "colwise",
+        "layers.*.mlp.experts.*.up_proj": "colwise",
+        "layers.*.mlp.experts.*.down_proj": "colwise"}"#;
+    assert_eq!(what(down_by_rows, 2).0, "framework plan style");
+    let (w, value) = what(r#"{"layers.*.mlp.experts.*.gate_proj": "colwise"}"#, 2);
+    assert!(
+        w == "framework plan" && value.contains("experts.0."),
+        "{w} {value}"
+    );
 }
 
 #[test]

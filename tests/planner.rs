@@ -4,37 +4,15 @@
 //! on hand-computed cases in the unit tests (src/planner/tests.rs).
 #![cfg(feature = "model")]
 
+mod common;
+
 use numapin::planner::{self, Candidate, Machine, ModelSizes, PlanOptions};
 use numapin::routing::RoutingStats;
 
 /// A safetensors file: MoE layers 1 and 2 with 4 experts of gate/up/down (3 × 1000
 /// bytes each) plus one 500-byte scale per projection, and a 7000-byte embedding.
 fn checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
-    let (mut tensors, mut len) = (Vec::new(), 0u64);
-    let mut add = |name: String, bytes: u64| {
-        tensors.push(format!(
-            r#""{name}":{{"dtype":"U8","shape":[{bytes}],"data_offsets":[{len},{}]}}"#,
-            len + bytes
-        ));
-        len += bytes;
-    };
-    add("model.embed_tokens.weight".into(), 7000);
-    for layer in 1..=2 {
-        for e in 0..4 {
-            for proj in ["gate", "up", "down"] {
-                let p = format!("model.layers.{layer}.mlp.experts.{e}.{proj}_proj");
-                add(format!("{p}.weight"), 1000);
-                add(format!("{p}.weight_scale_inv"), 500);
-            }
-        }
-    }
-    let header = format!("{{{}}}", tensors.join(","));
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend(header.as_bytes());
-    file.resize(file.len() + len as usize, 0);
-    let path = dir.join("model.safetensors");
-    std::fs::write(&path, file).unwrap();
-    path
+    common::moe_safetensors(dir, 7000, &[1, 2], 4, (1000, 500))
 }
 
 #[test]

@@ -13,7 +13,7 @@ macro_rules! outln {
 }
 pub(crate) use outln;
 
-pub use numapin::cli::run::{Run, measure, minor_faults, placement_text, run_store, write_line};
+pub use numapin::cli::run::{Run, minor_faults, placement_text, run_store, write_line};
 pub use numapin::cli::{args, report, whole};
 
 use std::collections::BTreeMap;

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import Checkpoint, InvalidArgument, WholeModel
-from .transformers import Sources, _fused_view, _meta_dtype, _span, held, placed_ranges, state_dict
+from ._transformers_common import Sources, _fused_view, _meta_dtype, _span, held, placed_ranges, state_dict
 
 try:  # torch's own name for a strided (packed) shard
     from torch.distributed.tensor.placement_types import _StridedShard

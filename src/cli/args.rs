@@ -66,11 +66,11 @@ fn at_least_one(text: &str) -> Result<usize, String> {
 /// `--experts`: a count for the synthetic model, a share with --model (see
 /// [`PinModelArgs::experts`]).
 #[derive(Debug, Clone)]
-pub struct ExpertsArg {
+pub(crate) struct ExpertsArg {
     /// The text as a count, when it is one (at least 1).
-    pub count: Option<usize>,
+    pub(crate) count: Option<usize>,
     /// The text as a share (`5` is expert 5 alone).
-    pub share: ExpertShare,
+    pub(crate) share: ExpertShare,
 }
 
 impl ExpertsArg {
@@ -104,7 +104,7 @@ fn experts_arg(text: &str) -> Result<ExpertsArg, String> {
 
 /// `--slice`: one slice for every tensor, or `tp:k/n`, the tensor-parallel preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SliceArg {
+pub(crate) enum SliceArg {
     /// `rows:k/n`, `columns:k/n`, `AXIS:START:LEN`.
     Slice(TensorSlice),
     /// `tp:k/n`: rank k of a tensor-parallel group of n.
@@ -147,7 +147,7 @@ pub struct PinModelArgs {
     /// for the k-th of n equal parts (`1/4`); every expert when absent.
     #[arg(long, value_name = "N|SHARE", value_parser = experts_arg,
           default_value_t = ExpertsArg::count(SyntheticModel::default().experts))]
-    pub experts: ExpertsArg,
+    pub(crate) experts: ExpertsArg,
     /// Whether --experts was given (its default is the synthetic model's count).
     #[arg(skip)]
     pub experts_given: bool,
@@ -230,7 +230,7 @@ pub struct PinModelArgs {
     /// by rows, row-parallel o/down by columns, norms and routers whole; routed experts
     /// gate/up by rows, down by columns; docs/distributed.md).
     #[arg(long, value_name = "AXIS:k/n|AXIS:START:LEN|tp:k/n", value_parser = slice_arg)]
-    pub slice: Option<SliceArg>,
+    pub(crate) slice: Option<SliceArg>,
     /// With --plan and `--slice tp:k/n`: rank k of n's share is the framework's own
     /// tensor-parallel plan instead of the preset — a JSON object of module glob → style
     /// in transformers' vocabulary (`{"layers.*.self_attn.q_proj": "colwise",
@@ -409,24 +409,24 @@ pub struct ProbeArgs {
 /// --plan-only` does the same.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "plan")]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// The checkpoint, as `place --model` takes it (a `.safetensors` file, a directory of
     /// shards, a `.gguf` file or the first part of a split GGUF).
     #[arg(value_name = "MODEL")]
-    pub model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Plan for the machine a topology description file describes (nodes, domains,
     /// distances, free bytes, map limit) instead of this one.
     #[arg(long, value_name = "FILE")]
-    pub topology: Option<PathBuf>,
+    pub(crate) topology: Option<PathBuf>,
     /// Routing statistics (counts per layer and expert, JSON).
     #[arg(long, value_name = "FILE")]
-    pub routing: Option<PathBuf>,
+    pub(crate) routing: Option<PathBuf>,
     /// Bytes per node the layouts may use [default: each node's free memory].
     #[arg(long, value_name = "BYTES", value_parser = budget_bytes)]
-    pub budget: Option<u64>,
+    pub(crate) budget: Option<u64>,
     /// Print the table as one JSON object.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 impl PinModelArgs {
@@ -443,7 +443,7 @@ impl PinModelArgs {
 }
 
 /// The largest process id the kernel hands out (`PID_MAX_LIMIT` on 64-bit: 2^22).
-pub const PID_MAX_LIMIT: u64 = 1 << 22;
+pub(crate) const PID_MAX_LIMIT: u64 = 1 << 22;
 
 /// Where a running process's memory is, per mapping and per node.
 ///
@@ -454,16 +454,16 @@ pub const PID_MAX_LIMIT: u64 = 1 << 22;
 /// totals per node of numapin's mappings and of the whole process.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "stat")]
-pub struct StatArgs {
+pub(crate) struct StatArgs {
     /// The process to read (decimal, 1 to 4194304).
     #[arg(value_name = "PID", value_parser = pid_arg)]
-    pub pid: u32,
+    pub(crate) pid: u32,
     /// List every mapping with pages, not only numapin's.
     #[arg(long)]
-    pub all: bool,
+    pub(crate) all: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 /// A process id: decimal digits, 1 to [`PID_MAX_LIMIT`].

@@ -21,13 +21,16 @@ macro_rules! outln {
     };
 }
 
+// `args`, `report`, `run`, `synthetic` and `whole` are public for the examples' support
+// module (re-exported to tests/examples.rs, tests/hostile7.rs and the benches) and the
+// testkit (`synthetic`); everything else is the crate's.
 pub mod args;
 mod place;
 mod plan;
 mod probe;
 pub mod report;
 pub mod run;
-pub mod stat;
+mod stat;
 pub mod synthetic;
 mod text;
 pub mod whole;
@@ -55,7 +58,7 @@ pub struct Hooks {
 }
 
 /// The command line: one subcommand, each with the flags of its own type.
-pub fn command() -> clap::Command {
+pub(crate) fn command() -> clap::Command {
     clap::Command::new("numapin")
         .version(env!("CARGO_PKG_VERSION"))
         .about("NUMA placement for large read-mostly data: probe, plan, place, stat")

@@ -191,7 +191,7 @@ pub struct RoleSliceJson {
 }
 
 impl ShareJson {
-    pub fn new(r: &crate::model::ShareReport) -> ShareJson {
+    pub(crate) fn new(r: &crate::model::ShareReport) -> ShareJson {
         ShareJson {
             share: r.share.clone(),
             experts_held: r.experts_held.clone(),
@@ -269,7 +269,7 @@ fn thp_word(thp: ThpMode) -> &'static str {
 }
 
 impl<'a> SupportJson<'a> {
-    pub fn new(support: &'a Support) -> Self {
+    pub(crate) fn new(support: &'a Support) -> Self {
         SupportJson {
             mempolicy: state_word(support.mempolicy),
             page_calls: state_word(support.page_calls),

@@ -118,7 +118,7 @@ pub fn run_store(
 
 /// The figures of a loaded store: its stats, the process's RSS, and what the layer
 /// reports say about the reads.
-pub fn measure(
+pub(crate) fn measure(
     store: &PinStore,
     experts_per_layer: usize,
     load_seconds: f64,

@@ -17,17 +17,17 @@ use super::args::StatArgs;
 use crate::diag::{self, MapsEntry, NumaMapsEntry};
 
 /// Version of `numapin stat --json`.
-pub const STAT_SCHEMA: u32 = 1;
+pub(crate) const STAT_SCHEMA: u32 = 1;
 
 /// How `/proc/PID/maps` names a numapin memfd (`Region::memfd`'s name after `memfd:`).
-pub const MEMFD_PREFIX: &str = "/memfd:numapin";
+pub(crate) const MEMFD_PREFIX: &str = "/memfd:numapin";
 
 /// How `/proc/PID/maps` names a numapin anonymous region, where the kernel names them.
-pub const ANON_PREFIX: &str = "[anon:numapin ";
+pub(crate) const ANON_PREFIX: &str = "[anon:numapin ";
 
 /// One mapping of `numapin stat --json`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MappingJson {
+pub(crate) struct MappingJson {
     /// Start and end addresses (`0x7f…`).
     pub start: String,
     pub end: String,
@@ -48,7 +48,7 @@ pub struct MappingJson {
 
 /// `numapin stat --json`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StatJson {
+pub(crate) struct StatJson {
     /// [`STAT_SCHEMA`].
     pub schema: u32,
     pub pid: u32,
@@ -113,7 +113,7 @@ fn add(total: &mut BTreeMap<u16, u64>, bytes: &BTreeMap<u16, u64>) {
 /// # Errors
 /// The process does not exist, or its numa_maps or maps cannot be read (another user's
 /// process, a kernel without NUMA).
-pub fn stat(pid: u32, all: bool) -> Result<StatJson, String> {
+pub(crate) fn stat(pid: u32, all: bool) -> Result<StatJson, String> {
     let numa = diag::parse_numa_maps(&read_proc(pid, "numa_maps")?);
     let maps: BTreeMap<usize, MapsEntry> = diag::parse_maps(&read_proc(pid, "maps")?)
         .into_iter()

@@ -15,7 +15,7 @@ use crate::model::{
 use crate::store::{ReadMode, StoreOptions};
 
 /// Version of `pin_model --plan --json`.
-pub const WHOLE_SCHEMA: u32 = 1;
+pub(crate) const WHOLE_SCHEMA: u32 = 1;
 
 /// One class of the report, as JSON.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -179,55 +179,48 @@ impl fmt::Display for Invalid {
 }
 
 impl Invalid {
+    /// Its text fields, its subject first (`what`, the bad value, the backing found, the
+    /// free text), then `why` or the machine's nodes where it has them.
+    fn texts(&mut self) -> [Option<&mut String>; 2] {
+        match self {
+            Invalid::Misaligned { what, .. }
+            | Invalid::OutOfBounds { what, .. }
+            | Invalid::Overflow { what }
+            | Invalid::TooLarge { what, .. }
+            | Invalid::Mismatch { what, .. }
+            | Invalid::Empty { what }
+            | Invalid::WrongBacking { found: what, .. }
+            | Invalid::Other(what) => [Some(what), None],
+            Invalid::BadValue { value, why, .. } => [Some(value), Some(why)],
+            Invalid::NoSuchNode { what, machine, .. } => [Some(what), machine.as_mut()],
+        }
+    }
+
+    /// The same detail, its subject followed by `context` in parentheses (free text
+    /// after it): where a caller met it (`"ModelManifest::parse of the model served as
+    /// \"m\""`). The variant and its figures are kept, so a caller still matches on them.
+    pub(crate) fn within(mut self, context: &str) -> Invalid {
+        match &mut self {
+            Invalid::Other(text) => *text = format!("{context}: {text}"),
+            other => {
+                if let [Some(subject), _] = other.texts() {
+                    subject.push_str(&format!(" ({context})"));
+                }
+            }
+        }
+        self.bounded()
+    }
+
     /// Each text field cut to [`REASON_MAX`] bytes (with its length): the backstop behind
     /// the call sites' [`quote`](super::quote), so that no message repeats the megabytes a
     /// caller or a file chose.
     pub(super) fn bounded(mut self) -> Invalid {
-        let cut = |text: &mut String| {
+        for text in self.texts().into_iter().flatten() {
             if text.len() > REASON_MAX {
                 *text = clip_owned(std::mem::take(text), REASON_MAX);
             }
-        };
-        match &mut self {
-            Invalid::Misaligned { what, .. }
-            | Invalid::OutOfBounds { what, .. }
-            | Invalid::Overflow { what }
-            | Invalid::TooLarge { what, .. }
-            | Invalid::Mismatch { what, .. }
-            | Invalid::Empty { what }
-            | Invalid::WrongBacking { found: what, .. }
-            | Invalid::Other(what) => cut(what),
-            Invalid::BadValue { value, why, .. } => {
-                cut(value);
-                cut(why);
-            }
-            Invalid::NoSuchNode { what, machine, .. } => {
-                cut(what);
-                if let Some(machine) = machine {
-                    cut(machine);
-                }
-            }
         }
         self
-    }
-
-    /// The same condition, its description prefixed with `context` (a
-    /// [`Invalid::BadValue`], whose `what` is fixed, gets it after its `why`): what a
-    /// caller adds when it passes on an error of a call it made, keeping its kind.
-    pub(crate) fn in_context(mut self, context: &str) -> Invalid {
-        match &mut self {
-            Invalid::Misaligned { what, .. }
-            | Invalid::OutOfBounds { what, .. }
-            | Invalid::Overflow { what }
-            | Invalid::TooLarge { what, .. }
-            | Invalid::Mismatch { what, .. }
-            | Invalid::Empty { what }
-            | Invalid::NoSuchNode { what, .. }
-            | Invalid::WrongBacking { found: what, .. }
-            | Invalid::Other(what) => *what = format!("{context}: {what}"),
-            Invalid::BadValue { why, .. } => *why = format!("{why} ({context})"),
-        }
-        self.bounded()
     }
 }
 

@@ -486,4 +486,35 @@ mod tests {
         assert!(reason.len() < REASON_MAX + 32);
         assert!(e.to_string().len() < PATH_MAX + QUOTE_MAX + REASON_MAX + 200);
     }
+
+    #[test]
+    fn a_detail_within_a_context_keeps_its_variant_and_figures() {
+        let m = Invalid::Mismatch {
+            what: "layer 3 weights: slots".into(),
+            expected: 4,
+            found: 3,
+        };
+        assert_eq!(
+            m.within("PlacedModel::attach of \"m\""),
+            Invalid::Mismatch {
+                what: "layer 3 weights: slots (PlacedModel::attach of \"m\")".into(),
+                expected: 4,
+                found: 3,
+            }
+        );
+        let b = Invalid::BadValue {
+            what: "layer",
+            value: "2".into(),
+            why: "a copy without its node".into(),
+        };
+        assert_eq!(
+            b.within("here").to_string(),
+            "layer 2 (here): a copy without its node"
+        );
+        let long = Invalid::Other("x".repeat(REASON_MAX * 2)).within("here");
+        let Invalid::Other(text) = &long else {
+            unreachable!()
+        };
+        assert!(text.starts_with("here: x") && text.len() < REASON_MAX + 32);
+    }
 }

@@ -64,12 +64,11 @@ impl PinStore {
         // The manifest has no place for a share's expert ids: an attached copy would
         // answer slot numbers for global ids. Refused until it does.
         if let Some((layer, _)) = self.layers.iter().find(|(_, l)| l.ids().is_some()) {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 OP,
-                format!(
-                    "layer {layer} holds a share of its experts, and the manifest carries no \
-                     expert ids yet"
-                ),
+                format!("layer {layer} holds a share of its experts"),
+                "whole layers: the store manifest carries no expert ids yet (PlacedModel's \
+                 does)",
             ));
         }
         // Its manifest has no place for replicas or a slot order: PlacedModel's has.
@@ -78,12 +77,11 @@ impl PinStore {
             .iter()
             .find(|(_, l)| !l.replica_nodes().is_empty() || l.all_arenas().any(Arena::has_order))
         {
-            return Err(Error::invalid(
+            return Err(Error::wrong_backing(
                 OP,
-                format!(
-                    "layer {layer} has replicas or a hybrid slot order, which the store \
-                     manifest cannot describe: export it through PlacedModel::export"
-                ),
+                format!("layer {layer} has replicas or a hybrid slot order"),
+                "one copy per layer in slot order, all the store manifest describes \
+                 (PlacedModel::export describes replicas and hybrid orders)",
             ));
         }
         self.state = State::Frozen;
@@ -188,10 +186,6 @@ fn attach_regions(
 /// A manifest region before its file is mapped: a layer a store can hold, slots that fit
 /// the region, and the memfd export named for this region.
 fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
-    let slots = r.loaded.len();
-    let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
-        && r.slot_bytes <= r.stride
-        && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
     if r.layer >= super::table::MAX_INDEX {
         return Err(Error::OutOfRange {
             op: ATTACH,
@@ -200,16 +194,7 @@ fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
             len: super::table::MAX_INDEX,
         });
     }
-    if !fits {
-        return Err(Error::invalid(
-            ATTACH,
-            format!(
-                "layer {} {}: slots do not fit the region",
-                r.layer,
-                r.kind.name()
-            ),
-        ));
-    }
+    check_slots(ATTACH, r)?;
     // Regions of one shape are told apart only by the memfd names export gave
     // them: a file out of the manifest's order would serve another layer's bytes.
     let expected = format!("numapin-layer{}-{}", r.layer, r.kind.name());
@@ -217,17 +202,43 @@ fn check_region(r: &ManifestRegion, file: &File) -> Result<()> {
         && name.starts_with("numapin-layer")
         && name != expected
     {
-        return Err(Error::invalid(
+        return Err(Error::bad_value(
             ATTACH,
+            "file",
+            format!("for layer {} {}", r.layer, r.kind.name()),
             format!(
-                "the file for layer {} {} is the memfd {name:?}: the files are not in \
-                 the manifest's order",
-                r.layer,
-                r.kind.name()
+                "it is the memfd {name:?}, not {expected:?}: the files are not in the \
+                 manifest's order"
             ),
         ));
     }
     Ok(())
+}
+
+/// Refuses a region whose slots do not fit it ([`Invalid::BadValue`], what `"region"`):
+/// its slot count at its stride past its length, a slot wider than the stride, or more
+/// bytes loaded in a slot than it holds.
+///
+/// [`Invalid::BadValue`]: crate::Invalid::BadValue
+pub(super) fn check_slots(op: &'static str, r: &ManifestRegion) -> Result<()> {
+    let slots = r.loaded.len();
+    let most = r.loaded.iter().flatten().max().copied().unwrap_or(0);
+    let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
+        && r.slot_bytes <= r.stride
+        && most <= r.slot_bytes;
+    if fits {
+        return Ok(());
+    }
+    Err(Error::bad_value(
+        op,
+        "region",
+        format!("layer {} {}", r.layer, r.kind.name()),
+        format!(
+            "slots do not fit the region: {slots} of {} bytes (at most {most} loaded) at a \
+             stride of {} in {} bytes",
+            r.slot_bytes, r.stride, r.len
+        ),
+    ))
 }
 
 /// A layer of attached regions: it has weights, and all its regions the same slots.

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::arena::{ABSENT, Arena};
 use super::layer::{Arenas, Layer};
 use super::manifest::ManifestRegion;
+use super::shared::check_slots;
 use super::slot_map::{SlotMap, SlotPiece};
 use super::{ExpertAssignment, Home, HotCopies, Kind, LayerSpec, Layout, PinStore, State};
 use super::{StoreOptions, table};
@@ -289,12 +290,11 @@ fn attach_layer(l: &LayerPart, files: &mut [Option<File>]) -> Result<Layer> {
     }
     let ids = match &l.ids {
         Some(ids) if ids.len() != l.experts || ids.windows(2).any(|w| w[0] >= w[1]) => {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 ATTACH,
-                format!(
-                    "layer {}: the share's ids are not {} increasing ids",
-                    l.layer, l.experts
-                ),
+                "layer",
+                l.layer,
+                format!("the share's ids are not {} increasing ids", l.experts),
             ));
         }
         ids => ids.clone().map(Vec::into_boxed_slice),
@@ -306,22 +306,18 @@ fn attach_layer(l: &LayerPart, files: &mut [Option<File>]) -> Result<Layer> {
             let mut replicas = Vec::new();
             for (n, a) in rest {
                 let n = n.ok_or_else(|| {
-                    Error::invalid(
-                        ATTACH,
-                        format!("layer {}: a copy without its node", l.layer),
-                    )
+                    Error::bad_value(ATTACH, "layer", l.layer, "a copy without its node")
                 })?;
                 replicas.push((n, a));
             }
             layer = layer.with_replicas(node, replicas);
         }
         None if !rest.is_empty() => {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 ATTACH,
-                format!(
-                    "layer {}: several copies, the first without a node",
-                    l.layer
-                ),
+                "layer",
+                l.layer,
+                "several copies, the first without a node",
             ));
         }
         None => {}
@@ -340,16 +336,16 @@ fn attach_region(
     files: &mut [Option<File>],
 ) -> Result<Arena> {
     let what = || format!("layer {} {}", l.layer, kind.name());
+    let m = ManifestRegion {
+        layer: l.layer,
+        kind,
+        len: r.len,
+        stride: r.stride,
+        slot_bytes: r.slot_bytes,
+        loaded: r.loaded.clone(),
+    };
+    check_slots(ATTACH, &m)?;
     let slots = r.loaded.len();
-    let fits = r.stride.checked_mul(slots).is_some_and(|n| n <= r.len)
-        && r.slot_bytes <= r.stride
-        && r.loaded.iter().flatten().all(|&n| n <= r.slot_bytes);
-    if !fits {
-        return Err(Error::invalid(
-            ATTACH,
-            format!("{}: slots do not fit the region", what()),
-        ));
-    }
     let order = match &r.order {
         None if slots == l.experts => None,
         None => {
@@ -371,10 +367,11 @@ fn attach_region(
                         positions.push(p);
                     }
                     Some(p) => {
-                        return Err(Error::invalid(
-                            ATTACH,
-                            format!("{}: slot {p} in its order is out of range or twice", what()),
-                        ));
+                        let why = match p < slots {
+                            true => format!("slot {p} twice"),
+                            false => format!("slot {p} out of range (it has {slots})"),
+                        };
+                        return Err(Error::bad_value(ATTACH, "slot order", what(), why));
                     }
                 }
             }
@@ -399,14 +396,6 @@ fn attach_region(
         })?
         .take()
         .ok_or_else(|| Error::bad_value(ATTACH, "file index", r.file, "used by two regions"))?;
-    let m = ManifestRegion {
-        layer: l.layer,
-        kind,
-        len: r.len,
-        stride: r.stride,
-        slot_bytes: r.slot_bytes,
-        loaded: r.loaded.clone(),
-    };
     let arena = Arena::attach(&m, file)?;
     Ok(match order {
         Some(o) => arena.with_order(o),
@@ -433,12 +422,24 @@ impl SlotMap {
     }
 
     fn from_part(layer: usize, part: &SlotMapPart, experts: usize) -> Result<SlotMap> {
-        let bad = |why: &str| Error::invalid(ATTACH, format!("layer {layer}'s slot map: {why}"));
         if part.of_expert.len() != experts {
-            return Err(bad("not one entry per slot"));
+            return Err(Error::mismatch(
+                ATTACH,
+                format!("layer {layer}'s slot map: entries, one per slot"),
+                experts,
+                part.of_expert.len(),
+            ));
         }
-        if part.of_expert.iter().any(|&i| i >= part.places.len()) {
-            return Err(bad("a slot names a layout it does not have"));
+        if let Some(&i) = part.of_expert.iter().find(|&&i| i >= part.places.len()) {
+            return Err(Error::bad_value(
+                ATTACH,
+                "slot map",
+                format!("of layer {layer}"),
+                format!(
+                    "a slot names layout {i}, which it does not have (it has {})",
+                    part.places.len()
+                ),
+            ));
         }
         let places = part
             .places

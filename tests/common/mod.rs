@@ -301,3 +301,41 @@ pub fn storage_read_bytes() -> Option<u64> {
         .find_map(|l| l.strip_prefix("read_bytes:"))
         .and_then(|v| v.trim().parse().ok())
 }
+
+/// `model.safetensors` in `dir`, a header with known sizes over zero bytes: a
+/// `embed`-byte `model.embed_tokens.weight`, then in each of `layers`, `experts` experts
+/// of gate/up/down projections, each a `weight`-byte weight and a `scale`-byte
+/// `weight_scale_inv` (all U8). Returns its path.
+pub fn moe_safetensors(
+    dir: &std::path::Path,
+    embed: u64,
+    layers: &[usize],
+    experts: usize,
+    (weight, scale): (u64, u64),
+) -> std::path::PathBuf {
+    let (mut tensors, mut len) = (Vec::new(), 0u64);
+    let mut add = |name: String, bytes: u64| {
+        tensors.push(format!(
+            r#""{name}":{{"dtype":"U8","shape":[{bytes}],"data_offsets":[{len},{}]}}"#,
+            len + bytes
+        ));
+        len += bytes;
+    };
+    add("model.embed_tokens.weight".into(), embed);
+    for layer in layers {
+        for e in 0..experts {
+            for proj in ["gate", "up", "down"] {
+                let p = format!("model.layers.{layer}.mlp.experts.{e}.{proj}_proj");
+                add(format!("{p}.weight"), weight);
+                add(format!("{p}.weight_scale_inv"), scale);
+            }
+        }
+    }
+    let header = format!("{{{}}}", tensors.join(","));
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.resize(file.len() + len as usize, 0);
+    let path = dir.join("model.safetensors");
+    std::fs::write(&path, file).unwrap();
+    path
+}

@@ -375,7 +375,17 @@ fn attach_with_files_out_of_order() {
         ),
         Err(e) => {
             println!("{e}");
-            assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+            // Typed: the file for layer 0 weights, which is layer 1's memfd.
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        reason: numapin::Invalid::BadValue { what: "file", value, why },
+                        ..
+                    } if value.contains("layer 0") && why.contains("numapin-layer1")
+                ),
+                "{e:?}"
+            );
         }
     }
 }

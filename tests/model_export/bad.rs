@@ -5,6 +5,7 @@ use std::fs::File;
 
 use numapin::model::{MAX_MANIFEST_BYTES, ModelManifest, PlacedModel, PlacementPlan};
 use numapin::store::Layout;
+use numapin::{Error, Invalid};
 
 use super::common::{fixtures, open_fixture};
 
@@ -31,6 +32,15 @@ fn edited(bytes: &[u8], edit: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
     out
 }
 
+/// Experts split and dense tensors replicated over the test's nodes.
+fn split_replicated() -> PlacementPlan {
+    let nodes = super::common::nodes();
+    PlacementPlan::new(
+        Layout::SplitExperts(nodes),
+        numapin::model::DenseLayout::Replicate(nodes),
+    )
+}
+
 fn parse_err(bytes: &[u8]) -> String {
     ModelManifest::parse(bytes).unwrap_err().to_string()
 }
@@ -42,12 +52,8 @@ fn bad_manifests_and_files_are_refused_by_name_with_nothing_mapped() {
         return;
     };
     let _alone = super::ALONE.lock().unwrap_or_else(|e| e.into_inner());
-    let nodes = super::common::nodes();
     let checkpoint = open_fixture(&dir, "st-sharded");
-    let plan = PlacementPlan::new(
-        Layout::SplitExperts(nodes),
-        numapin::model::DenseLayout::Replicate(nodes),
-    );
+    let plan = split_replicated();
     // Not placed shared: export is a named error.
     let mut private = checkpoint
         .place(&plan, super::options().shared(false))
@@ -167,4 +173,61 @@ fn bad_manifests_and_files_are_refused_by_name_with_nothing_mapped() {
     // Every refusal closed its files: the good manifest still attaches.
     let again = PlacedModel::attach(&export.manifest, dup(&export.files)).unwrap();
     assert_eq!(again.len(), model.len());
+}
+
+/// A manifest's refusals are typed: `Invalid::BadValue` saying what is bad (the header,
+/// the body, a manifest for another model, a region), with the figures in its fields.
+#[test]
+fn manifest_refusals_are_typed() {
+    let Some(dir) = fixtures("manifest_refusals_are_typed") else {
+        return;
+    };
+    let _alone = super::ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let checkpoint = open_fixture(&dir, "st-sharded");
+    let plan = split_replicated();
+    let mut model = checkpoint.place(&plan, super::options()).unwrap();
+    let export = model.export().unwrap();
+    let bytes = export.manifest.to_bytes();
+    let bad_value = |e: Error| match e {
+        Error::InvalidArgument {
+            op,
+            reason: Invalid::BadValue { what, value, why },
+        } => (op, what, value, why),
+        e => panic!("{e:?}"),
+    };
+    let (op, what, value, _) = bad_value(ModelManifest::parse(b"numapin-model 9\n{}").unwrap_err());
+    assert_eq!((op, what), ("ModelManifest::parse", "manifest header"));
+    assert_eq!(value, "\"numapin-model 9\"");
+    let cut = &bytes[..bytes.len() - 1];
+    let (_, what, value, _) = bad_value(ModelManifest::parse(cut).unwrap_err());
+    let body = cut.len() - cut.iter().position(|&b| b == b'\n').unwrap() - 1;
+    assert_eq!((what, value), ("manifest body", format!("of {body} bytes")));
+    let other = open_fixture(&dir, "gguf-single");
+    let (op, what, value, why) = bad_value(export.manifest.check_identity(&other).unwrap_err());
+    assert_eq!(
+        (op, what, value.as_str()),
+        (
+            "PlacedModel::attach_checked",
+            "manifest",
+            "for another model"
+        )
+    );
+    assert!(
+        why.contains("tensors in") || why.contains("file 0"),
+        "{why}"
+    );
+    // A region whose slots run past its length.
+    let squeezed = ModelManifest::parse(&edited(&bytes, |b| {
+        let region = &mut b["dense"][0][1]["layers"][0]["copies"][0]["regions"][0];
+        let len = region["len"].as_u64().unwrap();
+        region["stride"] = (len + 1).into();
+    }))
+    .unwrap();
+    let (op, what, value, why) =
+        bad_value(PlacedModel::attach(&squeezed, dup(&export.files)).unwrap_err());
+    assert_eq!((op, what), ("PlacedModel::attach", "region"));
+    assert!(
+        value.starts_with("layer ") && why.contains("stride"),
+        "{value}: {why}"
+    );
 }

@@ -15,10 +15,10 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 
 use serde::{Deserialize, Serialize};
 
+use super::identity::Identity;
 use super::views::{DenseStore, PlacedModel};
 use super::wire::{self, ATTACH, PlanPart, TensorPart};
 use crate::error::{Error, Result};
@@ -34,9 +34,6 @@ pub const MODEL_MANIFEST_HEADER: &str = "numapin-model 2";
 /// with 256 experts a layer is a few MiB).
 pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
 
-/// The most header bytes of one checkpoint file hashed into its identity.
-const MAX_HEADER_HASHED: u64 = 256 << 20;
-
 const EXPORT: &str = "PlacedModel::export";
 const PARSE: &str = "ModelManifest::parse";
 
@@ -48,52 +45,6 @@ pub struct ModelExport {
     pub manifest: ModelManifest,
     /// One sealed memfd per region of every copy of every store.
     pub files: Vec<File>,
-}
-
-/// A checkpoint's identity: each file's length and a hash (64-bit FNV-1a) of its header
-/// bytes (from 0 to its first tensor's offset), and its tensor count.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Identity {
-    tensors: usize,
-    /// `(length, header bytes hashed, hash as 16 hex digits)` per file.
-    files: Vec<(u64, u64, String)>,
-}
-
-impl Identity {
-    /// The identity of `checkpoint`, reading its files' header bytes.
-    pub(crate) fn of(checkpoint: &Checkpoint) -> Result<Identity> {
-        let mut files = Vec::with_capacity(checkpoint.files().len());
-        for (i, f) in checkpoint.files().iter().enumerate() {
-            let first = checkpoint
-                .tensors()
-                .iter()
-                .filter(|t| t.file() == i)
-                .map(|t| t.offset())
-                .min()
-                .unwrap_or(f.len());
-            let header = first.min(f.len()).min(MAX_HEADER_HASHED);
-            let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-            let mut buf = vec![0u8; 1 << 20];
-            let mut at = 0u64;
-            while at < header {
-                let n = usize::try_from((header - at).min(buf.len() as u64)).unwrap_or(0);
-                let part = &mut buf[..n];
-                f.file()
-                    .read_exact_at(part, at)
-                    .map_err(|e| Error::io("pread", f.path().display().to_string(), e))?;
-                for &b in part.iter() {
-                    hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-                }
-                at += n as u64;
-            }
-            files.push((f.len(), header, format!("{hash:016x}")));
-        }
-        Ok(Identity {
-            tensors: checkpoint.tensors().len(),
-            files,
-        })
-    }
 }
 
 /// The whole manifest.
@@ -166,7 +117,10 @@ impl ModelManifest {
     /// header (another version is named); a body that is not the JSON `to_bytes` writes
     /// (serde names the unknown or duplicate key, the missing field, the number that
     /// does not fit, the place a truncated body ends); a tensor named twice; an expert
-    /// naming that is not a preset's name.
+    /// naming that is not a preset's name. Typed:
+    /// [`Invalid::TooLarge`](crate::Invalid::TooLarge) for the size, else
+    /// [`Invalid::BadValue`](crate::Invalid::BadValue) with `what` `"manifest header"`,
+    /// `"manifest body"`, `"tensor name"` or `"expert naming"`.
     pub fn parse(bytes: &[u8]) -> Result<ModelManifest> {
         if bytes.len() > MAX_MANIFEST_BYTES {
             return Err(Error::too_large(
@@ -194,10 +148,21 @@ impl ModelManifest {
                     "not a numapin model manifest (expected {MODEL_MANIFEST_HEADER:?} and a newline)"
                 )
             };
-            return Err(Error::invalid(PARSE, format!("header {head:?}: {why}")));
+            return Err(Error::bad_value(
+                PARSE,
+                "manifest header",
+                format!("{head:?}"),
+                why,
+            ));
         }
-        let body: Body = serde_json::from_slice(body)
-            .map_err(|e| Error::invalid(PARSE, format!("the manifest's body: {e}")))?;
+        let body: Body = serde_json::from_slice(body).map_err(|e| {
+            Error::bad_value(
+                PARSE,
+                "manifest body",
+                format!("of {} bytes", body.len()),
+                e.to_string(),
+            )
+        })?;
         if let Some(n) = body.naming.as_deref().filter(|n| preset(n).is_none()) {
             return Err(Error::bad_value(
                 PARSE,
@@ -231,42 +196,10 @@ impl ModelManifest {
     /// Whether it was made from `checkpoint` (the same file lengths and header hashes).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the first difference; a file's header cannot
-    /// be read.
+    /// [`Error::InvalidArgument`] ([`Invalid::BadValue`](crate::Invalid::BadValue), what
+    /// `"manifest"`) naming the first difference; a file's header cannot be read.
     pub fn check_identity(&self, checkpoint: &Checkpoint) -> Result<()> {
-        let ours = Identity::of(checkpoint)?;
-        let theirs = &self.body.identity;
-        let differ = |why: String| {
-            Error::invalid(
-                "PlacedModel::attach_checked",
-                format!("the manifest is for another model: {why}"),
-            )
-        };
-        if ours.tensors != theirs.tensors || ours.files.len() != theirs.files.len() {
-            return Err(differ(format!(
-                "{} tensors in {} files, the checkpoint has {} in {}",
-                theirs.tensors,
-                theirs.files.len(),
-                ours.tensors,
-                ours.files.len()
-            )));
-        }
-        for (i, (a, b)) in theirs.files.iter().zip(&ours.files).enumerate() {
-            if a != b {
-                return Err(differ(format!(
-                    "file {i} ({}): manifest (len {}, header {} bytes, hash {}), checkpoint \
-                     (len {}, header {} bytes, hash {})",
-                    checkpoint.files()[i].path().display(),
-                    a.0,
-                    a.1,
-                    a.2,
-                    b.0,
-                    b.1,
-                    b.2
-                )));
-            }
-        }
-        Ok(())
+        self.body.identity.check(checkpoint)
     }
 }
 

@@ -151,6 +151,9 @@ impl FrameworkPlan {
     /// heads (config.json's `num_attention_heads`, `num_key_value_heads` for `k_proj` /
     /// `v_proj`) `ranks` does not divide (fewer heads than ranks would split a head); a
     /// glob that names no tensor with an unknown style. `rank ≥ ranks` or `ranks` 0.
+    /// Each is an [`Invalid::BadValue`]: `what` is `"framework plan style"` for a style
+    /// refused on a tensor, `"rank count"` for an axis or heads `ranks` does not divide,
+    /// `"framework plan"` for a routed expert's tensor left uncut among cut ones.
     pub fn share(
         &self,
         checkpoint: &Checkpoint,
@@ -228,8 +231,10 @@ impl FrameworkPlan {
             return Ok(None);
         }
         if style == FrameworkStyle::PackedColwise {
-            return Err(Error::invalid(
+            return Err(Error::bad_value(
                 SHARE,
+                "framework plan style",
+                quote(style_name),
                 format!(
                     "{}: numapin cannot yet cut a dense tensor by packed part",
                     named()
@@ -250,14 +255,7 @@ impl FrameworkPlan {
         .copied()
         .unwrap_or(1);
         if extent % ranks != 0 {
-            return Err(Error::invalid(
-                SHARE,
-                format!(
-                    "{}: {} of {extent} do not divide into {ranks} ranks",
-                    named(),
-                    axis_name(axis)
-                ),
-            ));
+            return Err(indivisible(named(), axis, extent, ranks));
         }
         check_heads(checkpoint, module, ranks, &named)?;
         Ok(Some(axis))
@@ -276,7 +274,7 @@ impl FrameworkPlan {
         if style == FrameworkStyle::Replicate {
             return Ok(false);
         }
-        expert_cut(t, module, style, ranks, &named)?;
+        expert_cut(t, module, (style, style_name), ranks, &named)?;
         Ok(true)
     }
 
@@ -318,33 +316,36 @@ fn unknown_style(style: &str, named: String) -> Error {
 fn expert_cut(
     t: &TensorInfo,
     module: &[&str],
-    style: FrameworkStyle,
+    (style, style_name): (FrameworkStyle, &str),
     ranks: u64,
     named: &dyn Fn() -> String,
 ) -> Result<()> {
+    let refused = |why: String| {
+        Error::bad_value(
+            SHARE,
+            "framework plan style",
+            quote(style_name),
+            format!("{}: {why}", named()),
+        )
+    };
     let want = match style {
         FrameworkStyle::Colwise | FrameworkStyle::PackedColwise => SliceAxis::Rows,
         FrameworkStyle::Rowwise => SliceAxis::Columns,
         _ => {
-            return Err(Error::invalid(
-                SHARE,
-                format!("{}: a routed expert's tensor cannot be cut so", named()),
+            return Err(refused(
+                "a routed expert's tensor cannot be cut so".to_owned(),
             ));
         }
     };
     let role = module.last().copied().unwrap_or_default();
     let axis = expert_axis(role);
     if axis != Some(want) {
-        return Err(Error::invalid(
-            SHARE,
-            format!(
-                "{}: a routed expert's {} cut by {}; numapin cuts an expert's gate and up by \
-                 rows, its down by columns",
-                named(),
-                quote(role),
-                axis_name(want)
-            ),
-        ));
+        return Err(refused(format!(
+            "a routed expert's {} cut by {}; numapin cuts an expert's gate and up by rows, \
+             its down by columns",
+            quote(role),
+            axis_name(want)
+        )));
     }
     let shape = normalized_shape(t);
     let extent = match want {
@@ -354,14 +355,7 @@ fn expert_cut(
     .copied()
     .unwrap_or(1);
     if extent % ranks != 0 {
-        return Err(Error::invalid(
-            SHARE,
-            format!(
-                "{}: {} of {extent} do not divide into {ranks} ranks",
-                named(),
-                axis_name(want)
-            ),
-        ));
+        return Err(indivisible(named(), want, extent, ranks));
     }
     Ok(())
 }
@@ -377,18 +371,33 @@ fn check_every_expert_cut(
         expert_tensors.contains(i) && !expert_cuts.contains(i) && !t.name().contains("scale")
     });
     match uncut {
-        Some((_, t)) => Err(Error::invalid(
+        Some((_, t)) => Err(Error::bad_value(
             SHARE,
+            "framework plan",
+            quote(t.name()),
             format!(
-                "{}: a routed expert's tensor the plan does not cut, where it cuts {} \
-                 others: numapin cuts every routed expert's gate, up and down or none (hold \
-                 them whole with experts_held=)",
-                quote(t.name()),
+                "a routed expert's tensor the plan does not cut, where it cuts {} others: \
+                 numapin cuts every routed expert's gate, up and down or none (hold them \
+                 whole with experts_held=)",
                 expert_cuts.len()
             ),
         )),
         None => Ok(()),
     }
+}
+
+/// An axis of `extent` that `ranks` does not divide, typed ([`Invalid::BadValue`], what
+/// `"rank count"`): the tensor and rule (`named`), the axis and its extent.
+fn indivisible(named: String, axis: SliceAxis, extent: u64, ranks: u64) -> Error {
+    Error::bad_value(
+        SHARE,
+        "rank count",
+        ranks,
+        format!(
+            "{named}: {} of {extent} do not divide into {ranks} ranks",
+            axis_name(axis)
+        ),
+    )
 }
 
 fn axis_name(axis: SliceAxis) -> &'static str {
@@ -423,8 +432,10 @@ fn check_heads(
         _ => return Ok(()),
     };
     if heads % ranks != 0 {
-        return Err(Error::invalid(
+        return Err(Error::bad_value(
             SHARE,
+            "rank count",
+            ranks,
             format!(
                 "{}: {ranks} ranks would split an attention head ({what} = {heads} in \
                  config.json)",

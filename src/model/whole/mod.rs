@@ -42,6 +42,7 @@ mod expert_tensors;
 mod export;
 mod framework;
 mod glob;
+mod identity;
 mod measure;
 mod place;
 mod plan;

@@ -291,7 +291,7 @@ impl Checkpoint {
             report: None,
             // Read (the files' header bytes) only for a placement that can be exported.
             identity: match options.shared {
-                true => Some(super::export::Identity::of(self)?),
+                true => Some(super::identity::Identity::of(self)?),
                 false => None,
             },
         };

@@ -94,17 +94,9 @@ impl Checkpoint {
             Joined::Attached(parcel) => {
                 let manifest =
                     ModelManifest::parse(&parcel.manifest).map_err(|e| context(e, name))?;
-                manifest.check_identity(self).map_err(|e| match e {
-                    // The kind kept; an I/O error reading the headers stays one.
-                    Error::InvalidArgument { reason, .. } => Error::invalid_because(
-                        PLACE_OR_ATTACH,
-                        reason.in_context(&format!(
-                            "the model served as {:?} is not this checkpoint's",
-                            crate::error::clip(name, 80).0
-                        )),
-                    ),
-                    e => e,
-                })?;
+                manifest
+                    .check_identity(self)
+                    .map_err(|e| within(e, PLACE_OR_ATTACH, name))?;
                 check_count(&manifest, &parcel).map_err(|e| context(e, name))?;
                 let model =
                     PlacedModel::attach(&manifest, parcel.files).map_err(|e| context(e, name))?;
@@ -127,17 +119,22 @@ fn check_count(manifest: &ModelManifest, parcel: &Parcel) -> Result<()> {
     Ok(())
 }
 
-/// `e`, unchanged in kind; an invalid argument (its [`crate::Invalid`] detail kept)
-/// also names the served `name` and the call that refused.
+/// `e`, unchanged in kind; an invalid argument also names the served `name`.
 fn context(e: Error, name: &str) -> Error {
+    within(e, ATTACH_SERVED, name)
+}
+
+/// `e`, unchanged in kind; an invalid argument (its detail's variant and figures kept)
+/// becomes `op`'s, naming the operation that refused it and the served `name`.
+fn within(e: Error, op: &'static str, name: &str) -> Error {
     match e {
-        Error::InvalidArgument { op, reason } => Error::invalid_because(
-            ATTACH_SERVED,
-            reason.in_context(&format!(
-                "the model served as {:?}: {op}",
+        Error::InvalidArgument { op: inner, reason } => Error::InvalidArgument {
+            op,
+            reason: reason.within(&format!(
+                "{inner} of the model served as {:?}",
                 crate::error::clip(name, 80).0
             )),
-        ),
+        },
         e => e,
     }
 }

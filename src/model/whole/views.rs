@@ -103,7 +103,7 @@ pub struct PlacedModel {
     pub(crate) naming: Option<Naming>,
     pub(crate) report: Option<WholeReport>,
     /// The checkpoint's identity, for an export's manifest.
-    pub(crate) identity: Option<super::export::Identity>,
+    pub(crate) identity: Option<super::identity::Identity>,
 }
 
 /// A tensor looked up by its checkpoint name.

@@ -405,11 +405,12 @@ pub(super) fn expert_plan(p: &PlanPart, tensors: usize) -> Result<ExpertPlan> {
             Some(s) => {
                 let increasing = s.ids.windows(2).all(|w| w[0] < w[1]);
                 if s.ids.len() != experts.len() || !increasing || s.ids.iter().any(|&i| i >= s.of) {
-                    return Err(Error::invalid(
+                    return Err(Error::bad_value(
                         ATTACH,
+                        "layer",
+                        l.layer,
                         format!(
-                            "layer {}: the share's ids are not {} increasing ids below {}",
-                            l.layer,
+                            "the share's ids are not {} increasing ids below {}",
                             experts.len(),
                             s.of
                         ),
