@@ -138,6 +138,24 @@ pub(crate) fn parse_dtype(op: &'static str, text: &str) -> Result<Dtype> {
         })
 }
 
+impl std::str::FromStr for Dtype {
+    type Err = Error;
+
+    /// A dtype by its safetensors spelling (`F32`, `BF16`, `F16`, …) or numpy's and
+    /// torch's (`float32`, `bfloat16`, `float16`, `torch.float32`): the target of
+    /// [`PlacementPlan::convert_class`].
+    ///
+    /// ```
+    /// use numapin::model::{Dtype, SafetensorsDtype};
+    /// assert_eq!("float32".parse::<Dtype>()?, Dtype::Safetensors(SafetensorsDtype::F32));
+    /// assert!("float33".parse::<Dtype>().is_err());
+    /// # Ok::<(), numapin::Error>(())
+    /// ```
+    fn from_str(text: &str) -> Result<Dtype> {
+        parse_dtype("Dtype", text)
+    }
+}
+
 impl PlacementPlan {
     /// Every dense tensor of `class` is placed in `dtype` (converted once at placement
     /// into the placed copy, verified against the conversion of the file's bytes, its
