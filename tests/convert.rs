@@ -284,3 +284,23 @@ fn bad_conversions_are_named_before_anything_is_reserved() {
         assert_eq!(placed.to_string(), message);
     }
 }
+
+/// An exported placement attached in the same process: the converted tensors keep their
+/// F32 dtype and bytes, and the attached model verifies against the converted file bytes
+/// (the manifest carries the file's dtype).
+#[test]
+fn an_attached_placement_keeps_the_conversion() {
+    let tensors = model();
+    let checkpoint = checkpoint("attach", &tensors);
+    let plan = base().convert_pattern("*.mlp.gate.weight", F32);
+    let mut placed = checkpoint
+        .place(&plan, StoreOptions::default().shared(true))
+        .unwrap();
+    let export = placed.export().unwrap();
+    let attached = numapin::model::PlacedModel::attach(&export.manifest, export.files).unwrap();
+    let gate = attached.tensor("model.layers.0.mlp.gate.weight").unwrap();
+    assert_eq!(gate.dtype(), F32);
+    assert_eq!(gate.bytes().unwrap(), &bf16_reference(&tensors[2].3)[..]);
+    let check = attached.verify(&checkpoint).unwrap();
+    assert!(check.verified(), "{check:?}");
+}
