@@ -184,3 +184,22 @@ def test_assigned_parameters_are_read_only_and_the_load_never_wrote_them():
     assert "forward ok" in out.stdout, out.stderr[-2000:]
     assert "written" not in out.stdout
     assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])
+
+
+def test_a_float32_load_converts_every_dense_tensor_at_placement():
+    """dtype=torch.float32 over a bf16 file: every dense tensor is converted at placement
+    (a float32 view); only the routed experts, which the expert store does not convert,
+    are transformers' casts. Logits bit-equal to transformers' own float32 load."""
+    path = fixtures_dir() / "deepseek_v3"
+    model, whole = nt.from_pretrained(path, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = ids(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, ref(tokens).logits)
+    report = model.numapin_load
+    assert report["copied"] and all(".experts." in n for n in report["copied"]), report["copied"]
+    dense = [n for n, _, _ in numapin.Checkpoint(path).tensors() if ".experts." not in n]
+    assert sorted(report["converted"]) == sorted(dense)
+    for name in dense:
+        assert whole.tensor(name).dtype == "F32", name
+    assert whole.verify()["verified"]
