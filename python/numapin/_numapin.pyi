@@ -184,6 +184,8 @@ class Checkpoint:
         slice_pattern: dict[str, str | slice] | None = None,
         framework_plan: dict[str, str] | None = None,
         rank: str | None = None,
+        convert_class: dict[str, Any] | None = None,
+        convert_pattern: dict[str, Any] | None = None,
         huge_pages: bool = True,
         populate: bool = True,
         loader_threads: int | None = None,
@@ -226,6 +228,14 @@ class Checkpoint:
         role (gate and up colwise/packed_colwise by rows, down rowwise by columns); an
         unknown style, a cut that does not divide its axis, splits an attention head or
         cuts an expert role on another axis raises InvalidArgument naming the tensor.
+        `convert_class` ({class: dtype}) and `convert_pattern` ({glob: dtype}, the last
+        matching pattern wins) place those tensors in that dtype (a str such as
+        "float32" or "F32", a numpy.dtype or a torch.dtype): BF16 and F16 become F32
+        once, at placement (views F32, verify() compares with the converted file
+        bytes, report()["converted"] lists them); an unknown dtype, a conversion not
+        implemented (an integer or quantised tensor), a converted tensor that is also
+        sliced or a pattern matching no dense tensor raises InvalidArgument naming it
+        before anything is reserved.
 
         `serve_as=name` places memfd-backed stores and serves the model under `name`
         (an abstract Unix socket, this uid only) as long as the returned WholeModel

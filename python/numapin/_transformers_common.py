@@ -22,6 +22,22 @@ from transformers.core_model_loading import (
 from . import Checkpoint, InvalidArgument, NumapinError, WholeModel
 
 
+def dtype_conversions(ckpt: Checkpoint, sources: Sources) -> dict[str, str]:
+    """{checkpoint name: "float32"} for every tensor the model holds in float32 where the
+    file has BF16 or F16. Left to transformers' own cast: a name with a glob character
+    (`*`, `?`: it cannot be one exact pattern) and the routed experts (placed by the
+    expert store, which does not convert: a model loaded with `dtype=torch.float32`)."""
+    dtypes = {name: dtype for name, dtype, _ in ckpt.tensors()}
+    out: dict[str, str] = {}
+    for target, name in sources.renamed.items():
+        want = sources.expected.get(target)
+        if (want is not None and want.dtype == torch.float32
+                and dtypes.get(name) in ("BF16", "F16") and not set(name) & {"*", "?"}
+                and ".experts." not in target and ".experts." not in name):
+            out[name] = "float32"
+    return out
+
+
 class Sources:
     """Which checkpoint tensors make each model parameter, by transformers' own rules
     (`rename_source_key`: its renamings, then at most one converter): `renamed[target]`

@@ -14,9 +14,13 @@ by copying (per-expert `gate_proj`/`up_proj` stacked into one `gate_up_proj [E, 
 per-expert `down_proj` into `[E, H, I]`) is handed over already fused, as one strided
 numapin view (`WholeModel.layer(l, "gate_proj", through="up_proj")`), when the
 conversion is one transformers' `MergeModulelist`/`Concatenate` can be replaced by and
-the layer's experts sit at one stride. Anything else transformers converts with a copy
-(a dtype cast such as a float32 router, a fusion numapin cannot view): those parameters
-are listed, with their bytes and the reason, in `model.numapin_load["copied"]`.
+the layer's experts sit at one stride. What transformers holds in float32 where the file
+has BF16 or F16 (routers and router biases: its `_keep_in_fp32_modules`, DeepSeek-V3,
+GLM4-MoE, dots1, ERNIE, HunYuan) is converted by numapin once, at placement
+(`Checkpoint.place(convert_pattern=...)`), so it is a float32 view too
+(`model.numapin_load["converted"]`). Anything else transformers converts with a copy
+(a fusion numapin cannot view): those parameters are listed, with their bytes and the
+reason, in `model.numapin_load["copied"]`.
 
 Placed memory is read-only (PROT_READ): nothing in this path writes an assigned
 parameter, and neither may the caller (a write faults). Requires torch and transformers
@@ -32,7 +36,14 @@ import torch
 import transformers
 
 from . import Checkpoint, WholeModel
-from ._transformers_common import Sources, _meta_dtype, _span, placed_ranges, state_dict
+from ._transformers_common import (
+    Sources,
+    _meta_dtype,
+    _span,
+    dtype_conversions,
+    placed_ranges,
+    state_dict,
+)
 
 __all__ = ["from_pretrained", "placed_ranges"]
 
@@ -78,6 +89,12 @@ def from_pretrained(
         )
     names = [name for name, _, _ in ckpt.tensors()]
     sources = Sources(names, meta)
+    # What transformers holds in float32 over a BF16/F16 file: converted at placement
+    # (the caller's own convert_pattern= items come after, so they win).
+    converted = dtype_conversions(ckpt, sources)
+    if converted:
+        place_kwargs["convert_pattern"] = {
+            **converted, **(place_kwargs.get("convert_pattern") or {})}
     if distributed_config is not None:
         from .transformers_distributed import load_share
 
@@ -92,6 +109,7 @@ def from_pretrained(
     model = type(meta).from_pretrained(None, config=config, state_dict=state, **kwargs)
     model.eval()
     model.numapin_load = _account(model, whole, state, fused, renamed_from)
+    model.numapin_load["converted"] = sorted(converted)
     return model, whole
 
 

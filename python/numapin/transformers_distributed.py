@@ -32,7 +32,16 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import Checkpoint, InvalidArgument, WholeModel
-from ._transformers_common import Sources, _fused_view, _meta_dtype, _span, held, placed_ranges, state_dict
+from ._transformers_common import (
+    Sources,
+    _fused_view,
+    _meta_dtype,
+    _span,
+    dtype_conversions,
+    held,
+    placed_ranges,
+    state_dict,
+)
 
 try:  # torch's own name for a strided (packed) shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -66,6 +75,10 @@ def load_share(
         place_kwargs["rank"] = rank
     if experts_held is not None:
         place_kwargs["experts_held"] = experts_held
+    converted = dtype_conversions(ckpt, sources)
+    if converted:
+        place_kwargs["convert_pattern"] = {
+            **converted, **(place_kwargs.get("convert_pattern") or {})}
     whole = ckpt.place(**place_kwargs)
 
     state, fused, _ = state_dict(whole, ckpt, sources, skip=frozenset(sharded))
@@ -104,6 +117,7 @@ def load_share(
     del replaced
     ranges = placed_ranges(whole, {**state, **locals_})
     model.numapin_load = _account(model, ranges, fused, copied, whole.share)
+    model.numapin_load["converted"] = sorted(converted)
     return model, whole
 
 

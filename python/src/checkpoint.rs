@@ -195,6 +195,9 @@ impl Checkpoint {
     /// under `experts_held`, or cut (gate and up by rows, down by columns) where the plan
     /// names every expert role (`FrameworkPlan::share`); not with `tensor_parallel`,
     /// `dense_slice` or `expert_slice`.
+    /// `convert_class={"norms": "float32"}` and `convert_pattern={"*.mlp.gate.weight":
+    /// "float32"}` place those tensors in that dtype (a str, `numpy.dtype` or
+    /// `torch.dtype`): BF16/F16 converted to F32 once, at placement, their views F32.
     /// Map budget and node memory are checked before anything is reserved. The GIL is
     /// released while loading; `progress` as in `pack`. Once loaded, the placed memory is
     /// read-only (`PROT_READ`: a write through a pointer made from a view faults);
@@ -206,6 +209,7 @@ impl Checkpoint {
                         experts_held = None, expert_slice = None, dense_slice = None,
                         whole = None, tensor_parallel = None, slice_class = None,
                         slice_pattern = None, framework_plan = None, rank = None,
+                        convert_class = None, convert_pattern = None,
                         huge_pages = true, populate = true,
                         loader_threads = None, read_mode = "auto", progress = None,
                         writable = false, serve_as = None, **classes))]
@@ -225,6 +229,8 @@ impl Checkpoint {
         slice_pattern: Option<Bound<'_, PyDict>>,
         framework_plan: Option<Bound<'_, PyDict>>,
         rank: Option<&str>,
+        convert_class: Option<Bound<'_, PyDict>>,
+        convert_pattern: Option<Bound<'_, PyDict>>,
         huge_pages: bool,
         populate: bool,
         loader_threads: Option<usize>,
@@ -269,6 +275,7 @@ impl Checkpoint {
                  the preset's)",
             ));
         }
+        let plan = crate::convert::apply(plan, convert_class.as_ref(), convert_pattern.as_ref())?;
         let options = Options {
             huge_pages,
             populate,

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 mod cache;
 mod checkpoint;
+mod convert;
 mod errors;
 mod experts_view;
 mod progress;

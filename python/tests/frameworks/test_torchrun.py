@@ -8,8 +8,7 @@ ep_size=2`, every TP rule overridden by "replicate": experts only, whole per ran
 eptp (`tp_size=2, ep_size=2`: experts whole per rank, dense modules cut by the TP plan).
 Per rank: every parameter's local shard (a DTensor's `_local_tensor`) has the bytes,
 shape and dtype of transformers' own; numapin's lies in memory the WholeModel placed
-(its own views' ranges), except the float32 router casts (placement does not convert
-dtypes yet); the logits of the same ids are bit-equal; the cut parameters are the ones
+(its own views' ranges), the float32 routers included (converted at placement); the logits of the same ids are bit-equal; the cut parameters are the ones
 transformers cuts. Fewer KV heads than ranks is refused by numapin by name.
 
 One torchrun job runs every case (the process start and torch's import paid once); the
@@ -38,8 +37,8 @@ RANKS = int(os.environ.get("NUMAPIN_TORCHRUN_RANKS", "2"))
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 REFUSED = ("qwen3_moe_kv1", "tp")
 
-# What transformers holds in float32 over a bf16 file (`_keep_in_fp32_modules`): casts,
-# the same as in one process.
+# What transformers holds in float32 over a bf16 file (`_keep_in_fp32_modules`) is
+# converted at placement: no copies, the same as in one process.
 COPIES = EXPECTED_COPIES
 
 

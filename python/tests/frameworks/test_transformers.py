@@ -25,18 +25,21 @@ REQUIRED = {"qwen3_moe", "qwen3_moe_tied", "mixtral", "olmoe", "qwen2_moe", "dee
             "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "phimoe", "granitemoe"}
 
 # What transformers holds in another dtype than the file (float32 routers and router
-# biases, `_keep_in_fp32_modules`): a cast, so a copy, until placement converts dtypes.
+# biases, `_keep_in_fp32_modules`): converted at placement (BF16 -> F32), so placed
+# views, not copies.
 def _router(layers, *names):
     return {f"model.layers.{l}.mlp.gate.{n}" for l in layers for n in names}
 
 
-EXPECTED_COPIES = {
+EXPECTED_CONVERTED = {
     "deepseek_v3": _router([1], "weight", "e_score_correction_bias"),
     "glm4_moe": _router([1], "weight", "e_score_correction_bias"),
     "dots1": _router([1], "weight", "e_score_correction_bias"),
     "ernie4_5_moe": _router([0, 1], "weight", "moe_statics.e_score_correction_bias"),
     "hunyuan_v1_moe": _router([0, 1], "wg.weight"),
 }
+# No parameter of any family here is a copy.
+EXPECTED_COPIES: dict[str, set[str]] = {}
 
 
 @cache
@@ -117,8 +120,17 @@ def test_every_parameter_is_placed_memory_or_a_reported_copy(family):
     report = model.numapin_load
     assert outside == set(report["copied"]), (outside, report["copied"])
     assert outside == EXPECTED_COPIES.get(family, set()), report["copied"]
-    for name in outside:
-        assert report["copied"][name]["reason"].startswith("dtype cast"), report["copied"][name]
+    # The float32 routers are views of the placed, converted copy: float32 in the store.
+    converted = EXPECTED_CONVERTED.get(family, set())
+    state = model.state_dict()
+    for name in converted:
+        assert state[name].dtype == torch.float32, name
+        assert name in report["views"], name
+    # Which checkpoint tensors were converted: their file names (ERNIE's bias is renamed).
+    assert len(report["converted"]) == len(converted), report["converted"]
+    lines = whole.report_dict()["converted"]
+    assert sorted(line.split(" ")[0] for line in lines) == report["converted"], lines
+    assert all(" BF16 -> F32 " in line for line in lines), lines
     # The fused experts are views, never copies, for every family here.
     experts = [n for n in model.state_dict()
                if ".experts." in n or n.endswith(("input_linear.weight", "output_linear.weight"))]
@@ -172,3 +184,22 @@ def test_assigned_parameters_are_read_only_and_the_load_never_wrote_them():
     assert "forward ok" in out.stdout, out.stderr[-2000:]
     assert "written" not in out.stdout
     assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])
+
+
+def test_a_float32_load_converts_every_dense_tensor_at_placement():
+    """dtype=torch.float32 over a bf16 file: every dense tensor is converted at placement
+    (a float32 view); only the routed experts, which the expert store does not convert,
+    are transformers' casts. Logits bit-equal to transformers' own float32 load."""
+    path = fixtures_dir() / "deepseek_v3"
+    model, whole = nt.from_pretrained(path, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = ids(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, ref(tokens).logits)
+    report = model.numapin_load
+    assert report["copied"] and all(".experts." in n for n in report["copied"]), report["copied"]
+    dense = [n for n, _, _ in numapin.Checkpoint(path).tensors() if ".experts." not in n]
+    assert sorted(report["converted"]) == sorted(dense)
+    for name in dense:
+        assert whole.tensor(name).dtype == "F32", name
+    assert whole.verify()["verified"]

@@ -176,6 +176,12 @@ impl PlacedModel {
             let started = std::time::Instant::now();
             buffer.resize(len, 0);
             report.reads += read_held(file, t, &mut buffer, (&reader, &mut scratch))?;
+            if let Some(c) = t.converted {
+                // The placed copy holds the conversion of the file's bytes.
+                let mut converted = Vec::with_capacity(buffer.len() * 2);
+                c.apply(&buffer, &mut converted);
+                buffer = converted;
+            }
             report.tensors += 1;
             for (node, held) in self.tensor_copies(&t.name)? {
                 report.copies += 1;

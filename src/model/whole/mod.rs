@@ -38,6 +38,7 @@
 
 mod assign;
 mod classes;
+mod convert;
 mod expert_tensors;
 mod export;
 mod framework;

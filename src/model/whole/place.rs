@@ -239,7 +239,11 @@ impl Checkpoint {
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
         for g in &assigned.groups {
-            self.pack_group(&assigned, g, &mut stores, &mut places)?;
+            if g.converted {
+                self.pack_converted(&assigned, g, &mut stores, &mut places)?;
+            } else {
+                self.pack_group(&assigned, g, &mut stores, &mut places)?;
+            }
         }
         let mut expert_load_nanos = 0;
         let (experts, expert_report) = match &assigned.naming {
@@ -308,6 +312,7 @@ impl Checkpoint {
             measured,
             mappings,
             experts: expert_report,
+            converted: super::convert::report_lines(self, &assigned.converts),
         });
         Ok(model)
     }
@@ -409,7 +414,8 @@ impl Checkpoint {
                     name: t.name().to_owned(),
                     class,
                     layer,
-                    dtype: t.dtype(),
+                    dtype: assigned.converts[i].map_or(t.dtype(), |c| c.to),
+                    converted: assigned.converts[i],
                     shape,
                     file: t.file(),
                     offset: t.offset().saturating_add(cut.map_or(0, |c| c.run.offset)),

@@ -143,6 +143,9 @@ pub struct PlacementPlan {
     pub(super) slice_patterns: Vec<(String, TensorSlice)>,
     /// Rank `k` of a tensor-parallel group of `n` ([`PlacementPlan::tensor_parallel`]).
     pub(super) tp: Option<(u64, u64)>,
+    /// Per-class and per-pattern dtypes ([`PlacementPlan::convert_class`]).
+    pub(super) convert_classes: Vec<(TensorClass, crate::model::Dtype)>,
+    pub(super) convert_patterns: Vec<(String, crate::model::Dtype)>,
 }
 
 /// The slice a dense tensor gets under a plan: the slice, whether it was asked for by
@@ -163,6 +166,8 @@ impl PartialEq for PlacementPlan {
             && self.share_text() == other.share_text()
             && self.class_slices == other.class_slices
             && self.slice_patterns == other.slice_patterns
+            && self.convert_classes == other.convert_classes
+            && self.convert_patterns == other.convert_patterns
     }
 }
 
@@ -187,6 +192,8 @@ impl PlacementPlan {
             class_slices: Vec::new(),
             slice_patterns: Vec::new(),
             tp: None,
+            convert_classes: Vec::new(),
+            convert_patterns: Vec::new(),
         }
     }
 
@@ -486,7 +493,9 @@ impl PlacementPlan {
     /// back as something else bare. VALUE for experts: `split:NODES`, `interleave:NODES`,
     /// `replicate:NODES`, `layer-per-node:NODES`, `unplaced`; for the others
     /// `replicate:NODES`, `interleave:NODES`, `bind:NODE`, `unplaced`. NODES in numactl
-    /// syntax (`all`, `0-3`, `0,2`).
+    /// syntax (`all`, `0-3`, `0,2`). VALUE `convert:DTYPE` (`norms=convert:F32`,
+    /// `*.mlp.gate.weight=convert:F32`) asks for a dtype instead
+    /// ([`PlacementPlan::convert_class`], [`PlacementPlan::convert_pattern`]).
     ///
     /// ```
     /// use numapin::model::{DenseLayout, PlacementPlan};
@@ -507,6 +516,10 @@ impl PlacementPlan {
         for item in super::text::items(text)? {
             let item = match item {
                 Item::Quoted { pattern, value } => {
+                    if let Some(dtype) = value.strip_prefix("convert:") {
+                        self = self.apply_convert(None, Some(pattern), dtype)?;
+                        continue;
+                    }
                     self = self.pattern(pattern, DenseLayout::parse(&value)?);
                     continue;
                 }
@@ -521,6 +534,12 @@ impl PlacementPlan {
                 ));
             };
             let (key, value) = (key.trim(), value.trim());
+            if let Some(dtype) = value.strip_prefix("convert:")
+                && !key.is_empty()
+            {
+                self = self.apply_convert(Some(key), None, dtype)?;
+                continue;
+            }
             match (key, TensorClass::from_name(key)) {
                 ("experts", _) => self = self.experts(parse_expert_layout(value)?),
                 ("dense", _) => {
@@ -550,7 +569,8 @@ impl PlacementPlan {
 impl fmt::Display for PlacementPlan {
     /// The text form [`PlacementPlan::apply`] reads, as the same plan: the experts' and
     /// each class's layout, then the patterns (quoted where bare they would read back as
-    /// something else). Shares and slices are not part of it.
+    /// something else), then the conversions (`CLASS=convert:F32`, `PATTERN=convert:F32`).
+    /// Shares and slices are not part of it.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "experts={}", expert_layout_text(&self.experts))?;
         for (class, layout, _) in &self.dense {
@@ -561,35 +581,6 @@ impl fmt::Display for PlacementPlan {
             super::text::write_pattern(f, pattern)?;
             write!(f, "={layout}")?;
         }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_form_round_trips_and_refuses_junk() {
-        let base = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced);
-        let plan = base
-            .clone()
-            .apply("experts=split:0;dense=replicate:0,norms=bind:0;*.q_proj.*=interleave:0")
-            .unwrap();
-        assert_eq!(base.clone().apply(&plan.to_string()).unwrap(), plan);
-        assert_eq!(
-            plan.layout_of(TensorClass::NormsAndRouters),
-            DenseLayout::Bind(Node(0))
-        );
-        assert_eq!(plan.patterns().len(), 1);
-        for junk in [
-            "experts",
-            "=x",
-            "dense=sideways:0",
-            "experts=split",
-            "attention=bind:x",
-        ] {
-            assert!(base.clone().apply(junk).is_err(), "{junk}");
-        }
+        self.write_conversions(f)
     }
 }

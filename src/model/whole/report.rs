@@ -39,6 +39,10 @@ pub struct WholeReport {
     /// The experts' pack report, as [`Checkpoint::pack`](crate::model::Checkpoint::pack)
     /// gives it.
     pub experts: Option<ModelReport>,
+    /// The tensors converted at placement, one line each: `NAME BF16 -> F32 (N bytes
+    /// in the file, M placed)` ([`PlacementPlan::convert_class`](super::PlacementPlan::convert_class)).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub converted: Vec<String>,
 }
 
 /// One class's stores, measured after packing.
@@ -145,6 +149,14 @@ impl fmt::Display for WholeReport {
             writeln!(
                 f,
                 "  share placed: {share} (cost and budgets count the share)"
+            )?;
+        }
+        if !self.converted.is_empty() {
+            writeln!(
+                f,
+                "  converted at placement ({} tensors): {}",
+                self.converted.len(),
+                self.converted.join("; ")
             )?;
         }
         writeln!(

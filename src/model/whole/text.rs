@@ -267,3 +267,35 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod plan_tests {
+    use super::super::plan::{DenseLayout, PlacementPlan};
+    use super::TensorClass;
+    use crate::node::Node;
+    use crate::store::Layout;
+
+    #[test]
+    fn text_form_round_trips_and_refuses_junk() {
+        let base = PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced);
+        let plan = base
+            .clone()
+            .apply("experts=split:0;dense=replicate:0,norms=bind:0;*.q_proj.*=interleave:0")
+            .unwrap();
+        assert_eq!(base.clone().apply(&plan.to_string()).unwrap(), plan);
+        assert_eq!(
+            plan.layout_of(TensorClass::NormsAndRouters),
+            DenseLayout::Bind(Node(0))
+        );
+        assert_eq!(plan.patterns().len(), 1);
+        for junk in [
+            "experts",
+            "=x",
+            "dense=sideways:0",
+            "experts=split",
+            "attention=bind:x",
+        ] {
+            assert!(base.clone().apply(junk).is_err(), "{junk}");
+        }
+    }
+}

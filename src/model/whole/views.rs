@@ -68,6 +68,8 @@ pub(crate) struct PlacedTensor {
     /// The slice held under a dense slice; `shape` is then the sliced shape, `offset`
     /// and `len` the sliced bytes in the file.
     pub(crate) slice: Option<DenseSlice>,
+    /// Converted at placement: `dtype` is the placed one, `len` the file's bytes.
+    pub(crate) converted: Option<super::convert::Conversion>,
 }
 
 /// One dense store: a class under one layout.

@@ -34,6 +34,9 @@ pub(super) struct TensorPart {
     place: PlacePart,
     /// `(rows, start, len, extent)`: rows true for the outermost axis.
     slice: Option<(bool, u64, u64, u64)>,
+    /// The file's dtype of a tensor converted at placement (`dtype` is the placed one).
+    #[serde(default)]
+    converted_from: Option<String>,
 }
 
 /// [`Place`], with the kind as `scales: bool`.
@@ -207,6 +210,7 @@ pub(super) fn tensor_part(t: &PlacedTensor) -> TensorPart {
         slice: t
             .slice
             .map(|s| (s.axis == SliceAxis::Rows, s.start, s.len, s.extent)),
+        converted_from: t.converted.map(|c| dtype_text(c.from)),
     }
 }
 
@@ -271,6 +275,13 @@ pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTenso
             len,
             extent,
         }),
+        converted: match &p.converted_from {
+            Some(from) => Some(super::convert::Conversion {
+                from: dtype_of(from)?,
+                to: dtype_of(&p.dtype)?,
+            }),
+            None => None,
+        },
     })
 }
 

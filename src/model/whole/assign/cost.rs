@@ -185,13 +185,25 @@ impl Assigned {
         checkpoint: &Checkpoint,
         slot: u64,
     ) -> (u64, u64) {
-        let copy = slot_bytes(
-            g.tensors
+        let copy = if g.converted {
+            // Packed from memory as one piece: the converted bytes laid out at 64.
+            let held = g
+                .tensors
                 .iter()
-                .flat_map(|&i| self.held_pieces(checkpoint, i)),
-            self.layout,
-            slot,
-        );
+                .filter(|&&i| !checkpoint.tensors[i].is_empty());
+            let (_, total) = super::super::convert::converted_layout(
+                held.map(|&i| self.held_len(checkpoint, i)),
+            );
+            slot_bytes(std::iter::once((0, total, false)), self.layout, slot)
+        } else {
+            slot_bytes(
+                g.tensors
+                    .iter()
+                    .flat_map(|&i| self.held_pieces(checkpoint, i)),
+                self.layout,
+                slot,
+            )
+        };
         let text = g.layout.to_string();
         if !c.layout.split('+').any(|l| l == text) {
             if !c.layout.is_empty() {

@@ -13,6 +13,7 @@ pub use cost::{ClassCost, PlacementCost};
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::classes::TensorClass;
+use super::convert::{Conversion, conversion_of};
 use super::glob::glob_match;
 use super::plan::{DenseLayout, PlacementPlan};
 use crate::error::{CheckpointFault, Error, Result, quote, quote_list};
@@ -36,6 +37,8 @@ pub(crate) struct Group {
     /// Index of its store in [`Assigned::stores`], and its layer in that store.
     pub(crate) store: usize,
     pub(crate) slot_layer: usize,
+    /// Its tensors are converted at placement (packed from memory, not read in place).
+    pub(crate) converted: bool,
 }
 
 /// A plan applied to a checkpoint.
@@ -53,6 +56,8 @@ pub(crate) struct Assigned {
     pub(crate) expert_modulus: usize,
     /// Per checkpoint tensor: the part of it this rank holds under a dense slice.
     pub(crate) cuts: Vec<Option<DenseCut>>,
+    /// Per checkpoint tensor: its conversion at placement.
+    pub(crate) converts: Vec<Option<Conversion>>,
 }
 
 /// The part of a dense tensor a rank holds, as placed: its rows (one piece) or its
@@ -90,11 +95,16 @@ impl Assigned {
         })
     }
 
-    /// The bytes of tensor `index` this rank holds.
+    /// The bytes of tensor `index` this rank holds (placed: a converted tensor's in
+    /// its new dtype).
     pub(crate) fn held_len(&self, checkpoint: &Checkpoint, index: usize) -> u64 {
-        match self.cuts.get(index).copied().flatten() {
+        let len = match self.cuts.get(index).copied().flatten() {
             Some(cut) => cut.run.bytes(),
             None => checkpoint.tensors()[index].len(),
+        };
+        match self.converts.get(index).copied().flatten() {
+            Some(c) => c.placed_len(len),
+            None => len,
         }
     }
 }
@@ -164,14 +174,18 @@ pub(crate) fn expert_tensor_indices(experts: Option<&(Naming, ExpertPlan)>) -> B
         .collect()
 }
 
-/// The dense tensors keyed by (class, index in `layouts`, model layer), before grouping.
-type Keyed = BTreeMap<(TensorClass, usize, Option<usize>), Vec<usize>>;
+/// The dense tensors keyed by (class, index in `layouts`, model layer, converted),
+/// before grouping.
+type Keyed = BTreeMap<(TensorClass, usize, Option<usize>, bool), Vec<usize>>;
 
 /// Every tensor classified under the plan: its class and layer, its dense cut, its
 /// layout; which patterns matched a tensor.
 struct Classified {
     class_of: Vec<(TensorClass, Option<usize>)>,
     cuts: Vec<Option<DenseCut>>,
+    converts: Vec<Option<Conversion>>,
+    /// Per conversion pattern of the plan: whether it matched a dense tensor.
+    converts_used: Vec<bool>,
     /// Per pattern of the plan: whether it matched a dense tensor.
     used: Vec<bool>,
     /// Per slice pattern of the plan: whether it matched a dense tensor.
@@ -191,6 +205,8 @@ fn classify_tensors(
     let mut out = Classified {
         class_of: Vec::with_capacity(checkpoint.tensors().len()),
         cuts: vec![None; checkpoint.tensors().len()],
+        converts: vec![None; checkpoint.tensors().len()],
+        converts_used: vec![false; plan.convert_patterns.len()],
         used: vec![false; plan.patterns().len()],
         slices_used: vec![false; plan.slice_patterns.len()],
         keyed: BTreeMap::new(),
@@ -217,6 +233,14 @@ fn classify_tensors(
                 None => dense_cut(t, &slice, explicit)?,
             };
         }
+        if let Some((dtype, pattern)) = plan.convert_for(class, t.name()) {
+            if let Some(i) = pattern {
+                out.converts_used[i] = true;
+            }
+            let glob = pattern.map(|i| plan.convert_patterns[i].0.as_str());
+            let sliced = out.cuts[index].is_some();
+            out.converts[index] = conversion_of(t.name(), class, (t.dtype(), dtype), glob, sliced)?;
+        }
         let (layout, pattern) = plan.dense_layout(class, t.name());
         if let Some(i) = pattern {
             out.used[i] = true;
@@ -228,7 +252,11 @@ fn classify_tensors(
                 out.layouts.len() - 1
             }
         };
-        out.keyed.entry((class, l, layer)).or_default().push(index);
+        let converted = out.converts[index].is_some();
+        out.keyed
+            .entry((class, l, layer, converted))
+            .or_default()
+            .push(index);
     }
     Ok(out)
 }
@@ -272,6 +300,45 @@ fn check_slice_patterns(
         .map(|t| scale_of(checkpoint, t).map_or(t.name(), |w| w.name()));
     Err(unchosen(
         ("PlacementPlan::slice_pattern", "sliced by the expert share"),
+        &patterns,
+        i,
+        names,
+        checkpoint.tensors().len(),
+    ))
+}
+
+/// Refuses a conversion of the routed experts' class and a conversion pattern that
+/// chose no dense tensor (`classified.converts_used`).
+fn check_conversions(
+    checkpoint: &Checkpoint,
+    plan: &PlacementPlan,
+    classified: &Classified,
+) -> Result<()> {
+    if let Some((_, dtype)) = plan
+        .convert_classes
+        .iter()
+        .find(|(c, _)| *c == TensorClass::RoutedExperts)
+    {
+        return Err(Error::bad_value(
+            "PlacementPlan::convert_class",
+            "class",
+            TensorClass::RoutedExperts,
+            format!(
+                "the routed experts are placed by the expert store, not converted (to {dtype})"
+            ),
+        ));
+    }
+    let Some(i) = classified.converts_used.iter().position(|u| !u) else {
+        return Ok(());
+    };
+    let patterns: Vec<&str> = plan
+        .convert_patterns
+        .iter()
+        .map(|(p, _)| p.as_str())
+        .collect();
+    let names = dense_tensors(checkpoint, classified).map(|t| t.name());
+    Err(unchosen(
+        ("PlacementPlan::convert_pattern", "not converted"),
         &patterns,
         i,
         names,
@@ -336,7 +403,7 @@ fn group_dense(
     let mut stores: Vec<(TensorClass, DenseLayout)> = Vec::new();
     let mut per_store: Vec<usize> = Vec::new();
     let mut groups = Vec::with_capacity(keyed.len());
-    for ((class, l, _layer), mut tensors) in keyed {
+    for ((class, l, _layer, converted), mut tensors) in keyed {
         let layout = layouts[l];
         let store = match stores.iter().position(|&s| s == (class, layout)) {
             Some(s) => s,
@@ -354,6 +421,7 @@ fn group_dense(
             tensors,
             store,
             slot_layer: per_store[store],
+            converted,
         });
         per_store[store] += 1;
     }
@@ -372,6 +440,7 @@ pub(crate) fn assign(
     let classified = classify_tensors(checkpoint, plan, &expert_tensors)?;
     check_patterns(checkpoint, plan, &classified)?;
     check_slice_patterns(checkpoint, plan, &classified)?;
+    check_conversions(checkpoint, plan, &classified)?;
     // Routed experts are recognised on the whole plan (above), then cut to the share.
     if let (Some(share), Some((_, expert_plan))) = (&plan.share, experts.as_mut()) {
         *expert_plan = expert_plan.share(checkpoint, share)?;
@@ -390,5 +459,6 @@ pub(crate) fn assign(
         layout,
         expert_modulus,
         cuts: classified.cuts,
+        converts: classified.converts,
     })
 }
