@@ -63,7 +63,9 @@ pub enum ReadMode {
     /// device once; layers loaded backwards leave nothing behind them). The cache holds
     /// about that much of the file at a time, with the reads in flight and the kernel's
     /// readahead past them (twice `read_ahead_kb` at most); after a load, at most that
-    /// readahead past the furthest byte a store's layers read stays cached. The
+    /// readahead past the furthest byte a store's layers read stays cached. A whole
+    /// placement ([`Checkpoint::place`](crate::model::Checkpoint::place)) shares one
+    /// record per file among all its stores, and runs its fills in file order. The
     /// advice evicts the file's clean pages whoever cached them: a file that was cached
     /// before the load is not cached after it (use [`ReadMode::Direct`] to leave the
     /// cache as it was).
