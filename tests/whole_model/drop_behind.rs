@@ -98,25 +98,13 @@ fn a_whole_drop_behind_placement_reads_each_byte_once() {
     let checkpoint = Checkpoint::open(&path).unwrap();
     let file = checkpoint.files()[0].file();
     let len = file.metadata().unwrap().len();
-    evict(file).unwrap();
-    let (cached, pages) = cached_pages(file).unwrap();
-    let before = common::storage_read_bytes();
-    if cached != 0 || before.is_none() {
-        println!(
-            "NOT RUN: {TEST} needs a file the page cache can drop ({cached} of {pages} pages \
-             stayed after eviction: tmpfs or ramfs) and /proc/self/io ({})",
-            if before.is_some() {
-                "present"
-            } else {
-                "absent"
-            }
-        );
+    let Some(before) = common::cold_read_count(TEST, file, &path) else {
         std::fs::remove_dir_all(&dir).unwrap();
         return;
-    }
+    };
     let model = checkpoint.place(&plan(nodes), options()).unwrap();
-    let read = common::storage_read_bytes().unwrap() - before.unwrap();
-    let (after, _) = cached_pages(file).unwrap();
+    let read = common::storage_read_bytes().unwrap() - before;
+    let (after, pages) = cached_pages(file).unwrap();
     assert_eq!(model.read_mode(), ReadMode::DropBehind);
     println!(
         "{TEST}: {read} bytes read from the device for a {len}-byte file ({:.4}x); {after} of \
