@@ -4,17 +4,22 @@ loads: place against dd"): each round runs `dd bs=8M iflag=direct` over the chec
 shards, then every NUMAPIN binary's `place --model DIR --plan default --read MODE --json`
 in a rotating order, the page cache dropped before every run (root). Prints each round's
 ratios to dd, then per binary the medians (min-max) of: the whole process's wall over
-dd's (load + verify against one read), and the load alone (the JSON's load_seconds) over
-dd's wall. Ratios within a round only: the machine may be shared.
+dd's (load + verify against one read), the load alone (the JSON's load_seconds) over
+dd's wall, and the verify over the load (verify_seconds / load_seconds). Ratios within a round only: the machine may be shared.
 
     python3 benches/place_pairs.py ROUNDS MODE DIR NUMAPIN [NUMAPIN...]
 
-DIR: a checkpoint from benches/place_checkpoint.py. NUMAPIN: target/release/numapin, or
-copies built from other commits (A/B)."""
-import glob, json, os, statistics, subprocess, sys, time
+DIR: a checkpoint from benches/place_checkpoint.py, or a GGUF file from
+benches/place_gguf.py (a split set: its first part; dd reads every part). NUMAPIN:
+target/release/numapin, or copies built from other commits (A/B)."""
+import glob, json, os, re, statistics, subprocess, sys, time
 
 rounds, mode, root, binaries = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-shards = sorted(glob.glob(os.path.join(root, "*.safetensors")))
+if os.path.isdir(root):
+    shards = sorted(glob.glob(os.path.join(root, "*.safetensors")))
+else:
+    split = re.match(r"(.*)-00001-of-(\d+)\.gguf$", root)
+    shards = (sorted(glob.glob(f"{split[1]}-*-of-{split[2]}.gguf")) if split else [root])
 
 
 def drop():
@@ -41,6 +46,7 @@ def dd():
 
 wall = {b: [] for b in binaries}
 load = {b: [] for b in binaries}
+verify = {b: [] for b in binaries}
 for r in range(rounds):
     base = dd()
     order = binaries[r % len(binaries):] + binaries[:r % len(binaries)]
@@ -52,6 +58,8 @@ for r in range(rounds):
         assert report["verified"], b
         wall[b].append(seconds / base)
         load[b].append(report["load_seconds"] / base)
+        if report.get("verify_seconds") is not None:
+            verify[b].append(report["verify_seconds"] / report["load_seconds"])
         line.append(f"{b}: wall {seconds / base:.2f}x load {report['load_seconds'] / base:.2f}x")
     print("; ".join(line), flush=True)
 
@@ -61,4 +69,5 @@ def med(xs):
 
 
 for b in binaries:
-    print(f"{b}: wall/dd {med(wall[b])}, load/dd {med(load[b])}, dd/load {med([1 / x for x in load[b]])}")
+    print(f"{b}: wall/dd {med(wall[b])}, load/dd {med(load[b])}, dd/load {med([1 / x for x in load[b]])}"
+          + (f", verify/load {med(verify[b])}" if verify[b] else ""))

@@ -11,24 +11,13 @@ use numapin::store::{ExpertSource, LayerSpec, Layout, Piece, PinStore, ReadMode,
 use numapin_testkit::cache::{cached_pages, evict};
 use numapin_testkit::synthetic::SyntheticModel;
 
+mod common;
+
 fn dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("read-auto-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Whether the file system under `file` reports a direct-I/O alignment (ext4 and xfs
-/// do; tmpfs and overlayfs do not), so that a direct read is possible at all.
-fn direct_possible(file: &File) -> bool {
-    let stat = rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .unwrap();
-    stat.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && stat.stx_dio_offset_align > 0
 }
 
 /// Loads 6 experts of odd sizes and offsets from `file` with default options; checks
@@ -77,8 +66,7 @@ fn auto_reads_a_cached_file_buffered_and_an_evicted_one_direct() {
     assert_eq!(StoreOptions::default().read_mode, ReadMode::Auto);
     // tmpfs and ramfs (the VM's TMPDIR and root) keep their pages: nothing there can be
     // evicted.
-    if [0x0102_1994_i64, 0x8584_58f6].contains(&(rustix::fs::fstatfs(&file).unwrap().f_type as i64))
-    {
+    if !numapin_testkit::cache::evictable(&file) {
         println!(
             "NOT RUN: {} is on tmpfs or ramfs, whose pages cannot be evicted",
             path.display()
@@ -114,7 +102,7 @@ fn auto_reads_a_cached_file_buffered_and_an_evicted_one_direct() {
     let read = &report.files[0];
     let r = read.residency.expect("auto measured the file");
     assert_eq!(r.cached_pages, 0, "{read}");
-    if direct_possible(&file) {
+    if common::dio_align(&file).is_some() {
         assert_eq!(read.mode, ReadMode::Direct, "{read}");
         assert_eq!(read.fallback, None);
         assert_eq!(report.read_mode, ReadMode::Direct);
@@ -133,18 +121,19 @@ fn auto_reads_a_cached_file_buffered_and_an_evicted_one_direct() {
 
 #[test]
 fn auto_on_tmpfs_reads_buffered_and_says_the_file_is_cached() {
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        println!("NOT RUN: needs /dev/shm (tmpfs)");
+    let Some(dir) = common::shm_dir(
+        "auto_on_tmpfs_reads_buffered_and_says_the_file_is_cached",
+        "numapin-read-auto",
+    ) else {
         return;
-    }
-    let path = shm.join(format!("numapin-read-auto-{}", std::process::id()));
+    };
+    let path = dir.join("model.bin");
     let mut bytes = vec![0u8; 8 << 20];
     SyntheticModel::expected_bytes(0, &mut bytes);
     std::fs::write(&path, &bytes).unwrap();
     let file = File::open(&path).unwrap();
     let report = load(&file);
-    std::fs::remove_file(&path).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
     let read = &report.files[0];
     // A tmpfs file is its page cache: always cached, never a direct read.
     assert_eq!(read.mode, ReadMode::Buffered, "{read}");

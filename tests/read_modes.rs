@@ -53,15 +53,7 @@ fn expected_outcome(mode: ReadMode, file: &File) -> (ReadMode, Option<ReadFallba
     if mode != ReadMode::Direct {
         return (mode, None);
     }
-    let stat = rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .unwrap();
-    if stat.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && stat.stx_dio_offset_align > 0
-    {
+    if common::dio_align(file).is_some() {
         (ReadMode::Direct, None)
     } else {
         (ReadMode::Buffered, Some(ReadFallback::NoDirectIoAlignment))
@@ -158,13 +150,12 @@ fn every_mode_loads_byte_exact() {
 
 #[test]
 fn direct_reads_fall_back_on_tmpfs_and_say_why() {
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        println!("NOT RUN: direct_reads_fall_back_on_tmpfs_and_say_why needs /dev/shm (tmpfs)");
+    let Some(dir) = common::shm_dir(
+        "direct_reads_fall_back_on_tmpfs_and_say_why",
+        "numapin-read-modes",
+    ) else {
         return;
-    }
-    let dir = shm.join(format!("numapin-read-modes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    };
     let file = write_stream(&dir.join("a.bin"), 0, 4096 + 3);
     // tmpfs reports no direct-I/O alignment: the expectation is the fallback itself.
     assert_eq!(
@@ -385,23 +376,10 @@ fn a_drop_behind_load_reads_the_file_from_the_device_once() {
         .unwrap();
     let file = File::open(&path).unwrap();
     let len = file.metadata().unwrap().len();
-    evict(&file).unwrap();
-    let (cached, _) = cached_pages(&file).unwrap();
-    let before = common::storage_read_bytes();
-    if cached != 0 || before.is_none() {
-        println!(
-            "NOT RUN: {TEST} needs a file the page cache can drop ({cached} pages of {} stayed \
-             after eviction: ramfs or tmpfs) and /proc/self/io ({})",
-            path.display(),
-            if before.is_some() {
-                "present"
-            } else {
-                "absent"
-            }
-        );
+    let Some(before) = common::cold_read_count(TEST, &file, &path) else {
         std::fs::remove_dir_all(&dir).unwrap();
         return;
-    }
+    };
     let store = PinStore::new(Layout::Unplaced, options(ReadMode::DropBehind, 2)).unwrap();
     for layer in 0..model.layers {
         let report = store
@@ -409,7 +387,7 @@ fn a_drop_behind_load_reads_the_file_from_the_device_once() {
             .unwrap();
         assert_eq!(report.read_mode, ReadMode::DropBehind);
     }
-    let read = common::storage_read_bytes().unwrap() - before.unwrap();
+    let read = common::storage_read_bytes().unwrap() - before;
     for layer in 0..model.layers {
         for e in 0..model.experts {
             assert!(model.verify(layer, e, Kind::Weights, store.weights(layer, e).unwrap()));

@@ -210,34 +210,29 @@ impl Checkpoint {
         plan: &ExpertPlan,
         share: Option<&Share>,
     ) -> Result<ModelReport> {
+        let layers = self.planned_layers(plan)?;
+        check_layers_budget(store, &layers)?;
+        let mut layer_reports = Vec::with_capacity(layers.len());
+        for (planned, l) in layers.iter().zip(plan.layers()) {
+            layer_reports.push(pack_planned(store, planned, l)?);
+        }
+        Ok(self.report(plan, layer_reports, share))
+    }
+
+    /// Each layer of `plan` (its number, spec and sources), sized and checked, nothing
+    /// packed: built once, packed with [`pack_planned`].
+    pub(crate) fn planned_layers(&self, plan: &ExpertPlan) -> Result<Vec<PlannedLayer<'_>>> {
         self.check_not_truncated()?;
-        // Each layer's sources, built once: sized here, packed below.
         let mut layers = Vec::with_capacity(plan.layers().len());
         for layer in plan.layers() {
             let sources = self.sources(layer)?;
             let spec = LayerSpec::fitting(&sources)?;
             layers.push((layer.layer(), spec, sources));
         }
-        if let Some((_, first, _)) = layers.first() {
-            let mut widest = *first;
-            widest.scale_bytes = layers
-                .iter()
-                .map(|(_, s, _)| s.scale_bytes)
-                .max()
-                .unwrap_or(0);
-            store.check_model_budget(layers.len(), &widest)?;
-        }
-        let mut layer_reports = Vec::with_capacity(layers.len());
-        for ((layer, spec, sources), l) in layers.iter().zip(plan.layers()) {
-            layer_reports.push(match l.share() {
-                Some(held) => store.pack_layer_share(*layer, spec, sources, held.expert_ids())?,
-                None => store.pack_layer(*layer, spec, sources)?,
-            });
-        }
-        Ok(self.report(plan, layer_reports, share))
+        Ok(layers)
     }
 
-    fn report(
+    pub(crate) fn report(
         &self,
         plan: &ExpertPlan,
         layer_reports: Vec<LayerReport>,
@@ -312,5 +307,36 @@ impl Checkpoint {
             weights: expert.weights().iter().map(piece).collect::<Result<_>>()?,
             scales: expert.scales().iter().map(piece).collect::<Result<_>>()?,
         })
+    }
+}
+
+/// One MoE layer ready to pack: its model layer number, spec and sources.
+pub(crate) type PlannedLayer<'c> = (usize, LayerSpec, Vec<ExpertSource<'c>>);
+
+/// The map budget of the whole model, before its first layer is packed
+/// ([`PinStore::check_model_budget`]; a model with some layers with scales and some
+/// without counted as if all had them).
+pub(crate) fn check_layers_budget(store: &PinStore, layers: &[PlannedLayer<'_>]) -> Result<()> {
+    if let Some((_, first, _)) = layers.first() {
+        let mut widest = *first;
+        widest.scale_bytes = layers
+            .iter()
+            .map(|(_, s, _)| s.scale_bytes)
+            .max()
+            .unwrap_or(0);
+        store.check_model_budget(layers.len(), &widest)?;
+    }
+    Ok(())
+}
+
+/// Packs one planned layer (`l`: its plan, with a share's held experts).
+pub(crate) fn pack_planned(
+    store: &PinStore,
+    (layer, spec, sources): &PlannedLayer<'_>,
+    l: &LayerPlan,
+) -> Result<LayerReport> {
+    match l.share() {
+        Some(held) => store.pack_layer_share(*layer, spec, sources, held.expert_ids()),
+        None => store.pack_layer(*layer, spec, sources),
     }
 }

@@ -69,12 +69,54 @@ struct State {
     end: u64,
     /// Bytes read since the last advice.
     since: u64,
+    /// For a record shared by every fill of a placement ([`Shared`]): the ranges of the
+    /// fills that have not begun ([`Stream::begin`]). Nothing at or past the first of them
+    /// is advised: a later fill's reads start there, and the kernel's readahead from them
+    /// runs forward over what earlier fills read above it, which must still be cached or
+    /// it is read from the device again. `None`: the stream of one fill.
+    future: Option<BTreeMap<u64, u64>>,
 }
 
 impl Stream {
     /// The stream of a fill that reads `ranges` of one file (offset, length; in any
     /// order, overlapping or not).
     pub(crate) fn new(ranges: impl IntoIterator<Item = (u64, u64)>) -> Stream {
+        Stream {
+            state: Mutex::new(State::new(ranges)),
+        }
+    }
+
+    /// The record of a file read by many fills (one per store and layer of a placement):
+    /// `ranges` are what all of them read. Each fill says what it reads when it begins
+    /// ([`Stream::begin`]).
+    pub(crate) fn shared(ranges: impl IntoIterator<Item = (u64, u64)>) -> Stream {
+        let mut state = State::new(ranges);
+        state.future = Some(state.unread.clone());
+        Stream {
+            state: Mutex::new(state),
+        }
+    }
+
+    /// A fill of a shared record begins: it reads `ranges` (offset, length) now.
+    pub(crate) fn begin(&self, ranges: impl IntoIterator<Item = (u64, u64)>) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(future) = &mut state.future {
+            for (offset, len) in ranges {
+                remove(future, offset, offset.saturating_add(len));
+            }
+        }
+    }
+
+    /// At the end of a fill of a shared record: what it read and did not advise yet (the
+    /// advice [`Stream::after_read`] gives, whatever was read since the last one).
+    pub(crate) fn flush(&self) -> Vec<(u64, u64)> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.advice()
+    }
+}
+
+impl State {
+    fn new(ranges: impl IntoIterator<Item = (u64, u64)>) -> State {
         let mut sorted: Vec<(u64, u64)> = ranges
             .into_iter()
             .filter(|&(_, len)| len > 0)
@@ -97,18 +139,57 @@ impl Stream {
         if let Some((s, e)) = last {
             unread.insert(s, e);
         }
-        Stream {
-            state: Mutex::new(State {
-                cursor: unread.first_key_value().map_or(0, |(&s, _)| s),
-                late: Vec::new(),
-                high: 0,
-                since: 0,
-                end,
-                unread,
-            }),
+        State {
+            cursor: unread.first_key_value().map_or(0, |(&s, _)| s),
+            late: Vec::new(),
+            high: 0,
+            since: 0,
+            end,
+            unread,
+            future: None,
         }
     }
 
+    /// The ranges to advise now (see [`Stream::after_read`]), and the cursor moved past
+    /// them.
+    fn advice(&mut self) -> Vec<(u64, u64)> {
+        self.since = 0;
+        let all_read = self.unread.is_empty();
+        // Where the first fill still to begin reads (shared records): nothing from there on.
+        let limit = self
+            .future
+            .as_ref()
+            .and_then(|f| f.first_key_value())
+            .map_or(u64::MAX, |(&s, _)| s);
+        let mark = if all_read {
+            self.end.max(self.high)
+        } else {
+            self.high.min(limit)
+        };
+        let mut out = Vec::new();
+        for (start, stop) in std::mem::take(&mut self.late) {
+            let wide = (
+                start.saturating_sub(FOLIO_MAX),
+                stop.saturating_add(FOLIO_MAX).min(limit.max(stop)),
+            );
+            out.extend(outside(&self.unread, wide));
+        }
+        if mark > self.cursor {
+            out.extend(outside(&self.unread, (self.cursor, mark)));
+            // The next advice starts again at the folio `mark` falls in: a large folio
+            // reaching past `mark` was skipped by this one.
+            let restart = if all_read {
+                mark
+            } else {
+                mark - mark % FOLIO_MAX
+            };
+            self.cursor = self.cursor.max(restart);
+        }
+        out
+    }
+}
+
+impl Stream {
     /// After `[offset, end)` is read: once [`DROP_BEHIND_EVERY`] bytes were read since
     /// the last advice, the ranges to evict — everything up to the highest offset read
     /// that no loader still has to read (the next advice starts again at the folio that
@@ -122,41 +203,18 @@ impl Stream {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let state = &mut *state;
         remove(&mut state.unread, offset, end);
+        if let Some(future) = &mut state.future {
+            remove(future, offset, end);
+        }
         if offset < state.cursor {
             state.late.push((offset, end.min(state.cursor)));
         }
         state.high = state.high.max(end);
         state.since = state.since.saturating_add(end.saturating_sub(offset));
-        let all_read = state.unread.is_empty();
-        if state.since < DROP_BEHIND_EVERY && !all_read {
+        if state.since < DROP_BEHIND_EVERY && !state.unread.is_empty() {
             return Vec::new();
         }
-        state.since = 0;
-        let mark = if all_read {
-            state.end.max(state.high)
-        } else {
-            state.high
-        };
-        let mut out = Vec::new();
-        for (start, stop) in std::mem::take(&mut state.late) {
-            let wide = (
-                start.saturating_sub(FOLIO_MAX),
-                stop.saturating_add(FOLIO_MAX),
-            );
-            out.extend(outside(&state.unread, wide));
-        }
-        if mark > state.cursor {
-            out.extend(outside(&state.unread, (state.cursor, mark)));
-            // The next advice starts again at the folio `mark` falls in: a large folio
-            // reaching past `mark` was skipped by this one.
-            let restart = if all_read {
-                mark
-            } else {
-                mark - mark % FOLIO_MAX
-            };
-            state.cursor = state.cursor.max(restart);
-        }
-        out
+        state.advice()
     }
 
     /// Where the fill's reads of this file end: the end of the last range announced, or
@@ -164,6 +222,50 @@ impl Stream {
     pub(crate) fn end(&self) -> u64 {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.end.max(state.high)
+    }
+}
+
+/// One drop-behind record per file for every fill of a placement, whatever store each
+/// fill is of ([`Stream::shared`]): a file range is advised away only once every piece in
+/// it was read, by whichever store owns it, and nothing at or past the first piece of a
+/// fill that has not begun. Per store, a fill of one class evicted what another class's
+/// store had not read yet, and that store read it from the device again.
+#[derive(Default)]
+pub(crate) struct Shared {
+    /// File address → its record.
+    streams: HashMap<usize, Stream>,
+}
+
+impl Shared {
+    /// The records of every file `pieces` (file, offset, length) name: what all the
+    /// placement's fills read.
+    pub(crate) fn new<'f>(pieces: impl IntoIterator<Item = (&'f File, u64, usize)>) -> Shared {
+        let mut ranges: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
+        for (file, offset, len) in pieces {
+            ranges
+                .entry(file as *const File as usize)
+                .or_default()
+                .push((offset, len as u64));
+        }
+        Shared {
+            streams: ranges
+                .into_iter()
+                .map(|(file, ranges)| (file, Stream::shared(ranges)))
+                .collect(),
+        }
+    }
+
+    /// The record of `file`, if the placement reads it.
+    pub(crate) fn stream(&self, file: &File) -> Option<&Stream> {
+        self.streams.get(&(file as *const File as usize))
+    }
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("files", &self.streams.len())
+            .finish()
     }
 }
 
@@ -321,6 +423,40 @@ mod tests {
         assert_eq!(none.after_read(0, 10), vec![(0, 10)]);
         assert_eq!(none.after_read(0, 10), vec![(0, 10 + FOLIO_MAX)]);
         assert_eq!(none.end(), 10);
+    }
+
+    #[test]
+    fn a_shared_record_keeps_what_a_later_fill_reads_and_what_lies_past_it() {
+        // A placement: a dense fill reads [0, 1) and [20, 24) MiB, the experts' fill
+        // [1, 20) MiB, then a second layer's dense fill [24, 40) MiB.
+        let s = Stream::shared([
+            (0, MIB),
+            (20 * MIB, 4 * MIB),
+            (MIB, 19 * MIB),
+            (24 * MIB, 16 * MIB),
+        ]);
+        s.begin([(0, MIB), (20 * MIB, 4 * MIB)]);
+        assert_eq!(s.after_read(0, MIB), vec![]);
+        // Nothing at or past the experts' first byte goes: the kernel's readahead from
+        // their reads runs over [20, 24), which must still be cached then. The end of the
+        // fill advises the folio the mark fell in again.
+        assert_eq!(s.after_read(20 * MIB, 24 * MIB), vec![(0, MIB)]);
+        assert_eq!(s.flush(), vec![(0, MIB)]);
+        // The experts' fill: up to the next fill's first byte, but what it still reads.
+        s.begin([(MIB, 19 * MIB)]);
+        assert_eq!(
+            s.after_read(MIB, 4 * MIB),
+            vec![(0, 4 * MIB), (20 * MIB, 24 * MIB)]
+        );
+        // Read behind that mark: it goes, widened by a folio each side.
+        assert_eq!(s.after_read(4 * MIB, 20 * MIB), vec![(2 * MIB, 22 * MIB)]);
+        // The last fill: everything read, up to the end of what was announced.
+        s.begin([(24 * MIB, 16 * MIB)]);
+        assert_eq!(s.after_read(24 * MIB, 40 * MIB), vec![(24 * MIB, 40 * MIB)]);
+        assert_eq!(s.flush(), vec![]);
+        // A record for one fill is not limited by any other.
+        let own = Stream::new([(0, 8 * MIB)]);
+        assert_eq!(own.after_read(2 * MIB, 5 * MIB), vec![(2 * MIB, 5 * MIB)]);
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //! permissions, not against the caller's descriptor: so the caller's descriptor is checked
 //! first ([`readable`]), and one that could not be read through (write-only, `O_PATH`) is
 //! not reopened.
+//!
+//! The rooms: `open` (the reopen and its alignment, or the reason to read buffered),
+//! `scratch` (a loader thread's bounce buffer, ring and counts), this file (one piece:
+//! in place where aligned, through the bounce buffer elsewhere), `run` (consecutive
+//! slots that continue each other in the file, read together) and `batch` (many pieces
+//! in flight on the loader's ring).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -14,21 +20,16 @@ use std::os::fd::AsRawFd;
 use rustix::io::Errno;
 
 use super::segment::{Segment, path_of};
-use super::uring::{CHUNK, MAX_BUFS, Request, Ring};
+use super::uring::{CHUNK, Request, Ring};
 use crate::error::{Error, Result};
 
 mod batch;
 mod open;
+mod run;
+mod scratch;
 
 pub(crate) use open::{dio_mem_alignment, open_direct, readable};
-
-/// The bounce buffer of one loader thread for direct reads (at least two alignment
-/// units): an unaligned 1 MiB expert takes one read, and a batch of small unaligned
-/// slots one window.
-const BOUNCE: usize = 8 << 20;
-
-/// Segments per `preadv` (`IOV_MAX`).
-const IOV_MAX: usize = 1024;
+pub(crate) use scratch::Scratch;
 
 /// The longest single direct read into a slot.
 const MAX_DIRECT: usize = 64 << 20;
@@ -40,67 +41,6 @@ pub(crate) struct Direct {
     pub(crate) mem_align: usize,
     /// `stx_dio_offset_align`: file offsets and lengths.
     pub(crate) offset_align: usize,
-}
-
-/// A loader thread's bounce buffer: `len` bytes aligned for direct I/O inside `buf`; and
-/// its `io_uring`, when direct reads go through one.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-    ring: Option<Ring>,
-    /// Slot bytes copied out of `buf` so far (the bytes a direct read did not land in
-    /// place).
-    bounced: u64,
-    /// Slot bytes direct reads wrote in place so far.
-    in_place: u64,
-    /// Blocking `pread`/`preadv` calls so far.
-    blocking: u64,
-}
-
-impl Scratch {
-    pub(crate) fn new(mem_align: usize, offset_align: usize) -> Self {
-        let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
-        let buf = vec![0u8; len + mem_align];
-        let start = buf.as_ptr().align_offset(mem_align);
-        Scratch {
-            buf,
-            start,
-            len,
-            ring: None,
-            bounced: 0,
-            in_place: 0,
-            blocking: 0,
-        }
-    }
-
-    /// Slot bytes this thread's direct reads copied out of the bounce buffer.
-    pub(crate) fn bounced(&self) -> u64 {
-        self.bounced
-    }
-
-    /// Whether direct reads go through this thread's `io_uring`.
-    pub(crate) fn has_ring(&self) -> bool {
-        self.ring.is_some()
-    }
-
-    /// What this thread's direct reads did: (bytes in place, blocking calls, ring
-    /// requests, the most ring requests in flight at once).
-    pub(crate) fn counts(&self) -> (u64, u64, u64, usize) {
-        let (submitted, peak) = self.ring.as_ref().map_or((0, 0), |r| (r.submitted, r.peak));
-        (self.in_place, self.blocking, submitted, peak)
-    }
-
-    /// The same bounce buffer, with aligned reads submitted through `ring`.
-    pub(crate) fn with_ring(mut self, ring: Ring) -> Self {
-        self.ring = Some(ring);
-        self
-    }
-
-    fn get(&mut self) -> &mut [u8] {
-        &mut self.buf[self.start..self.start + self.len]
-    }
 }
 
 impl Direct {
@@ -139,85 +79,6 @@ impl Direct {
         )
     }
 
-    /// Reads a run of segments that continue each other in the file.
-    pub(crate) fn read_run(
-        &self,
-        run: &mut [Segment<'_, '_>],
-        scratch: &mut Scratch,
-        what: &dyn Fn() -> String,
-    ) -> Result<()> {
-        let (mem, align) = (self.mem_align, self.offset_align);
-        let aligned = run.iter().all(|s| {
-            s.offset.is_multiple_of(align as u64)
-                && s.dest.len().is_multiple_of(align)
-                && (s.dest.as_ptr() as usize).is_multiple_of(mem)
-        });
-        if aligned && let Some(ring) = scratch.ring.as_mut() {
-            let total: usize = run.iter().map(|s| s.dest.len()).sum();
-            self.read_ring(ring, requests(run), what)?;
-            scratch.in_place += total as u64;
-            return Ok(());
-        }
-        if aligned {
-            for group in run.chunks_mut(IOV_MAX) {
-                self.read_vectored(group, scratch, what)?;
-            }
-            return Ok(());
-        }
-        if run.iter().all(|s| self.in_place(s.offset, s.dest)) {
-            // Each segment's address follows its offset: its aligned interior goes
-            // straight in, only its partial units at both ends through the bounce buffer
-            // (never past its own ends: the slots around it belong to other reads).
-            for s in run.iter_mut() {
-                self.read(s.offset, s.dest, scratch, what)?;
-            }
-            return Ok(());
-        }
-        if scratch.len == 0 {
-            return Err(no_scratch(what));
-        }
-        // Aligned windows over the run, each copied out to the segments it covers.
-        let start = run[0].offset - run[0].offset % align as u64;
-        let end = run.last().map_or(start, |s| s.offset + s.dest.len() as u64);
-        let mut window_start = start;
-        let mut next = 0; // the first segment not yet fully copied
-        let mut copied = 0u64;
-        while window_start < end {
-            let want = ((end - window_start) as usize)
-                .next_multiple_of(align)
-                .min(scratch.len);
-            scratch.blocking += 1;
-            let bounce = scratch.get();
-            let got = pread(&self.file, &mut bounce[..want], window_start)
-                .map_err(|e| self.failed("pread", e, window_start, want, what))?;
-            let window_end = window_start + got as u64;
-            while next < run.len() {
-                let s = &mut run[next];
-                let (s_start, s_end) = (s.offset, s.offset + s.dest.len() as u64);
-                let from = s_start.max(window_start);
-                let to = s_end.min(window_end);
-                if from < to {
-                    let (a, b) = ((from - window_start) as usize, (to - window_start) as usize);
-                    let at = (from - s_start) as usize;
-                    s.dest[at..at + (b - a)].copy_from_slice(&bounce[a..b]);
-                    copied += (b - a) as u64;
-                }
-                if s_end <= window_end {
-                    next += 1;
-                } else {
-                    break;
-                }
-            }
-            scratch.bounced += copied;
-            copied = 0;
-            if got < want && window_end < end {
-                return Err(self.eof(window_end, (end - window_end) as usize, what));
-            }
-            window_start = window_end;
-        }
-        Ok(())
-    }
-
     /// Whether [`Direct::read`] reads `dest` at `offset` mostly in place: after the head
     /// up to the first aligned file offset (through the bounce buffer), the address is
     /// aligned for direct I/O and at least one whole aligned unit follows. That is, the
@@ -247,47 +108,6 @@ impl Direct {
             &|errno, offset, len| self.failed("io_uring read", errno, offset, len, what),
             &|offset, len| self.eof(offset, len, what),
         )
-    }
-
-    /// One `preadv` straight into aligned segments; a short read finishes segment by
-    /// segment.
-    fn read_vectored(
-        &self,
-        group: &mut [Segment<'_, '_>],
-        scratch: &mut Scratch,
-        what: &dyn Fn() -> String,
-    ) -> Result<()> {
-        let offset = group[0].offset;
-        let total: usize = group.iter().map(|s| s.dest.len()).sum();
-        let got = {
-            let mut iovecs: Vec<std::io::IoSliceMut<'_>> = group
-                .iter_mut()
-                .map(|s| std::io::IoSliceMut::new(&mut *s.dest))
-                .collect();
-            loop {
-                match rustix::io::preadv(&self.file, &mut iovecs, offset) {
-                    Err(Errno::INTR) => continue,
-                    other => break other,
-                }
-            }
-            .map_err(|e| self.failed("preadv", e, offset, total, what))?
-        };
-        scratch.blocking += 1;
-        scratch.in_place += got as u64;
-        if got == total {
-            return Ok(());
-        }
-        let mut skip = got;
-        for s in group.iter_mut() {
-            let len = s.dest.len();
-            if skip >= len {
-                skip -= len;
-                continue;
-            }
-            self.read(s.offset + skip as u64, &mut s.dest[skip..], scratch, what)?;
-            skip = 0;
-        }
-        Ok(())
     }
 
     /// Reads `dest.len()` bytes at `offset`: straight into `dest` where the address, the
@@ -369,37 +189,6 @@ fn chunks(offset: u64, dest: &mut [u8]) -> impl Iterator<Item = Request<'_>> {
     dest.chunks_mut(CHUNK)
         .enumerate()
         .map(move |(i, buf)| Request::full(offset + (i * CHUNK) as u64, vec![buf]))
-}
-
-/// A run of segments that continue each other in the file as ring requests: consecutive
-/// segments together, up to [`CHUNK`] bytes and [`MAX_BUFS`] buffers a request; a segment
-/// larger than that over several.
-fn requests<'d>(run: &'d mut [Segment<'_, '_>]) -> Vec<Request<'d>> {
-    let mut out: Vec<Request<'d>> = Vec::new();
-    let mut current: Option<(Request<'d>, usize)> = None;
-    for segment in run.iter_mut() {
-        let mut offset = segment.offset;
-        let mut rest: &'d mut [u8] = &mut *segment.dest;
-        while !rest.is_empty() {
-            let (mut request, used) = current
-                .take()
-                .unwrap_or_else(|| (Request::full(offset, Vec::new()), 0));
-            let take = (CHUNK - used).min(rest.len());
-            let (now, later) = std::mem::take(&mut rest).split_at_mut(take);
-            request.need += now.len();
-            request.bufs.push(now);
-            rest = later;
-            offset += take as u64;
-            let used = used + take;
-            if used == CHUNK || request.bufs.len() == MAX_BUFS {
-                out.push(request);
-            } else {
-                current = Some((request, used));
-            }
-        }
-    }
-    out.extend(current.map(|(request, _)| request));
-    out
 }
 
 fn no_scratch(what: &dyn Fn() -> String) -> Error {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::thread::Scope;
 
-pub(crate) use super::behind::Advised;
+pub(crate) use super::behind::{Advised, Shared as SharedBehind};
 pub(crate) use super::progress::Meter;
 pub(crate) use super::read::{Reader, Scratch, Segment};
 use super::{DirectReads, Kind, Piece, Tensor};

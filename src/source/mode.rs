@@ -1,10 +1,8 @@
 //! How the loader reads file pieces: through the page cache (the default), around it
-//! (`O_DIRECT`), or through it and then evicting what it read (drop-behind); and why a
-//! direct read fell back to the page cache.
+//! (`O_DIRECT`), or through it and then evicting what it read (drop-behind); why a
+//! direct read fell back to the page cache; and how a file's residency was measured.
 
 use std::fmt;
-
-pub use super::resident::ResidencyProbe;
 
 use crate::error::{Error, Result};
 
@@ -63,7 +61,9 @@ pub enum ReadMode {
     /// device once; layers loaded backwards leave nothing behind them). The cache holds
     /// about that much of the file at a time, with the reads in flight and the kernel's
     /// readahead past them (twice `read_ahead_kb` at most); after a load, at most that
-    /// readahead past the furthest byte a store's layers read stays cached. The
+    /// readahead past the furthest byte a store's layers read stays cached. A whole
+    /// placement ([`Checkpoint::place`](crate::model::Checkpoint::place)) shares one
+    /// record per file among all its stores, and runs its fills in file order. The
     /// advice evicts the file's clean pages whoever cached them: a file that was cached
     /// before the load is not cached after it (use [`ReadMode::Direct`] to leave the
     /// cache as it was).
@@ -276,6 +276,32 @@ impl Residency {
     /// cached (an empty file is).
     pub fn mostly_cached(&self) -> bool {
         self.cached_pages.saturating_mul(2) >= self.pages
+    }
+}
+
+/// How a file's residency was measured (`cachestat`, or `mincore` where it is missing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+#[non_exhaustive]
+pub enum ResidencyProbe {
+    /// `cachestat(2)` (Linux 6.5).
+    Cachestat,
+    /// `mincore(2)` on a read-only mapping of the file: `cachestat` answered `ENOSYS`
+    /// (or `EOPNOTSUPP`).
+    Mincore,
+}
+
+impl ResidencyProbe {
+    /// The call's name (`"cachestat"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ResidencyProbe::Cachestat => "cachestat",
+            ResidencyProbe::Mincore => "mincore",
+        }
     }
 }
 

@@ -14,9 +14,9 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use super::behind::{self, Advised, DROP_BEHIND_EVERY, Stream, dont_need};
+use super::behind::{self, Advised, DROP_BEHIND_EVERY, Shared, Stream, dont_need};
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
 use super::mode::{DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode};
@@ -77,6 +77,9 @@ pub(crate) struct Reader<'a> {
     streams: HashMap<usize, Stream>,
     /// How far earlier fills of the same store advised their files away.
     advised: Option<&'a Advised>,
+    /// The drop-behind records of a whole placement, shared by every fill of its stores
+    /// ([`Reader::shared`]).
+    shared: Option<Arc<Shared>>,
     /// How each file is read and why, in first-use order, for the report.
     reads: Vec<FileRead>,
 }
@@ -97,8 +100,24 @@ impl<'a> Reader<'a> {
             late: Mutex::new(None),
             streams: HashMap::new(),
             advised: None,
+            shared: None,
             reads: Vec::new(),
         }
+    }
+
+    /// Drop-behind through the records of a whole placement ([`Shared`]) for the files
+    /// they hold, in place of this fill's own ([`Reader::expect`] then begins this fill
+    /// in them).
+    pub(crate) fn shared(mut self, shared: Option<Arc<Shared>>) -> Self {
+        self.shared = shared;
+        self
+    }
+
+    /// The drop-behind record of `file`: this fill's own, or the placement's.
+    fn stream(&self, file: &File) -> Option<&Stream> {
+        self.streams
+            .get(&key(file))
+            .or_else(|| self.shared.as_deref()?.stream(file))
     }
 
     /// Ends each drop-behind file's advice at the furthest end the earlier fills noted
@@ -129,8 +148,14 @@ impl<'a> Reader<'a> {
                 .index
                 .get(&k)
                 .is_some_and(|&i| matches!(self.files[i].how, How::DropBehind(_)));
-            if let (true, Some(ranges)) = (drop_behind, ranges.remove(&k)) {
-                self.streams.insert(k, Stream::new(ranges));
+            let Some(ranges) = ranges.remove(&k).filter(|_| drop_behind) else {
+                continue;
+            };
+            match self.shared.as_deref().and_then(|s| s.stream(file)) {
+                Some(shared) => shared.begin(ranges),
+                None => {
+                    self.streams.insert(k, Stream::new(ranges));
+                }
             }
         }
         self
@@ -338,16 +363,11 @@ impl<'a> Reader<'a> {
         let Some(How::DropBehind(behind)) = how else {
             return Ok(());
         };
-        let advice = match self.streams.get(&key(file)) {
+        let advice = match self.stream(file) {
             Some(stream) => stream.after_read(offset, end),
             None => unannounced(behind, offset, end).into_iter().collect(),
         };
-        for (low, high) in advice {
-            // Up to the end of the file: everything was read.
-            let len = if high == u64::MAX { 0 } else { high - low };
-            dont_need(file, low, len)?;
-        }
-        Ok(())
+        advise(file, advice)
     }
 
     /// The most bytes of consecutive slots a loader takes at once: [`URING_BATCH`] or
@@ -438,7 +458,14 @@ impl<'a> Reader<'a> {
     pub(crate) fn finish(&self) -> Result<()> {
         for source in &self.files {
             if let How::DropBehind(behind) = &source.how {
-                let end = match self.streams.get(&key(source.file)) {
+                let own = self.streams.get(&key(source.file));
+                if let (None, Some(shared)) = (own, self.stream(source.file)) {
+                    // The placement's record: what this fill read and did not advise,
+                    // never what another fill still reads.
+                    advise(source.file, shared.flush())?;
+                    continue;
+                }
+                let end = match own {
                     Some(stream) => stream.end(),
                     None => behind.lock().unwrap_or_else(|e| e.into_inner()).high,
                 };
@@ -450,6 +477,15 @@ impl<'a> Reader<'a> {
         }
         Ok(())
     }
+}
+
+/// `POSIX_FADV_DONTNEED` on each range (one ending at `u64::MAX`: to the end of the file).
+fn advise(file: &File, ranges: Vec<(u64, u64)>) -> Result<()> {
+    for (low, high) in ranges {
+        let len = if high == u64::MAX { 0 } else { high - low };
+        dont_need(file, low, len)?;
+    }
+    Ok(())
 }
 
 fn buffered(file: &File, offset: u64, dest: &mut [u8], what: &dyn Fn() -> String) -> Result<()> {

@@ -14,34 +14,8 @@ use std::os::fd::AsRawFd;
 use numapin_sys as sys;
 use rustix::io::Errno;
 
-use super::mode::Residency;
+use super::mode::{Residency, ResidencyProbe};
 use crate::error::{Error, Result};
-
-/// How a file's residency was measured (`cachestat`, or `mincore` where it is missing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(
-    feature = "serde",
-    derive(serde::Serialize, serde::Deserialize),
-    serde(rename_all = "kebab-case")
-)]
-#[non_exhaustive]
-pub enum ResidencyProbe {
-    /// `cachestat(2)` (Linux 6.5).
-    Cachestat,
-    /// `mincore(2)` on a read-only mapping of the file: `cachestat` answered `ENOSYS`
-    /// (or `EOPNOTSUPP`).
-    Mincore,
-}
-
-impl ResidencyProbe {
-    /// The call's name (`"cachestat"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            ResidencyProbe::Cachestat => "cachestat",
-            ResidencyProbe::Mincore => "mincore",
-        }
-    }
-}
 
 /// The page-cache residency of the whole of `file`.
 ///
@@ -126,9 +100,7 @@ mod tests {
         let file = File::open(&path).unwrap();
         // tmpfs and ramfs (the VM's TMPDIR and root) keep their pages: nothing there can be
         // evicted.
-        if [0x0102_1994_i64, 0x8584_58f6]
-            .contains(&(rustix::fs::fstatfs(&file).unwrap().f_type as i64))
-        {
+        if !numapin_testkit::cache::evictable(&file) {
             std::fs::remove_file(&path).unwrap();
             eprintln!(
                 "NOT RUN: {} is on tmpfs or ramfs, whose pages cannot be evicted",

@@ -93,6 +93,9 @@ pub struct PinStore {
     regions_named: AtomicUsize,
     /// How far the drop-behind fills of this store advised each file away.
     advised: crate::source::load::Advised,
+    /// The drop-behind records of the placement this store is part of, shared with its
+    /// other stores ([`PinStore::share_drop_behind`]).
+    behind: Mutex<Option<std::sync::Arc<crate::source::load::SharedBehind>>>,
 }
 
 impl std::fmt::Debug for PinStore {
@@ -170,7 +173,17 @@ impl PinStore {
             number: NEXT_STORE_NUMBER.fetch_add(1, Ordering::Relaxed),
             regions_named: AtomicUsize::new(0),
             advised: Default::default(),
+            behind: Mutex::new(None),
         })
+    }
+
+    /// Makes this store's drop-behind fills use `shared`, the records of every file of a
+    /// placement, shared by all its stores (`None`: its own again).
+    pub(crate) fn share_drop_behind(
+        &self,
+        shared: Option<std::sync::Arc<crate::source::load::SharedBehind>>,
+    ) {
+        *self.behind.lock().unwrap_or_else(|e| e.into_inner()) = shared;
     }
 
     /// This store's number in the process: distinct for every store made, the `<store>`

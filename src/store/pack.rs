@@ -354,6 +354,11 @@ impl PinStore {
     }
 
     fn reader<'a>(&'a self, sources: &'a [ExpertSource<'a>]) -> Result<load::Reader<'a>> {
+        let shared = self
+            .behind
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let reader = load::Reader::new(
             self.options.read_mode,
             sources
@@ -361,6 +366,7 @@ impl PinStore {
                 .flat_map(|source| Kind::ALL.map(|kind| source.tensor(kind).files()))
                 .flatten(),
         )?
+        .shared(shared)
         .expect(
             sources
                 .iter()
@@ -409,6 +415,13 @@ impl PinStore {
         // Expert by expert, each expert's weights then scales: the order a checkpoint
         // usually has them in, so that the loaders walk the file forwards.
         jobs.sort_by_key(|job| (job.what.1, job.what.2));
+        if self.options.read_mode == crate::source::ReadMode::DropBehind {
+            // Drop-behind: in file-offset order, file by file in first-use order. Expert
+            // numbers sort as names in most checkpoints (experts 0, 1, 10, 11, ..., 2),
+            // and reading them by number sends the kernel's readahead over bytes read
+            // and advised away already, which it reads from the device again.
+            jobs = file_order(jobs);
+        }
         // Direct reads give each loader thread a bounce buffer (one more heap mapping) and,
         // with io_uring, a ring (its own mappings).
         let bounce_maps = reader.scratch_maps();
@@ -536,6 +549,28 @@ impl PinStore {
 /// limit, all of them characters it accepts).
 fn region_name(store: u64, layer: usize, kind: Kind, n: usize) -> String {
     format!("numapin {store} L{layer} {} {n}", kind.name())
+}
+
+/// `jobs` by where their first file piece is: files in the order they first appear, then
+/// by offset (stable: jobs of bytes in memory first, in their order).
+fn file_order(jobs: Vec<load::Job<'_>>) -> Vec<load::Job<'_>> {
+    let mut files: Vec<*const std::fs::File> = Vec::new();
+    let mut keyed: Vec<_> = jobs
+        .into_iter()
+        .map(|job| {
+            let key = job.tensor.pieces().first().map(|p| {
+                let file: *const std::fs::File = p.file;
+                let rank = files.iter().position(|&f| f == file).unwrap_or_else(|| {
+                    files.push(file);
+                    files.len() - 1
+                });
+                (rank, p.offset)
+            });
+            (key, job)
+        })
+        .collect();
+    keyed.sort_by_key(|(key, _)| *key);
+    keyed.into_iter().map(|(_, job)| job).collect()
 }
 
 #[cfg(test)]

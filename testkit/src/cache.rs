@@ -10,6 +10,21 @@ use std::os::fd::AsRawFd;
 
 use numapin::{Error, Region, Result};
 
+/// Whether the page cache can drop `file`'s pages: not on tmpfs or ramfs (the VM's
+/// TMPDIR and root), whose pages are the file itself. A file system that cannot be asked
+/// (`fstatfs` fails) counts as evictable.
+pub fn evictable(file: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    // SAFETY: all-zero is a valid `struct statfs` (plain integers).
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the descriptor is open and `fs` is writable for the call.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return true;
+    }
+    !matches!(fs.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC)
+}
+
 /// Writes back and evicts `file` from the page cache: `fdatasync`, then
 /// `POSIX_FADV_DONTNEED` on the whole file.
 ///

@@ -339,3 +339,47 @@ pub fn moe_safetensors(
     std::fs::write(&path, file).unwrap();
     path
 }
+
+/// The direct-I/O alignments of `file` as `statx` reports them, (memory, offset); `None`
+/// where it reports none (tmpfs, overlayfs, a kernel before 6.1): no direct read there.
+pub fn dio_align(file: &std::fs::File) -> Option<(u64, u64)> {
+    use rustix::fs::{AtFlags, StatxFlags};
+    let s = rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).ok()?;
+    (s.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0)
+        .then_some((s.stx_dio_mem_align as u64, s.stx_dio_offset_align as u64))
+}
+
+/// A directory of this process's own under `/dev/shm` (tmpfs), `<prefix>-<pid>`; `None`,
+/// after printing `NOT RUN: <test> needs /dev/shm (tmpfs)`, where there is none.
+pub fn shm_dir(test: &str, prefix: &str) -> Option<std::path::PathBuf> {
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("NOT RUN: {test} needs /dev/shm (tmpfs)");
+        return None;
+    }
+    let dir = shm.join(format!("{prefix}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Some(dir)
+}
+
+/// Evicts `file` (at `path`) from the page cache and starts counting what this process
+/// reads from the device: [`storage_read_bytes`] now; `None`, after printing `NOT RUN`,
+/// where the file's pages cannot be dropped (tmpfs, ramfs) or the kernel does not count.
+pub fn cold_read_count(test: &str, file: &std::fs::File, path: &std::path::Path) -> Option<u64> {
+    numapin_testkit::cache::evict(file).unwrap();
+    let (cached, pages) = numapin_testkit::cache::cached_pages(file).unwrap();
+    let before = storage_read_bytes();
+    if cached != 0 || before.is_none() {
+        println!(
+            "NOT RUN: {test} needs a file the page cache can drop ({cached} of {pages} pages \
+             of {} stayed after eviction: ramfs or tmpfs) and /proc/self/io ({})",
+            path.display(),
+            if before.is_some() {
+                "present"
+            } else {
+                "absent"
+            }
+        );
+    }
+    before.filter(|_| cached == 0)
+}

@@ -165,19 +165,6 @@ fn consecutive_experts_with_random_strides_load_byte_exact() {
     }
 }
 
-/// The file system's direct-I/O alignments (memory, offset), if it reports them.
-fn dio_align(file: &File) -> Option<(u64, u64)> {
-    let s = rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .ok()?;
-    (s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0)
-        .then_some((s.stx_dio_mem_align as u64, s.stx_dio_offset_align as u64))
-}
-
 /// `LayerReport::bounced_bytes` against the count from the file system's own alignment:
 /// with the congruence at a page, a piece bounces only its partial offset-alignment units
 /// at each end; without it, a piece whose slot address does not follow its offset
@@ -188,7 +175,7 @@ fn bounced_bytes_count_only_the_partial_units_of_congruent_pieces() {
     let path = d.join("data.bin");
     let bytes = write_file(&path, 32 << 20, 77);
     let file = File::open(&path).unwrap();
-    let Some((mem, unit)) = dio_align(&file) else {
+    let Some((mem, unit)) = super::common::dio_align(&file) else {
         println!("NOT RUN: no direct I/O under {}", d.display());
         return;
     };

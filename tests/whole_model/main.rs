@@ -9,6 +9,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod drop_behind;
 mod dry_run;
 mod figures;
 mod one_range;

@@ -16,13 +16,6 @@ fn cached(checkpoint: &Checkpoint) -> (usize, usize) {
         .fold((0, 0), |(c, t), (fc, ft)| (c + fc, t + ft))
 }
 
-/// Whether the file system reports a direct-I/O alignment (ext4, xfs; not tmpfs).
-fn direct_possible(file: &std::fs::File) -> bool {
-    use rustix::fs::{AtFlags, StatxFlags};
-    let stat = rustix::fs::statx(file, c"", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).unwrap();
-    stat.stx_mask & StatxFlags::DIOALIGN.bits() != 0 && stat.stx_dio_offset_align > 0
-}
-
 #[test]
 fn a_direct_placement_verifies_without_filling_the_page_cache() {
     let Some(dir) = fixtures("a_direct_placement_verifies_without_filling_the_page_cache") else {
@@ -31,7 +24,7 @@ fn a_direct_placement_verifies_without_filling_the_page_cache() {
     let nodes = common::nodes();
     for name in ["st-sharded", "gguf-single", "gguf-split"] {
         let checkpoint = open_fixture(&dir, name);
-        if !direct_possible(checkpoint.files()[0].file()) {
+        if common::dio_align(checkpoint.files()[0].file()).is_none() {
             println!("NOT RUN: {name}: no direct I/O under {}", dir.display());
             return;
         }

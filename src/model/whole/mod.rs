@@ -7,7 +7,8 @@
 //! `shape` (a tensor's shape, block and dense slice: the leaf the others read), `assign` (a
 //! plan applied to a checkpoint and priced, nothing reserved), `place` (the checks, then
 //! the stores), `views` (lookups), `report` (what was done and verified: the figures),
-//! `measure` (how they are taken: mappings, classes, every copy re-read).
+//! `measure` (how they are taken: mappings, classes, every copy re-read), `schedule` (the
+//! order of the fills, and drop-behind shared by all the stores of a placement).
 //!
 //! # Shape: one store per class and layout
 //! Dense tensors reuse [`PinStore`](crate::store::PinStore): each (class, model layer,
@@ -48,6 +49,7 @@ mod measure;
 mod place;
 mod plan;
 mod report;
+mod schedule;
 mod served;
 mod shape;
 mod structure;

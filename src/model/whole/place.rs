@@ -8,16 +8,18 @@ use super::assign::{Assigned, DENSE_ALIGN, Group, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
 use super::report::WholeReport;
+use super::schedule::{GroupPieces, Step, share_drop_behind};
 use super::shape::normalized_shape;
 use super::views::{DenseStore, Place, PlacedModel, PlacedTensor};
 use crate::diag;
 use crate::error::{Error, Result, quote};
+use crate::model::pack::{check_layers_budget, pack_planned};
 use crate::model::{Checkpoint, SliceAxis};
 use crate::node::{Node, NodeSet};
 use crate::source::direct::dio_mem_alignment;
 use crate::store::{
-    ExpertSource, HEAP_MARGIN, Kind, LayerSpec, Layout, Piece, PieceLayout, PinStore, ReadMode,
-    StoreOptions,
+    ExpertSource, HEAP_MARGIN, Kind, LayerReport, LayerSpec, Layout, Piece, PieceLayout, PinStore,
+    ReadMode, StoreOptions,
 };
 use crate::topology::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
@@ -194,6 +196,14 @@ impl Checkpoint {
     /// of less than the modulus in padding per piece. `piece_congruence(1)` keeps the
     /// dense alignment alone and the experts back to back.
     ///
+    /// With [`ReadMode::DropBehind`], all the placement's stores share one drop-behind
+    /// record per file: a file range is advised away only once every piece in it was read,
+    /// by whichever store owns it, and nothing at or past the first piece of a fill still
+    /// to run; the fills (dense groups and expert layers) run in file order, each reading
+    /// its pieces in file-offset order, so each byte is read from the device once
+    /// (tests/whole_model/drop_behind.rs). Per store, a dense class's fill evicted the
+    /// expert bytes it read past and the experts' store read them again (1.39x the file).
+    ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
     /// L × copies mappings (+1 for a global group); the experts cost what the store
@@ -238,24 +248,75 @@ impl Checkpoint {
             });
         }
         let mut places: HashMap<usize, Place> = HashMap::new();
+        let mut dense_pieces = Vec::with_capacity(assigned.groups.len());
         for g in &assigned.groups {
-            if g.converted {
-                self.pack_converted(&assigned, g, &mut stores, &mut places)?;
+            // A converted group reads and converts its own bytes (pack_converted): no
+            // pieces, so it sorts first and is not in the drop-behind record.
+            dense_pieces.push(if g.converted {
+                None
             } else {
-                self.pack_group(&assigned, g, &mut stores, &mut places)?;
-            }
+                Some(self.group_pieces(&assigned, g)?)
+            });
         }
-        let mut expert_load_nanos = 0;
-        let (experts, expert_report) = match &assigned.naming {
+        let planned = match &assigned.naming {
             Some(naming) => {
+                let expert_plan = match &plan.share {
+                    Some(share) => naming.plan(self)?.share(self, share)?,
+                    None => naming.plan(self)?,
+                };
                 let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
                 let store = PinStore::new(plan.experts, expert_options)?;
-                let started = std::time::Instant::now();
-                let report = match &plan.share {
-                    Some(share) => self.pack_share_with(&store, naming, share)?,
-                    None => self.pack_with(&store, naming)?,
-                };
-                expert_load_nanos = nanos_since(started);
+                let layers = self.planned_layers(&expert_plan)?;
+                Some((store, expert_plan, layers))
+            }
+            None => None,
+        };
+        let steps = self.schedule(&options, &dense_pieces, planned.as_ref().map(|p| &p.2));
+        if options.read_mode == ReadMode::DropBehind {
+            let experts = planned.as_ref().map(|p| (&p.0, p.2.as_slice()));
+            share_drop_behind(&stores, &dense_pieces, experts);
+        }
+        let mut expert_load_nanos = 0;
+        let mut layer_reports: Vec<Option<LayerReport>> = planned
+            .iter()
+            .flat_map(|p| p.2.iter().map(|_| None))
+            .collect();
+        let mut budget_checked = false;
+        for step in steps {
+            match step {
+                Step::Dense(i) if assigned.groups[i].converted => {
+                    self.pack_converted(&assigned, &assigned.groups[i], &mut stores, &mut places)?;
+                }
+                Step::Dense(i) => {
+                    let pieces = dense_pieces[i].take().unwrap_or_default();
+                    self.pack_group(&assigned.groups[i], pieces, &mut stores, &mut places)?;
+                }
+                Step::Experts(i) => {
+                    let Some((store, expert_plan, layers)) = &planned else {
+                        continue;
+                    };
+                    if !budget_checked {
+                        check_layers_budget(store, layers)?;
+                        budget_checked = true;
+                    }
+                    let started = std::time::Instant::now();
+                    let report = pack_planned(store, &layers[i], &expert_plan.layers()[i])?;
+                    expert_load_nanos += nanos_since(started);
+                    layer_reports[i] = Some(report);
+                }
+            }
+        }
+        for store in stores
+            .iter()
+            .map(|d| &d.store)
+            .chain(planned.iter().map(|p| &p.0))
+        {
+            store.share_drop_behind(None);
+        }
+        let (experts, expert_report) = match planned {
+            Some((store, expert_plan, _)) => {
+                let reports = layer_reports.into_iter().flatten().collect();
+                let report = self.report(&expert_plan, reports, plan.share.as_ref());
                 (Some(store), Some(report))
             }
             None => (None, None),
@@ -317,33 +378,18 @@ impl Checkpoint {
         Ok(model)
     }
 
-    /// Packs dense group `g` into its store and records where each of its tensors
-    /// landed (a tensor's pieces after the first are joined: one run from the first).
+    /// Packs dense group `g` (its [`Checkpoint::group_pieces`]) into its store and records
+    /// where each of its tensors landed (a tensor's pieces after the first are joined: one
+    /// run from the first).
     fn pack_group(
         &self,
-        assigned: &Assigned,
         g: &Group,
+        (packed, counts, pieces): GroupPieces<'_>,
         stores: &mut [DenseStore],
         places: &mut HashMap<usize, Place>,
     ) -> Result<()> {
-        let packed: Vec<usize> = g
-            .tensors
-            .iter()
-            .copied()
-            .filter(|&i| !self.tensors[i].is_empty())
-            .collect();
         if packed.is_empty() {
             return Ok(());
-        }
-        let mut counts = Vec::with_capacity(packed.len());
-        let mut pieces = Vec::with_capacity(packed.len());
-        for &i in &packed {
-            let before = pieces.len();
-            for (offset, len, joined) in assigned.held_pieces(self, i) {
-                let piece = self.piece(i, offset, len)?;
-                pieces.push(if joined { piece.joined() } else { piece });
-            }
-            counts.push(pieces.len() - before);
         }
         let sources = [ExpertSource::File {
             weights: pieces,
@@ -429,7 +475,7 @@ impl Checkpoint {
     }
 
     /// The store's [`Piece`] of `bytes` at file offset `offset` of tensor `index`.
-    fn piece(&self, index: usize, offset: u64, bytes: u64) -> Result<Piece<'_>> {
+    pub(super) fn piece(&self, index: usize, offset: u64, bytes: u64) -> Result<Piece<'_>> {
         let t = &self.tensors[index];
         let file = self.files.get(t.file()).ok_or_else(|| {
             Error::bad_value(
