@@ -24,8 +24,10 @@ DTensor parameter's local shard is a numapin view.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,20 +71,13 @@ def load_share(
     whole = ckpt.place(**place_kwargs)
 
     state, fused, _ = state_dict(whole, ckpt, sources, skip=frozenset(sharded))
-    model = cls.from_pretrained(
-        None, config=config, state_dict=state, distributed_config=distributed_config, **kwargs
-    )
-    model.eval()
     layers_of = {name: layer for name, _, layer in whole.classes()}
     locals_: dict[str, torch.Tensor] = {}
     copied: dict[str, dict[str, Any]] = {}
-    # old parameter's id -> (the old one, kept alive so that its id is not reused; new)
-    replaced: dict[int, tuple[Any, torch.nn.Parameter]] = {}
-    for target in sharded:
-        module_path, _, pname = target.rpartition(".")
-        module = model.get_submodule(module_path)
-        ref = getattr(module, pname)
-        old = ref
+
+    def shard_param(target: str, ref: Any) -> torch.nn.Parameter:
+        """The DTensor parameter over this rank's numapin view, with `ref`'s (the meta
+        DTensor's) mesh, placements, global shape and stride."""
         want = ref._local_tensor
         view = _local_view(whole, sources, target, want, layers_of)
         if view.dtype != want.dtype:
@@ -94,6 +89,27 @@ def load_share(
                                      shape=ref.shape, stride=tuple(ref.stride()))
         param = torch.nn.Parameter(dtensor, requires_grad=False)
         param._is_hf_initialized = True
+        return param
+
+    # The cut parameters are not in the state dict, so transformers would materialise each
+    # (an empty local shard of the share's size, then its random initialisation) before
+    # they are replaced: instead they get numapin's views where it would allocate them.
+    with _views_for_missing(cls, sharded, shard_param) as assigned:
+        model = cls.from_pretrained(
+            None, config=config, state_dict=state, distributed_config=distributed_config,
+            **kwargs
+        )
+    model.eval()
+    # old parameter's id -> (the old one, kept alive so that its id is not reused; new)
+    replaced: dict[int, tuple[Any, torch.nn.Parameter]] = {}
+    for target in sharded:
+        if target in assigned:
+            continue
+        # Not handed to transformers' materialisation (loaded some other way): replaced.
+        module_path, _, pname = target.rpartition(".")
+        module = model.get_submodule(module_path)
+        old = getattr(module, pname)
+        param = shard_param(target, old)
         module._parameters[pname] = param
         replaced[id(old)] = (old, param)
     # A parameter tied to a replaced one (the head to the embedding) is the new one too.
@@ -105,6 +121,42 @@ def load_share(
     ranges = placed_ranges(whole, {**state, **locals_})
     model.numapin_load = _account(model, ranges, fused, copied, whole.share)
     return model, whole
+
+
+@contextlib.contextmanager
+def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]:
+    """While transformers' `from_pretrained` runs on `cls`: where it would materialise a
+    missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`: an empty
+    local shard, which `_initialize_missing_keys` then fills at random), `make(name,
+    meta DTensor)` is assigned instead, marked initialised. Yields the names assigned."""
+    attr = "_move_missing_keys_from_meta_to_device"
+    original = getattr(cls, attr, None)
+    assigned: set[str] = set()
+    if original is None:  # another transformers: the parameters are replaced afterwards
+        yield assigned
+        return
+
+    def move(self: Any, missing_keys: Any, *args: Any, **kw: Any) -> Any:
+        rest = set()
+        for key in missing_keys:
+            if key not in sharded:
+                rest.add(key)
+                continue
+            module_path, _, pname = key.rpartition(".")
+            module = self.get_submodule(module_path)
+            module._parameters[pname] = make(key, module._parameters[pname])
+            assigned.add(key)
+        return original(self, rest, *args, **kw)
+
+    own = attr in cls.__dict__
+    setattr(cls, attr, move)
+    try:
+        yield assigned
+    finally:
+        if own:
+            setattr(cls, attr, original)
+        else:
+            delattr(cls, attr)
 
 
 def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: Any) -> dict:
