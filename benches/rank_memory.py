@@ -15,7 +15,10 @@ Private_Dirty) above the baseline, the peak RSS above it (a transient allocation
 there), against the rank's share: the bytes numapin placed for it (the placed stores'
 `bytes` in `WholeModel.stats()`, every node's copy) plus the bytes transformers copied (`model.numapin_load["copied_bytes"]`, the float32 routers).
 
-    target/frameworks-venv/bin/python benches/rank_memory.py DIR [RANKS]
+    target/frameworks-venv/bin/python benches/rank_memory.py DIR [RANKS [MODES]]
+
+MODES: a comma-separated subset of tp,ep,eptp. Each rank also lists the mappings that
+grew by more than 1 MB outside numapin's placed memory (where the rest went).
 """
 
 import json
@@ -48,6 +51,20 @@ def rollup() -> dict[str, int]:
     }
 
 
+def mappings() -> dict[int, tuple[int, str]]:
+    """{start address: (Rss bytes, the mapping's name)} from /proc/self/smaps."""
+    out: dict[int, tuple[int, str]] = {}
+    start, name = 0, ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            start = int(head[0].split("-")[0], 16)
+            name = head[5] if len(head) > 5 else "[anon]"
+        elif head[0] == "Rss:":
+            out[start] = (int(head[1]) * 1024, name)
+    return out
+
+
 def write_checkpoint(root: Path) -> None:
     import torch
     import transformers
@@ -64,6 +81,22 @@ def write_checkpoint(root: Path) -> None:
     files = sorted(root.glob("*.safetensors"))
     print(f"wrote {root}: {sum(f.stat().st_size for f in files):,} bytes in {len(files)} files",
           flush=True)
+
+
+def whole_ranges(whole) -> list[tuple[int, int]]:  # noqa: ANN001
+    """The address ranges of every view the WholeModel gives (tensors, held experts)."""
+    ranges = []
+    for name in whole.tensors():
+        try:
+            view = whole.tensor(name)
+        except Exception:  # noqa: BLE001 (not held, or fused: the experts below)
+            continue
+        ranges.append((view.address, view.address + view.span_bytes))
+    for layer in whole.layers:
+        for e in whole.expert_ids(layer):
+            for view in whole.expert(layer, e).values():
+                ranges.append((view.address & ~4095, view.address + view.span_bytes))
+    return ranges
 
 
 def rank_main(root: Path, mode: str, out_dir: Path) -> None:
@@ -92,10 +125,23 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
     gc.collect()
     dist.barrier()
     before = rollup()
+    maps_before = mappings()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     model, whole = nt.from_pretrained(root, distributed_config=dc)
     gc.collect()
     after = rollup()
+    maps_after = mappings()
+    views = [*whole_ranges(whole)]
+    grown = []
+    for start, (rss, name) in maps_after.items():
+        delta = rss - maps_before.get(start, (0, ""))[0]
+        if delta > 1 << 20 and not any(a <= start < b for a, b in views):
+            grown.append((delta, hex(start), name))
+    # What glibc keeps of freed memory (the loaders' buffers): given back, measured again.
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = rollup()
     stats = whole.stats()
     stores = [stats["experts"], *stats["dense"]]
     placed = sum(s["bytes"] for s in stores if s)
@@ -105,7 +151,7 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
         "rank": rank, "ranks": n, "mode": mode, "share": whole.share,
         "placed": placed, "copied": copied, "file_bytes": files,
         "views": len(model.numapin_load["views"]),
-        "before": before, "after": after,
+        "before": before, "after": after, "trimmed": trimmed, "grown": sorted(grown, reverse=True)[:8],
     }
     (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -118,15 +164,16 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
 def main() -> None:
     root = Path(sys.argv[1]).resolve()
     ranks = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    modes = sys.argv[3].split(",") if len(sys.argv) > 3 else MODES
     if not (root / "config.json").exists():
         write_checkpoint(root)
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     print("| mode | rank | share | placed + copied | RSS above baseline | PSS above | "
-          "USS above | peak RSS above | RSS / share | model's file bytes |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "USS above | peak RSS above | RSS / share | after malloc_trim: RSS / share | model's file bytes |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     worst = 0.0
-    for mode in MODES:
+    for mode in modes:
         with tempfile.TemporaryDirectory() as out:
             subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(ranks),
                             __file__, "--rank", str(root), mode, out], check=True, env=env)
@@ -135,12 +182,17 @@ def main() -> None:
                 share = r["placed"] + r["copied"]
                 d = {f: r["after"][f] - r["before"][f] for f in ("rss", "pss", "uss")}
                 peak = r["after"]["hwm"] - r["before"]["rss"]
+                trim = r["trimmed"]["rss"] - r["before"]["rss"]
                 ratio = d["rss"] / share
                 worst = max(worst, abs(ratio - 1), abs(peak / share - 1))
-                print(f"| {mode} | {k}/{ranks} | {r['share']} | {share / 1e6:,.1f} MB | "
+                share_text = r["share"] if len(r["share"]) < 40 else r["share"][:37] + "..."
+                print(f"| {mode} | {k}/{ranks} | {share_text} | {share / 1e6:,.1f} MB | "
                       f"{d['rss'] / 1e6:,.1f} MB | {d['pss'] / 1e6:,.1f} MB | "
-                      f"{d['uss'] / 1e6:,.1f} MB | {peak / 1e6:,.1f} MB | {ratio:.3f} | "
+                      f"{d['uss'] / 1e6:,.1f} MB | {peak / 1e6:,.1f} MB | {ratio:.3f} | {trim / share:.3f} | "
                       f"{r['file_bytes'] / 1e6:,.1f} MB |", flush=True)
+                grown_text = ", ".join(f"{d / 1e6:.1f} MB {n}" for d, _, n in r["grown"])
+                print(f"  {mode} rank {k}: grown outside the placed memory: {grown_text}",
+                      file=sys.stderr)
     print(f"largest deviation from the share (RSS and peak): {worst * 100:.1f}%")
 
 
