@@ -208,6 +208,12 @@ def _share_of(sharded: dict, sources: Sources, tied: frozenset[str]
             style = "colwise" if dim == p.ndim - 2 else "rowwise" if dim == p.ndim - 1 else None
         elif target in sources.renamed:
             names = [sources.renamed[target]]
+            if p.ndim == 3 and dim == 0:
+                # An expert tensor the file holds fused (Granite `input_linear`) under EP:
+                # the held experts, whole, as for one transformers fuses.
+                local = p._local_tensor.shape[0]
+                held_ranges.add((k * local, local))
+                continue
             if p.ndim == 3:
                 raise InvalidArgument(
                     f"numapin.transformers: {target}: an expert tensor the file holds fused, "
@@ -261,7 +267,15 @@ def _globs(modules: dict[str, str]) -> dict[str, str]:
 def _local_view(whole: WholeModel, sources: Sources, target: str, want: torch.Tensor,
                 layers_of: dict) -> torch.Tensor:
     if target in sources.renamed:
-        view = torch.from_dlpack(whole.tensor(sources.renamed[target]))
+        name = sources.renamed[target]
+        where = whole.locate(name)
+        if where is not None and where[1] is None:
+            # The file holds the layer's experts as one tensor: this rank's held experts
+            # of its role, one strided view (the role by its file name, else canonical).
+            layer, _, role = where
+            view = torch.from_dlpack(whole.layer(layer, whole.role_names(layer).get(role, role)))
+        else:
+            view = torch.from_dlpack(whole.tensor(name))
     else:
         converter, group = sources.fused[target]
         probe = torch.empty(want.shape, dtype=want.dtype, device="meta")
