@@ -51,17 +51,18 @@ def rollup() -> dict[str, int]:
     }
 
 
-def mappings() -> dict[int, tuple[int, str]]:
-    """{start address: (Rss bytes, the mapping's name)} from /proc/self/smaps."""
-    out: dict[int, tuple[int, str]] = {}
-    start, name = 0, ""
+def mappings() -> dict[tuple[int, int], tuple[int, str]]:
+    """{(start, end) address: (Rss bytes, the mapping's name)} from /proc/self/smaps."""
+    out: dict[tuple[int, int], tuple[int, str]] = {}
+    span, name = (0, 0), ""
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if "-" in head[0] and not head[0].endswith(":"):
-            start = int(head[0].split("-")[0], 16)
+            start, end = head[0].split("-")
+            span = (int(start, 16), int(end, 16))
             name = head[5] if len(head) > 5 else "[anon]"
         elif head[0] == "Rss:":
-            out[start] = (int(head[1]) * 1024, name)
+            out[span] = (int(head[1]) * 1024, name)
     return out
 
 
@@ -133,9 +134,10 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
     maps_after = mappings()
     views = [*whole_ranges(whole)]
     grown = []
-    for start, (rss, name) in maps_after.items():
-        delta = rss - maps_before.get(start, (0, ""))[0]
-        if delta > 1 << 20 and not any(a <= start < b for a, b in views):
+    for (start, end), (rss, name) in maps_after.items():
+        delta = rss - maps_before.get((start, end), (0, ""))[0]
+        # A mapping numapin placed a view in is the store's (its placed memory).
+        if delta > 1 << 20 and not any(a < end and start < b for a, b in views):
             grown.append((delta, hex(start), name))
     # What glibc keeps of freed memory (the loaders' buffers): given back, measured again.
     import ctypes
