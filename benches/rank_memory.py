@@ -51,9 +51,10 @@ def rollup() -> dict[str, int]:
     }
 
 
-def mappings() -> dict[tuple[int, int], tuple[int, str]]:
-    """{(start, end) address: (Rss bytes, the mapping's name)} from /proc/self/smaps."""
-    out: dict[tuple[int, int], tuple[int, str]] = {}
+def mappings() -> dict[int, tuple[int, int, str]]:
+    """{start address: (end, Rss bytes, the mapping's name)} from /proc/self/smaps (by
+    start: the heap grows at its end)."""
+    out: dict[int, tuple[int, int, str]] = {}
     span, name = (0, 0), ""
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
@@ -62,7 +63,7 @@ def mappings() -> dict[tuple[int, int], tuple[int, str]]:
             span = (int(start, 16), int(end, 16))
             name = head[5] if len(head) > 5 else "[anon]"
         elif head[0] == "Rss:":
-            out[span] = (int(head[1]) * 1024, name)
+            out[span[0]] = (span[1], int(head[1]) * 1024, name)
     return out
 
 
@@ -134,8 +135,8 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
     maps_after = mappings()
     views = [*whole_ranges(whole)]
     grown = []
-    for (start, end), (rss, name) in maps_after.items():
-        delta = rss - maps_before.get((start, end), (0, ""))[0]
+    for start, (end, rss, name) in maps_after.items():
+        delta = rss - maps_before.get(start, (0, 0, ""))[1]
         # A mapping numapin placed a view in is the store's (its placed memory).
         if delta > 1 << 20 and not any(a < end and start < b for a, b in views):
             grown.append((delta, hex(start), name))
