@@ -13,7 +13,9 @@ meta device; then the peak (VmHWM) is reset (`clear_refs` 5), the model is loade
 /proc/self/smaps_rollup is read again. The figures: RSS, PSS and USS (Private_Clean +
 Private_Dirty) above the baseline, the peak RSS above it (a transient allocation shows
 there), against the rank's share: the bytes numapin placed for it (the placed stores'
-`bytes` in `WholeModel.stats()`, every node's copy) plus the bytes transformers copied (`model.numapin_load["copied_bytes"]`, the float32 routers).
+`bytes` in `WholeModel.stats()`, every node's copy) plus the bytes transformers copied
+(`model.numapin_load["copied_bytes"]`, the float32 routers). Figures and reading:
+docs/benchmarks.md ("Per-rank memory under torchrun").
 
     target/frameworks-venv/bin/python benches/rank_memory.py DIR [RANKS [MODES]]
 

@@ -143,7 +143,9 @@ def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]
     """While transformers' `from_pretrained` runs on `cls`: where it would materialise a
     missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`: an empty
     local shard, which `_initialize_missing_keys` then fills at random), `make(name,
-    meta DTensor)` is assigned instead, marked initialised. Yields the names assigned."""
+    meta DTensor)` is assigned instead, marked initialised. Yields the names assigned.
+    The class attribute is replaced for the duration: not for two loads of one class in
+    two threads at once."""
     attr = "_move_missing_keys_from_meta_to_device"
     original = getattr(cls, attr, None)
     assigned: set[str] = set()
