@@ -176,7 +176,8 @@ def _fused_view(
     roles: list[str] = []
     for pattern in patterns:
         found = [where.get(whole.tensor(n).address) for n, p in sources if p == pattern]
-        if None in found or [e for e, _ in found] != held:
+        # The file's order is its names' (experts.10 before experts.2): by expert id.
+        if None in found or sorted(e for e, _ in found) != held:
             return None, f"{pattern}: not every held expert, in order"
         names = {r for _, r in found}
         if len(names) != 1:

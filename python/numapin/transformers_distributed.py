@@ -24,8 +24,10 @@ DTensor parameter's local shard is a numapin view.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,22 +82,16 @@ def load_share(
         place_kwargs["convert_pattern"] = {
             **converted, **(place_kwargs.get("convert_pattern") or {})}
     whole = ckpt.place(**place_kwargs)
+    _give_back_freed()
 
     state, fused, _ = state_dict(whole, ckpt, sources, skip=frozenset(sharded))
-    model = cls.from_pretrained(
-        None, config=config, state_dict=state, distributed_config=distributed_config, **kwargs
-    )
-    model.eval()
     layers_of = {name: layer for name, _, layer in whole.classes()}
     locals_: dict[str, torch.Tensor] = {}
     copied: dict[str, dict[str, Any]] = {}
-    # old parameter's id -> (the old one, kept alive so that its id is not reused; new)
-    replaced: dict[int, tuple[Any, torch.nn.Parameter]] = {}
-    for target in sharded:
-        module_path, _, pname = target.rpartition(".")
-        module = model.get_submodule(module_path)
-        ref = getattr(module, pname)
-        old = ref
+
+    def shard_param(target: str, ref: Any) -> torch.nn.Parameter:
+        """The DTensor parameter over this rank's numapin view, with `ref`'s (the meta
+        DTensor's) mesh, placements, global shape and stride."""
         want = ref._local_tensor
         view = _local_view(whole, sources, target, want, layers_of)
         if view.dtype != want.dtype:
@@ -107,6 +103,27 @@ def load_share(
                                      shape=ref.shape, stride=tuple(ref.stride()))
         param = torch.nn.Parameter(dtensor, requires_grad=False)
         param._is_hf_initialized = True
+        return param
+
+    # The cut parameters are not in the state dict, so transformers would materialise each
+    # (an empty local shard of the share's size, then its random initialisation) before
+    # they are replaced: instead they get numapin's views where it would allocate them.
+    with _views_for_missing(cls, sharded, shard_param) as assigned:
+        model = cls.from_pretrained(
+            None, config=config, state_dict=state, distributed_config=distributed_config,
+            **kwargs
+        )
+    model.eval()
+    # old parameter's id -> (the old one, kept alive so that its id is not reused; new)
+    replaced: dict[int, tuple[Any, torch.nn.Parameter]] = {}
+    for target in sharded:
+        if target in assigned:
+            continue
+        # Not handed to transformers' materialisation (loaded some other way): replaced.
+        module_path, _, pname = target.rpartition(".")
+        module = model.get_submodule(module_path)
+        old = getattr(module, pname)
+        param = shard_param(target, old)
         module._parameters[pname] = param
         replaced[id(old)] = (old, param)
     # A parameter tied to a replaced one (the head to the embedding) is the new one too.
@@ -119,6 +136,58 @@ def load_share(
     model.numapin_load = _account(model, ranges, fused, copied, whole.share)
     model.numapin_load["converted"] = sorted(converted)
     return model, whole
+
+
+def _give_back_freed() -> None:
+    """glibc's `malloc_trim(0)`: the memory the placement freed (under a TP cut, a piece
+    range per sliced row of a column cut: ~17 MB for a 1 GB checkpoint at n = 2) back to the
+    system rather than kept in the process's heap (docs/benchmarks.md). Nothing where
+    the C library is not glibc."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+@contextlib.contextmanager
+def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]:
+    """While transformers' `from_pretrained` runs on `cls`: where it would materialise a
+    missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`: an empty
+    local shard, which `_initialize_missing_keys` then fills at random), `make(name,
+    meta DTensor)` is assigned instead, marked initialised. Yields the names assigned.
+    The class attribute is replaced for the duration: not for two loads of one class in
+    two threads at once."""
+    attr = "_move_missing_keys_from_meta_to_device"
+    original = getattr(cls, attr, None)
+    assigned: set[str] = set()
+    if original is None:  # another transformers: the parameters are replaced afterwards
+        yield assigned
+        return
+
+    def move(self: Any, missing_keys: Any, *args: Any, **kw: Any) -> Any:
+        rest = set()
+        for key in missing_keys:
+            if key not in sharded:
+                rest.add(key)
+                continue
+            module_path, _, pname = key.rpartition(".")
+            module = self.get_submodule(module_path)
+            module._parameters[pname] = make(key, module._parameters[pname])
+            assigned.add(key)
+        return original(self, rest, *args, **kw)
+
+    own = attr in cls.__dict__
+    setattr(cls, attr, move)
+    try:
+        yield assigned
+    finally:
+        if own:
+            setattr(cls, attr, original)
+        else:
+            delattr(cls, attr)
 
 
 def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: Any) -> dict:
@@ -170,6 +239,12 @@ def _share_of(sharded: dict, sources: Sources, tied: frozenset[str]
             style = "colwise" if dim == p.ndim - 2 else "rowwise" if dim == p.ndim - 1 else None
         elif target in sources.renamed:
             names = [sources.renamed[target]]
+            if p.ndim == 3 and dim == 0:
+                # An expert tensor the file holds fused (Granite `input_linear`) under EP:
+                # the held experts, whole, as for one transformers fuses.
+                local = p._local_tensor.shape[0]
+                held_ranges.add((k * local, local))
+                continue
             if p.ndim == 3:
                 raise InvalidArgument(
                     f"numapin.transformers: {target}: an expert tensor the file holds fused, "
@@ -223,7 +298,15 @@ def _globs(modules: dict[str, str]) -> dict[str, str]:
 def _local_view(whole: WholeModel, sources: Sources, target: str, want: torch.Tensor,
                 layers_of: dict) -> torch.Tensor:
     if target in sources.renamed:
-        view = torch.from_dlpack(whole.tensor(sources.renamed[target]))
+        name = sources.renamed[target]
+        where = whole.locate(name)
+        if where is not None and where[1] is None:
+            # The file holds the layer's experts as one tensor: this rank's held experts
+            # of its role, one strided view (the role by its file name, else canonical).
+            layer, _, role = where
+            view = torch.from_dlpack(whole.layer(layer, whole.role_names(layer).get(role, role)))
+        else:
+            view = torch.from_dlpack(whole.tensor(name))
     else:
         converter, group = sources.fused[target]
         probe = torch.empty(want.shape, dtype=want.dtype, device="meta")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.distributed import DistributedConfig
 
 import numapin
@@ -60,6 +61,24 @@ def config_of(path: Path, mode: str) -> DistributedConfig:
     return DistributedConfig(tp_size=n, ep_size=n)
 
 
+class Allocations(TorchDispatchMode):
+    """Every plain CPU tensor an `empty` op allocates while active: (shape, dtype, bytes)."""
+
+    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+             torch.ops.aten.new_empty_strided.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in self.EMPTY and type(out) is torch.Tensor and out.device.type == "cpu":
+            self.found.append((tuple(out.shape), out.dtype, out.numel() * out.element_size()))
+        return out
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -92,8 +111,10 @@ for family, mode in jobs:
     except Exception as e:  # noqa: BLE001 (the case's result says what failed)
         ref = None
         result["reference_error"] = f"{type(e).__name__}: {e}"[:500]
+    allocations = Allocations()
     try:
-        mine, whole = nt.from_pretrained(path, distributed_config=config_of(path, mode))
+        with allocations:
+            mine, whole = nt.from_pretrained(path, distributed_config=config_of(path, mode))
     except numapin.InvalidArgument as e:
         result["refused"] = str(e)
     except Exception as e:  # noqa: BLE001
@@ -126,6 +147,14 @@ for family, mode in jobs:
     result["missing"] = sorted(set(ref_state) - set(params))
     result["copied"] = sorted(mine.numapin_load["copied"])
     result["share"] = whole.share
+    # The local shards of the cut parameters: allocated during numapin's load with their
+    # shape and dtype (transformers materialising them before the views replace them).
+    cut = {(tuple(local(t).shape), local(t).dtype) for t in mine.state_dict().values()
+           if isinstance(t, DTensor)}
+    result["materialised"] = sum(b for shape, dtype, b in allocations.found
+                                 if (shape, dtype) in cut)
+    result["cut_bytes"] = sum(local(t).numel() * local(t).element_size()
+                              for t in mine.state_dict().values() if isinstance(t, DTensor))
     report(result)
     del mine, ref, whole
     # Every rank done with this job before the next one's collectives (and before the
