@@ -271,7 +271,7 @@ impl SmapsEntry {
     }
 
     /// The sum of several entries (their span from the first start to the last end).
-    pub fn total(entries: &[SmapsEntry]) -> SmapsEntry {
+    pub(crate) fn total(entries: &[SmapsEntry]) -> SmapsEntry {
         let mut sum = SmapsEntry {
             start: entries.first().map_or(0, |e| e.start),
             end: entries.last().map_or(0, |e| e.end),

@@ -76,7 +76,7 @@ use slot::Slots;
 use state::State;
 
 /// The key of an entry: `(layer, expert)`.
-pub type Key = (usize, usize);
+pub(crate) type Key = (usize, usize);
 
 /// How an [`ExpertCache`] is built: [`CacheOptions::default`] (both off), then a setter
 /// per option. `#[non_exhaustive]`, as [`StoreOptions`](crate::store::StoreOptions).

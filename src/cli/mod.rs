@@ -48,7 +48,7 @@ use synthetic::SyntheticModel;
 /// The slab-per-expert baseline `place --baseline` compares with: it lives in the
 /// dev-only testkit (its `posix_memalign` code is kept out of the library), so only the
 /// `pin_model` example passes one.
-pub type BaselineFn = fn(&SyntheticModel, &File, Layout) -> Result<Run, String>;
+pub(crate) type BaselineFn = fn(&SyntheticModel, &File, Layout) -> Result<Run, String>;
 
 /// What a front end adds to the command.
 #[derive(Debug, Clone, Copy, Default)]

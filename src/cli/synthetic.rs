@@ -44,7 +44,7 @@ fn word(index: u64) -> u64 {
 
 impl SyntheticModel {
     /// Bytes of one expert (weights + scales).
-    pub fn expert_bytes(&self) -> usize {
+    pub(crate) fn expert_bytes(&self) -> usize {
         self.weight_bytes + self.scale_bytes
     }
 

@@ -65,7 +65,7 @@ pub struct ClassJson {
 /// `pin_model --plan --json`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WholeJson {
-    /// [`WHOLE_SCHEMA`].
+    /// `WHOLE_SCHEMA`.
     pub schema: u32,
     pub path: String,
     pub plan: String,

@@ -182,7 +182,7 @@ pub enum DirectIo {
 
 impl DirectIo {
     /// Whether the reads went through `io_uring`.
-    pub fn is_io_uring(self) -> bool {
+    pub(crate) fn is_io_uring(self) -> bool {
         matches!(self, DirectIo::IoUring { .. })
     }
 }
@@ -249,7 +249,7 @@ pub struct DirectReads {
 impl DirectReads {
     /// Both loads' counts: sums, and the larger depth.
     #[must_use]
-    pub fn plus(self, other: DirectReads) -> DirectReads {
+    pub(crate) fn plus(self, other: DirectReads) -> DirectReads {
         DirectReads {
             in_place_bytes: self.in_place_bytes + other.in_place_bytes,
             uring_reads: self.uring_reads + other.uring_reads,
@@ -274,7 +274,7 @@ pub struct Residency {
 impl Residency {
     /// Whether [`ReadMode::Auto`] reads the file buffered: at least half its pages are
     /// cached (an empty file is).
-    pub fn mostly_cached(&self) -> bool {
+    pub(crate) fn mostly_cached(&self) -> bool {
         self.cached_pages.saturating_mul(2) >= self.pages
     }
 }

@@ -27,7 +27,7 @@ use crate::model::{Dtype, TensorInfo};
 /// `"GGUF"`, the first four bytes.
 pub(crate) const MAGIC: [u8; 4] = *b"GGUF";
 /// `general.alignment` when the key is absent.
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub(crate) const DEFAULT_ALIGNMENT: u64 = 32;
 /// `GGML_MAX_DIMS`.
 pub const MAX_DIMS: u32 = 4;
 /// The longest string accepted (key, value or tensor name): longer is absurd.

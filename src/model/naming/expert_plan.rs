@@ -161,7 +161,7 @@ impl LayerPlan {
     /// The same roles under their canonical names, in [`LayerPlan::roles`]' order
     /// (`"gate"`, `"up"`, `"down"`, `"gate.scale"`, ...: the same for every naming,
     /// [`Naming::canonical_role`](super::Naming::canonical_role)).
-    pub fn canonical_roles(&self) -> impl Iterator<Item = &str> + '_ {
+    pub(crate) fn canonical_roles(&self) -> impl Iterator<Item = &str> + '_ {
         self.canonical.iter().map(String::as_str)
     }
 

@@ -41,7 +41,7 @@ macro_rules! dtypes {
 
         impl Dtype {
             /// The dtype the header string names.
-            pub fn from_name(name: &str) -> Option<Dtype> {
+            pub(crate) fn from_name(name: &str) -> Option<Dtype> {
                 match name {
                     $(stringify!($name) => Some(Dtype::$name),)*
                     _ => None,
@@ -56,7 +56,7 @@ macro_rules! dtypes {
             }
 
             /// Bits per element (4 and 6 for the MX types).
-            pub fn bits(self) -> u64 {
+            pub(crate) fn bits(self) -> u64 {
                 match self {
                     $(Dtype::$name => $bits,)*
                 }

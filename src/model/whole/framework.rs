@@ -31,7 +31,7 @@ pub enum FrameworkStyle {
 
 impl FrameworkStyle {
     /// The style transformers calls `name`, if numapin knows it.
-    pub fn from_name(name: &str) -> Option<FrameworkStyle> {
+    pub(crate) fn from_name(name: &str) -> Option<FrameworkStyle> {
         Some(match name {
             "colwise" => FrameworkStyle::Colwise,
             "rowwise" => FrameworkStyle::Rowwise,

@@ -384,7 +384,7 @@ impl PlacementPlan {
     }
 
     /// The routed experts' share, if the plan places one.
-    pub fn expert_share(&self) -> Option<&Share> {
+    pub(crate) fn expert_share(&self) -> Option<&Share> {
         self.share.as_ref()
     }
 

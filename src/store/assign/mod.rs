@@ -108,7 +108,7 @@ impl ExpertAssignment {
     }
 
     /// Where the hot experts get their copies ([`ExpertAssignment::hot_copies`]).
-    pub fn hot_copy_shape(&self) -> HotCopies {
+    pub(crate) fn hot_copy_shape(&self) -> HotCopies {
         self.hot_copies
     }
 
