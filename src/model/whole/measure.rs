@@ -217,7 +217,7 @@ impl PlacedModel {
 
 /// Adds the nanoseconds since `started` to `class`'s verify time.
 fn add_nanos(report: &mut WholeVerify, class: TensorClass, started: std::time::Instant) {
-    let nanos = super::place::nanos_since(started);
+    let nanos = super::report::nanos_since(started);
     match report.class_nanos.iter_mut().find(|(c, _)| *c == class) {
         Some((_, n)) => *n = n.saturating_add(nanos),
         None => report.class_nanos.push((class, nanos)),

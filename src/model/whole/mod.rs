@@ -46,6 +46,7 @@ mod framework;
 mod glob;
 mod identity;
 mod measure;
+mod pack_converted;
 mod place;
 mod plan;
 mod report;

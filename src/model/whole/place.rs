@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::assign::{Assigned, DENSE_ALIGN, Group, PlacementCost, assign};
 use super::classes::TensorClass;
 use super::plan::{DenseLayout, PlacementPlan};
-use super::report::WholeReport;
+use super::report::{WholeReport, nanos_since};
 use super::schedule::{GroupPieces, Step, share_drop_behind};
 use super::shape::normalized_shape;
 use super::views::{DenseStore, Place, PlacedModel, PlacedTensor};
@@ -373,7 +373,7 @@ impl Checkpoint {
             measured,
             mappings,
             experts: expert_report,
-            converted: super::convert::report_lines(self, &assigned.converts),
+            converted: super::pack_converted::report_lines(self, &assigned.converts),
         });
         Ok(model)
     }
@@ -592,11 +592,6 @@ fn check_memory(cost: &PlacementCost) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// Wall nanoseconds since `started` (saturating at `u64::MAX`, 584 years).
-pub(crate) fn nanos_since(started: std::time::Instant) -> u64 {
-    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Adds `f` to `all` unless a read of the same path is there already (the first load's

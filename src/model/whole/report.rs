@@ -216,3 +216,8 @@ impl fmt::Display for WholeReport {
         )
     }
 }
+
+/// Wall nanoseconds since `started` (saturating at `u64::MAX`, 584 years).
+pub(crate) fn nanos_since(started: std::time::Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}

@@ -191,9 +191,7 @@ impl Assigned {
                 .tensors
                 .iter()
                 .filter(|&&i| !checkpoint.tensors[i].is_empty());
-            let (_, total) = super::super::convert::converted_layout(
-                held.map(|&i| self.held_len(checkpoint, i)),
-            );
+            let (_, total) = super::converted_layout(held.map(|&i| self.held_len(checkpoint, i)));
             slot_bytes(std::iter::once((0, total, false)), self.layout, slot)
         } else {
             slot_bytes(

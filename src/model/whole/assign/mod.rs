@@ -462,3 +462,19 @@ pub(crate) fn assign(
         converts: classified.converts,
     })
 }
+
+/// Where each tensor of a converted group lands in its slot (multiples of
+/// [`DENSE_ALIGN`]), and the slot's bytes, from the placed byte sizes.
+pub(in crate::model::whole) fn converted_layout(
+    lens: impl Iterator<Item = u64>,
+) -> (Vec<u64>, u64) {
+    let align = DENSE_ALIGN as u64;
+    let mut at = 0u64;
+    let mut offsets = Vec::new();
+    for len in lens {
+        at = at.div_ceil(align).saturating_mul(align);
+        offsets.push(at);
+        at = at.saturating_add(len);
+    }
+    (offsets, at)
+}
