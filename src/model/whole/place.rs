@@ -46,6 +46,7 @@ impl Checkpoint {
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
         let slot = options.slot_align.bytes()?;
+        super::schedule::check_role_major(options)?;
         let unit = self.direct_unit(options)?;
         // The experts' store would refuse a bad modulus only after the dense ones are
         // packed: refused here, before anything is reserved (and by the dry run too).

@@ -1,0 +1,174 @@
+//! Round 7's hostile review of the conversion at placement, role-major slots and the
+//! served manifest: each test was written to fail first against the merged tree (or to
+//! show an attack that held), and compares with an independent reference (the bits a
+//! numpy 2.4.6 `astype(float32)` gives, the file's bytes).
+#![cfg(feature = "model")]
+
+mod common;
+
+use numapin::model::{
+    Checkpoint, DenseLayout, Dtype, ModelManifest, PlacedModel, PlacementPlan, SafetensorsDtype,
+};
+use numapin::store::{Layout, StoreOptions};
+use numapin::{Error, Invalid};
+
+const F32: Dtype = Dtype::Safetensors(SafetensorsDtype::F32);
+
+fn dir(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("numapin-attack7-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A safetensors file of `(name, dtype, shape, bytes)`; returns its path.
+fn write(test: &str, tensors: &[(&str, &str, Vec<u64>, Vec<u8>)]) -> std::path::PathBuf {
+    let (mut at, mut entries, mut data) = (0, Vec::new(), Vec::new());
+    for (name, dtype, shape, bytes) in tensors {
+        entries.push(format!(
+            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{}]}}"#,
+            at + bytes.len()
+        ));
+        at += bytes.len();
+        data.extend_from_slice(bytes);
+    }
+    let header = format!("{{{}}}", entries.join(","));
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.extend(data);
+    let path = dir(test).join("model.safetensors");
+    std::fs::write(&path, file).unwrap();
+    path
+}
+
+fn base() -> PlacementPlan {
+    PlacementPlan::new(Layout::Unplaced, DenseLayout::Unplaced)
+}
+
+/// F16 NaNs (a signalling one, a negative quiet one, one with a payload), infinities
+/// and the largest subnormal, and the F32 bits numpy 2.4.6 gives for each
+/// (`np.frombuffer(b, np.float16).astype(np.float32).view(np.uint32)`).
+const F16_SPECIAL: [(u16, u32); 6] = [
+    (0x7c01, 0x7f80_2000),
+    (0xfe01, 0xffc0_2000),
+    (0x7d55, 0x7faa_a000),
+    (0xfc00, 0xff80_0000),
+    (0x03ff, 0x387f_c000),
+    (0x8001, 0xb380_0000),
+];
+
+/// Held: F16 NaN payloads, infinities and subnormals convert to numpy's bits.
+#[test]
+fn f16_nans_and_infinities_convert_as_numpy_does() {
+    let bytes: Vec<u8> = F16_SPECIAL
+        .iter()
+        .flat_map(|(h, _)| h.to_le_bytes())
+        .collect();
+    let path = write("f16", &[("model.norm.weight", "F16", vec![6], bytes)]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = base().convert_pattern("model.norm.weight", F32);
+    let model = checkpoint.place(&plan, StoreOptions::default()).unwrap();
+    let view = model.tensor("model.norm.weight").unwrap();
+    let want: Vec<u8> = F16_SPECIAL
+        .iter()
+        .flat_map(|(_, f)| f.to_le_bytes())
+        .collect();
+    assert_eq!(view.bytes().unwrap(), &want[..]);
+    assert!(model.verify(&checkpoint).unwrap().verified());
+}
+
+/// Held: a converted tensor's file bytes changed after placement are a mismatch.
+#[test]
+fn a_converted_tensor_changed_in_the_file_is_a_mismatch() {
+    let path = write(
+        "changed",
+        &[("model.norm.weight", "BF16", vec![3], vec![1, 2, 3, 4, 5, 6])],
+    );
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = base().convert_pattern("model.norm.weight", F32);
+    let model = checkpoint.place(&plan, StoreOptions::default()).unwrap();
+    let mut file = std::fs::read(&path).unwrap();
+    let last = file.len() - 1;
+    file[last] ^= 0x40;
+    std::fs::write(&path, &file).unwrap();
+    let check = model.verify(&checkpoint).unwrap();
+    assert!(!check.verified(), "{check:?}");
+}
+
+/// A whole placement packs one slot per expert (and a dense store has one slot per
+/// group): `StoreOptions::role_major` above 1 made every dense pack fail deep inside
+/// `PinStore::pack_layer` ("role-major slots come in 2 runs of the experts") after the
+/// stores were reserved, and a placement of experts alone, their count a multiple of the
+/// roles, was taken as role-major (expert `k` given expert `k % (E/R)`'s node).
+#[test]
+fn a_whole_placement_refuses_role_major_by_name() {
+    // With dense bytes (64), and of experts alone (an empty embedding).
+    for embed in [0, 64] {
+        let path =
+            common::moe_safetensors(&dir(&format!("roles{embed}")), embed, &[0], 4, (4096, 64));
+        let checkpoint = Checkpoint::open(&path).unwrap();
+        let options = StoreOptions::default();
+        assert!(checkpoint.place(&base(), options.clone()).is_ok());
+        for roles in [2, 4, 0, usize::MAX] {
+            match checkpoint.place(&base(), options.clone().role_major(roles)) {
+                Err(Error::InvalidArgument {
+                    op: "Checkpoint::place",
+                    reason: reason @ Invalid::BadValue { .. },
+                }) => assert!(reason.to_string().contains("role_major"), "{reason}"),
+                Err(e) => panic!("embed {embed}, role_major({roles}): {e}"),
+                Ok(_) => panic!("embed {embed}, role_major({roles}) placed"),
+            }
+        }
+    }
+}
+
+/// An attached manifest's `converted_from` was taken as it came: a conversion this
+/// crate cannot make (I8 → F32, F32 → F32, a GGML dtype to a safetensors one, BF16 →
+/// I8) was attached, and verify then converted the file's bytes as if they were BF16:
+/// a view labelled I8 handing out F32 bits verified clean.
+#[test]
+fn an_attach_refuses_a_conversion_the_crate_cannot_make() {
+    let bytes: Vec<u8> = (0..16).collect();
+    let path = write(
+        "attach",
+        &[("model.layers.0.mlp.gate.weight", "BF16", vec![2, 4], bytes)],
+    );
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = base().convert_pattern("*.gate.weight", F32);
+    let mut placed = checkpoint
+        .place(&plan, StoreOptions::default().shared(true))
+        .unwrap();
+    let export = placed.export().unwrap();
+    let text = String::from_utf8(export.manifest.to_bytes()).unwrap();
+    let clone = || -> Vec<std::fs::File> {
+        (export.files.iter())
+            .map(|f| f.try_clone().unwrap())
+            .collect()
+    };
+    // The genuine manifest attaches and verifies.
+    let manifest = ModelManifest::parse(text.as_bytes()).unwrap();
+    let attached = PlacedModel::attach(&manifest, clone()).unwrap();
+    assert!(attached.verify(&checkpoint).unwrap().verified());
+    let genuine = r#""dtype":"st:F32""#;
+    let from = r#""converted_from":"st:BF16""#;
+    assert!(text.contains(genuine) && text.contains(from), "{text}");
+    for (dtype, converted_from) in [
+        ("st:F32", "st:I8"),
+        ("st:F32", "st:F32"),
+        ("st:F32", "ggml:BF16"),
+        ("st:I8", "st:BF16"),
+        ("st:BF16", "st:BF16"),
+    ] {
+        let forged = text
+            .replace(genuine, &format!(r#""dtype":"{dtype}""#))
+            .replace(from, &format!(r#""converted_from":"{converted_from}""#));
+        let manifest = ModelManifest::parse(forged.as_bytes()).unwrap();
+        match PlacedModel::attach(&manifest, clone()) {
+            Err(Error::InvalidArgument { op, reason }) => {
+                assert_eq!(op, "PlacedModel::attach");
+                assert!(reason.to_string().contains("conversion"), "{reason}");
+            }
+            Err(e) => panic!("{converted_from} -> {dtype}: {e}"),
+            Ok(_) => panic!("{converted_from} -> {dtype} attached"),
+        }
+    }
+}
