@@ -172,3 +172,117 @@ fn an_attach_refuses_a_conversion_the_crate_cannot_make() {
         }
     }
 }
+
+/// A file truncated (from another thread) at varied moments while a placement with a
+/// converted tensor reads it, in each read mode: the placement fails, or every view
+/// holds the file's original bytes (converted where asked); never zeros or a panic.
+/// Before the fix, Buffered and Auto placements returned Ok with the plain tensor's
+/// bytes from the cut to the next 1 MiB of the file zero: a `pread` that raced the
+/// truncation on ext4 was handed the zeroed tail of the large folio it cut, in full.
+#[test]
+fn a_file_truncated_during_a_placement_is_an_error_or_the_file_bytes() {
+    use numapin::store::ReadMode;
+    const MIB: usize = 1 << 20;
+    let bf16: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8 | 1).collect();
+    let plain: Vec<u8> = (0..2 * MIB).map(|i| (i % 253) as u8 | 1).collect();
+    let tensors = [
+        (
+            "model.layers.0.mlp.gate.weight",
+            "BF16",
+            vec![(MIB / 2) as u64],
+            bf16.clone(),
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "U8",
+            vec![(2 * MIB) as u64],
+            plain.clone(),
+        ),
+    ];
+    let converted: Vec<u8> = bf16
+        .chunks_exact(2)
+        .flat_map(|b| (u32::from(u16::from_le_bytes([b[0], b[1]])) << 16).to_le_bytes())
+        .collect();
+    let plan = base().convert_pattern("*.gate.weight", F32);
+    let (mut placed, mut refused) = (0, 0);
+    for mode in [ReadMode::DropBehind, ReadMode::Buffered, ReadMode::Auto] {
+        for delay in [0u64, 500, 5_000] {
+            let path = write("truncated", &tensors);
+            let checkpoint = Checkpoint::open(&path).unwrap();
+            let cut = std::fs::metadata(&path).unwrap().len() / 2;
+            let truncate = {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_micros(delay));
+                    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                    file.set_len(cut).unwrap();
+                })
+            };
+            let options = StoreOptions::default().read_mode(mode).loader_threads(2);
+            let result = checkpoint.place(&plan, options);
+            truncate.join().unwrap();
+            let Ok(model) = result else {
+                refused += 1;
+                continue;
+            };
+            placed += 1;
+            let gate = model.tensor(tensors[0].0).unwrap();
+            let held = gate.bytes().unwrap();
+            let at = held.iter().zip(&converted).position(|(a, b)| a != b);
+            assert!(
+                held == &converted[..],
+                "{mode:?} {delay}: gate differs at {at:?}"
+            );
+            let q = model.tensor(tensors[1].0).unwrap();
+            let held = q.bytes().unwrap();
+            let at = held.iter().zip(&plain).position(|(a, b)| a != b);
+            assert!(
+                held == &plain[..],
+                "{mode:?} {delay}: {} bytes, first difference at {at:?}: {:?}",
+                held.len(),
+                at.map(|i| (
+                    held[i],
+                    plain[i],
+                    held[i..].iter().filter(|&&b| b == 0).count()
+                ))
+            );
+            // The file is now cut: verify fails or says so, never passes.
+            if let Ok(check) = model.verify(&checkpoint) {
+                assert!(!check.verified(), "{mode:?} {delay}: {check:?}");
+            }
+        }
+    }
+    eprintln!("placed {placed}, refused {refused}");
+}
+
+/// `check_model_budget` of a layer of 0 experts in a split store with role-major slots:
+/// `0` is a multiple of any role count, so the layer was taken as `roles` runs of 0
+/// experts and the arithmetic walked every run (`usize::MAX` of them: a hang). It must
+/// answer as for slots by index: the figures of a 1-role store.
+#[test]
+fn a_budget_of_no_experts_under_role_major_answers() {
+    use numapin::NodeSet;
+    use numapin::store::{LayerSpec, PinStore};
+    let nodes = NodeSet::from_nodes([0]).unwrap();
+    let spec = LayerSpec {
+        experts: 0,
+        weight_bytes: 4096,
+        scale_bytes: 64,
+    };
+    let (done, wait) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let answer = |roles| {
+            let options = StoreOptions::default().role_major(roles);
+            let store = PinStore::new(Layout::SplitExperts(nodes), options).unwrap();
+            store
+                .check_model_budget(3, &spec)
+                .map_err(|e| e.to_string())
+        };
+        let _ = done.send((answer(1), answer(usize::MAX)));
+    });
+    // Not a timing: a hang detector (the walk takes ~2^64 steps).
+    let (one, many) = wait
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("check_model_budget with role_major(usize::MAX) hung");
+    assert_eq!(one, many);
+}

@@ -314,6 +314,9 @@ impl Checkpoint {
         {
             store.share_drop_behind(None);
         }
+        // A read racing a truncation can be handed, in full, the zeroed tail of a large
+        // folio the truncation cut (seen on ext4): a file shorter now is an error.
+        self.check_not_truncated()?;
         let (experts, expert_report) = match planned {
             Some((store, expert_plan, _)) => {
                 let reports = layer_reports.into_iter().flatten().collect();
