@@ -286,3 +286,55 @@ fn a_budget_of_no_experts_under_role_major_answers() {
         .expect("check_model_budget with role_major(usize::MAX) hung");
     assert_eq!(one, many);
 }
+
+/// As above for [`Checkpoint::pack`] of the routed experts alone: an `Ok` pack of a file
+/// cut while it was read held zeros where the cut large folio was (every byte of the
+/// file is odd, so a zero byte in a slot is one the file never had).
+#[test]
+fn a_file_truncated_during_a_pack_is_an_error_or_the_file_bytes() {
+    use numapin::store::{PinStore, ReadMode};
+    const PIECE: usize = 256 << 10;
+    let mut tensors = Vec::new();
+    for e in 0..4 {
+        for proj in ["gate", "up", "down"] {
+            let name = format!("model.layers.0.mlp.experts.{e}.{proj}_proj.weight");
+            let bytes: Vec<u8> = (0..PIECE).map(|i| (i % 249) as u8 | 1).collect();
+            tensors.push((name, bytes));
+        }
+    }
+    let tensors: Vec<(&str, &str, Vec<u64>, Vec<u8>)> = (tensors.iter())
+        .map(|(n, b)| (n.as_str(), "U8", vec![PIECE as u64], b.clone()))
+        .collect();
+    let (mut packed, mut refused) = (0, 0);
+    for mode in [ReadMode::DropBehind, ReadMode::Buffered, ReadMode::Auto] {
+        for delay in [0u64, 500, 5_000] {
+            let path = write("pack-truncated", &tensors);
+            let checkpoint = Checkpoint::open(&path).unwrap();
+            let cut = std::fs::metadata(&path).unwrap().len() / 2;
+            let truncate = {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_micros(delay));
+                    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                    file.set_len(cut).unwrap();
+                })
+            };
+            let options = StoreOptions::default().read_mode(mode).loader_threads(2);
+            let store = PinStore::new(Layout::Unplaced, options).unwrap();
+            let result = checkpoint.pack(&store);
+            truncate.join().unwrap();
+            if result.is_err() {
+                refused += 1;
+                continue;
+            }
+            packed += 1;
+            for e in 0..4 {
+                let held = store.weights(0, e).unwrap();
+                assert_eq!(held.len(), 3 * PIECE);
+                let zero = held.iter().position(|&b| b == 0);
+                assert_eq!(zero, None, "{mode:?} {delay}: expert {e}");
+            }
+        }
+    }
+    eprintln!("packed {packed}, refused {refused}");
+}
