@@ -338,3 +338,47 @@ fn a_file_truncated_during_a_pack_is_an_error_or_the_file_bytes() {
     }
     eprintln!("packed {packed}, refused {refused}");
 }
+
+/// A manifest whose expert naming (version 2) is a preset, but not the one its expert
+/// plan was made with: attached, `PlacedModel::locate` classified the experts' tensors
+/// under the other preset (an expert tensor "not an expert"). Refused by parse.
+#[test]
+fn a_manifest_naming_other_than_its_plans_is_refused() {
+    use numapin::model::Naming;
+    let path = common::moe_safetensors(&dir("naming"), 64, &[0], 4, (4096, 64));
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let mut placed = checkpoint
+        .place(&base(), StoreOptions::default().shared(true))
+        .unwrap();
+    let ours = placed.naming().unwrap().name().to_owned();
+    let text = String::from_utf8(placed.export().unwrap().manifest.to_bytes()).unwrap();
+    let tail = format!(r#","naming":"{ours}"}}"#);
+    assert!(text.ends_with(&tail), "{text}");
+    assert!(ModelManifest::parse(text.as_bytes()).is_ok());
+    let stem = &text[..text.len() - tail.len()];
+    let mut forged: Vec<String> = (Naming::PRESETS.iter())
+        .map(|n| n.name())
+        .filter(|&n| n != ours)
+        .map(|n| format!(r#"{stem},"naming":"{n}"}}"#))
+        .collect();
+    // A preset naming for a manifest without experts.
+    let dense = write(
+        "naming-dense",
+        &[("model.norm.weight", "U8", vec![4], vec![1; 4])],
+    );
+    let dense = Checkpoint::open(&dense).unwrap();
+    let mut placed = (dense.place(&base(), StoreOptions::default().shared(true))).unwrap();
+    let text = String::from_utf8(placed.export().unwrap().manifest.to_bytes()).unwrap();
+    assert!(text.ends_with(r#","naming":null}"#), "{text}");
+    forged.push(text.replace(r#","naming":null}"#, &format!(r#","naming":"{ours}"}}"#)));
+    for forged in forged {
+        match ModelManifest::parse(forged.as_bytes()) {
+            Err(Error::InvalidArgument {
+                reason: reason @ Invalid::BadValue { .. },
+                ..
+            }) => assert!(reason.to_string().contains("expert naming"), "{reason}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("parsed: …{}", &forged[forged.len() - 40..]),
+        }
+    }
+}

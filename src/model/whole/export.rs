@@ -171,6 +171,22 @@ impl ModelManifest {
                 "not the name of a preset (Naming::PRESETS)",
             ));
         }
+        if let Some(n) = body.naming.as_deref() {
+            let plan = body.expert_plan.as_ref().map(wire::PlanPart::naming);
+            if plan != Some(n) {
+                return Err(Error::bad_value(
+                    PARSE,
+                    "expert naming",
+                    crate::error::quote(n),
+                    match plan {
+                        Some(p) => {
+                            format!("the expert plan's naming is {}", crate::error::quote(p))
+                        }
+                        None => "the manifest has no expert plan".to_owned(),
+                    },
+                ));
+            }
+        }
         let mut names = std::collections::HashSet::new();
         if let Some(t) = body.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
             return Err(Error::bad_value(

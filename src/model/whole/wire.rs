@@ -78,6 +78,13 @@ pub(super) struct PlanPart {
     layers: Vec<LayerPlanPart>,
 }
 
+impl PlanPart {
+    /// The name of the naming the plan was made with.
+    pub(super) fn naming(&self) -> &str {
+        &self.naming
+    }
+}
+
 /// A piece: `(tensor, file, offset, len)`.
 type PiecePart = (usize, usize, u64, u64);
 
