@@ -382,3 +382,25 @@ fn a_manifest_naming_other_than_its_plans_is_refused() {
         }
     }
 }
+
+/// The text form of a plan converting to a GGML dtype: `Dtype::Ggml(F32)` was written
+/// `convert:F32` and read back as `Dtype::Safetensors(F32)` (another plan), and
+/// `Dtype::Ggml(Q8_0)` was written `convert:Q8_0`, which did not read back at all.
+#[test]
+fn conversions_to_ggml_dtypes_read_back() {
+    use numapin::model::{GgmlType, TensorClass};
+    for g in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::I8,
+    ] {
+        let plan = base()
+            .convert_class(TensorClass::NormsAndRouters, Dtype::Ggml(g))
+            .convert_pattern("*.gate.weight", Dtype::Ggml(g));
+        let text = plan.to_string();
+        let back = base().apply(&text);
+        assert_eq!(back.as_ref().ok(), Some(&plan), "{g:?}: {text}: {back:?}");
+    }
+}

@@ -117,7 +117,7 @@ impl ModelManifest {
     /// header (another version is named); a body that is not the JSON `to_bytes` writes
     /// (serde names the unknown or duplicate key, the missing field, the number that
     /// does not fit, the place a truncated body ends); a tensor named twice; an expert
-    /// naming that is not a preset's name. Typed:
+    /// naming that is not a preset's name, or not the expert plan's. Typed:
     /// [`Invalid::TooLarge`](crate::Invalid::TooLarge) for the size, else
     /// [`Invalid::BadValue`](crate::Invalid::BadValue) with `what` `"manifest header"`,
     /// `"manifest body"`, `"tensor name"` or `"expert naming"`.
