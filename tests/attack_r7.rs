@@ -404,3 +404,75 @@ fn conversions_to_ggml_dtypes_read_back() {
         assert_eq!(back.as_ref().ok(), Some(&plan), "{g:?}: {text}: {back:?}");
     }
 }
+
+/// Held: a drop-behind placement of converted and plain tensors (the converted group
+/// packs itself outside the drop-behind record) holds the file's bytes, converted by
+/// the bits (BF16 shifted left 16) where asked, of odd element counts.
+#[test]
+fn a_drop_behind_placement_with_conversions_holds_the_file_bytes() {
+    use numapin::store::ReadMode;
+    let bf16: Vec<u8> = (0..2 * 12_345).map(|i| (i * 7 % 256) as u8).collect();
+    let plain: Vec<u8> = (0..3 * 4099).map(|i| (i * 13 % 256) as u8).collect();
+    let tensors = [
+        (
+            "model.layers.1.self_attn.q_proj.weight",
+            "U8",
+            vec![3, 4099],
+            plain.clone(),
+        ),
+        (
+            "model.layers.0.mlp.gate.weight",
+            "BF16",
+            vec![12_345],
+            bf16.clone(),
+        ),
+        ("model.norm.weight", "BF16", vec![1], vec![0x80, 0xff]),
+    ];
+    let path = write("drop-behind", &tensors);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let plan = base()
+        .convert_pattern("*.gate.weight", F32)
+        .convert_pattern("model.norm.weight", F32);
+    let options = StoreOptions::default().read_mode(ReadMode::DropBehind);
+    let model = checkpoint.place(&plan, options).unwrap();
+    let shifted = |b: &[u8]| -> Vec<u8> {
+        b.chunks_exact(2)
+            .flat_map(|p| (u32::from(u16::from_le_bytes([p[0], p[1]])) << 16).to_le_bytes())
+            .collect()
+    };
+    assert_eq!(
+        model.tensor(tensors[0].0).unwrap().bytes().unwrap(),
+        &plain[..]
+    );
+    assert_eq!(
+        model.tensor(tensors[1].0).unwrap().bytes().unwrap(),
+        &shifted(&bf16)[..]
+    );
+    let norm = model.tensor(tensors[2].0).unwrap();
+    assert_eq!(norm.bytes().unwrap(), &0xff80_0000u32.to_le_bytes()[..]);
+    assert_eq!(norm.dtype(), F32);
+    assert!(model.verify(&checkpoint).unwrap().verified());
+}
+
+/// Held: a version-1 manifest is refused naming the version; a manifest naming of a
+/// megabyte is refused with a bounded message (the naming quoted, clipped).
+#[test]
+fn old_versions_and_huge_namings_are_refused_briefly() {
+    let path = write("v1", &[("model.norm.weight", "U8", vec![4], vec![1; 4])]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let mut placed = (checkpoint.place(&base(), StoreOptions::default().shared(true))).unwrap();
+    let text = String::from_utf8(placed.export().unwrap().manifest.to_bytes()).unwrap();
+    let v1 = text.replacen("numapin-model 2", "numapin-model 1", 1);
+    let e = ModelManifest::parse(v1.as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("unsupported version"), "{e}");
+    let huge = "n".repeat(1 << 20);
+    let forged = text.replace(r#""naming":null"#, &format!(r#""naming":"{huge}""#));
+    let e = ModelManifest::parse(forged.as_bytes())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("expert naming") && e.len() < 1024,
+        "{} bytes",
+        e.len()
+    );
+}
