@@ -216,6 +216,9 @@ impl Checkpoint {
         for (planned, l) in layers.iter().zip(plan.layers()) {
             layer_reports.push(pack_planned(store, planned, l)?);
         }
+        // A read racing a truncation can be handed the zeroed tail of the large folio
+        // it cut, in full: a file shorter now than when opened is an error.
+        self.check_not_truncated()?;
         Ok(self.report(plan, layer_reports, share))
     }
 

@@ -122,6 +122,12 @@ pub(crate) fn parse_dtype(op: &'static str, text: &str) -> Result<Dtype> {
     alias
         .or_else(|| SafetensorsDtype::from_name(t))
         .map(Dtype::Safetensors)
+        .or_else(|| {
+            // A GGML type's name (`Q8_0`): what the text form writes for one.
+            (GgmlType::ALL.iter())
+                .find(|g| g.name() == t)
+                .map(|&g| Dtype::Ggml(g))
+        })
         .ok_or_else(|| {
             Error::bad_value(
                 op,
@@ -150,6 +156,17 @@ impl std::str::FromStr for Dtype {
     }
 }
 
+/// A target dtype as the text form reads it back: a GGML type spelled as a safetensors
+/// dtype (`F32`, `F16`, `BF16`, `I8`, …) is that one (the placed dtype follows the
+/// file's family either way, [`Conversion::of`]); `Dtype::Ggml(F32)` was written
+/// `convert:F32` and read back as `Dtype::Safetensors(F32)`, another plan.
+fn spelled(dtype: Dtype) -> Dtype {
+    match dtype {
+        Dtype::Ggml(g) => SafetensorsDtype::from_name(g.name()).map_or(dtype, Dtype::Safetensors),
+        d => d,
+    }
+}
+
 impl PlacementPlan {
     /// Every dense tensor of `class` is placed in `dtype` (converted once at placement
     /// into the placed copy, verified against the conversion of the file's bytes, its
@@ -159,6 +176,7 @@ impl PlacementPlan {
     /// converted tensor that is also sliced.
     #[must_use]
     pub fn convert_class(mut self, class: TensorClass, dtype: Dtype) -> Self {
+        let dtype = spelled(dtype);
         self.convert_classes.retain(|(c, _)| *c != class);
         self.convert_classes.push((class, dtype));
         self
@@ -171,7 +189,7 @@ impl PlacementPlan {
     #[must_use]
     pub fn convert_pattern(mut self, glob: impl Into<String>, dtype: Dtype) -> Self {
         self.convert_patterns
-            .push((collapse_stars(glob.into()), dtype));
+            .push((collapse_stars(glob.into()), spelled(dtype)));
         self
     }
 

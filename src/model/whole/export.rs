@@ -117,7 +117,7 @@ impl ModelManifest {
     /// header (another version is named); a body that is not the JSON `to_bytes` writes
     /// (serde names the unknown or duplicate key, the missing field, the number that
     /// does not fit, the place a truncated body ends); a tensor named twice; an expert
-    /// naming that is not a preset's name. Typed:
+    /// naming that is not a preset's name, or not the expert plan's. Typed:
     /// [`Invalid::TooLarge`](crate::Invalid::TooLarge) for the size, else
     /// [`Invalid::BadValue`](crate::Invalid::BadValue) with `what` `"manifest header"`,
     /// `"manifest body"`, `"tensor name"` or `"expert naming"`.
@@ -170,6 +170,22 @@ impl ModelManifest {
                 crate::error::quote(n),
                 "not the name of a preset (Naming::PRESETS)",
             ));
+        }
+        if let Some(n) = body.naming.as_deref() {
+            let plan = body.expert_plan.as_ref().map(wire::PlanPart::naming);
+            if plan != Some(n) {
+                return Err(Error::bad_value(
+                    PARSE,
+                    "expert naming",
+                    crate::error::quote(n),
+                    match plan {
+                        Some(p) => {
+                            format!("the expert plan's naming is {}", crate::error::quote(p))
+                        }
+                        None => "the manifest has no expert plan".to_owned(),
+                    },
+                ));
+            }
         }
         let mut names = std::collections::HashSet::new();
         if let Some(t) = body.tensors.iter().find(|t| !names.insert(t.name.as_str())) {

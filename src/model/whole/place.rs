@@ -46,6 +46,7 @@ impl Checkpoint {
 
     fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
         let slot = options.slot_align.bytes()?;
+        super::schedule::check_role_major(options)?;
         let unit = self.direct_unit(options)?;
         // The experts' store would refuse a bad modulus only after the dense ones are
         // packed: refused here, before anything is reserved (and by the dry run too).
@@ -313,6 +314,9 @@ impl Checkpoint {
         {
             store.share_drop_behind(None);
         }
+        // A read racing a truncation can be handed, in full, the zeroed tail of a large
+        // folio the truncation cut (seen on ext4): a file shorter now is an error.
+        self.check_not_truncated()?;
         let (experts, expert_report) = match planned {
             Some((store, expert_plan, _)) => {
                 let reports = layer_reports.into_iter().flatten().collect();

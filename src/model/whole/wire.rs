@@ -78,6 +78,13 @@ pub(super) struct PlanPart {
     layers: Vec<LayerPlanPart>,
 }
 
+impl PlanPart {
+    /// The name of the naming the plan was made with.
+    pub(super) fn naming(&self) -> &str {
+        &self.naming
+    }
+}
+
 /// A piece: `(tensor, file, offset, len)`.
 type PiecePart = (usize, usize, u64, u64);
 
@@ -276,13 +283,24 @@ pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTenso
             extent,
         }),
         converted: match &p.converted_from {
-            Some(from) => Some(super::convert::Conversion {
-                from: dtype_of(from)?,
-                to: dtype_of(&p.dtype)?,
-            }),
+            Some(from) => Some(conversion(p, dtype_of(from)?, dtype_of(&p.dtype)?)?),
             None => None,
         },
     })
+}
+
+/// The conversion a tensor's `converted_from` and `dtype` name, where this crate makes
+/// it (verify converts the file's bytes with it; anything else is taken for BF16).
+fn conversion(p: &TensorPart, from: Dtype, to: Dtype) -> Result<super::convert::Conversion> {
+    match super::convert::Conversion::of(from, to) {
+        Ok(Some(c)) if c.to == to => Ok(c),
+        Ok(_) => Err(bad(
+            "conversion",
+            crate::error::quote(&p.name),
+            &format!("{from} -> {to} is not a conversion this crate makes at placement"),
+        )),
+        Err(why) => Err(bad("conversion", crate::error::quote(&p.name), &why)),
+    }
 }
 
 fn piece_part(p: &TensorPiece) -> PiecePart {

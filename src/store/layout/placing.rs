@@ -135,10 +135,11 @@ impl Placer {
     }
 
     /// The experts of a layer of `slots` slots and the runs they come in: `(slots, 1)`
-    /// unless the slots are role-major and divide into the runs.
+    /// unless the slots are role-major and divide into the runs (no slots are one run:
+    /// `roles` runs of nothing walked `roles` times, a hang for `usize::MAX`).
     pub(crate) fn runs(&self, slots: usize) -> (usize, usize) {
         match self.roles {
-            r if r > 1 && slots.is_multiple_of(r) => (slots / r, r),
+            r if r > 1 && slots > 0 && slots.is_multiple_of(r) => (slots / r, r),
             _ => (slots, 1),
         }
     }
@@ -380,5 +381,6 @@ mod tests {
         // Slots that do not divide into the runs: by index (the store refuses them).
         assert_eq!(split(&[0, 1, 2], 4).runs(18), (18, 1));
         assert_eq!(split(&[0, 1, 2], 3).runs(18), (6, 3));
+        assert_eq!(split(&[0, 1, 2], usize::MAX).runs(0), (0, 1));
     }
 }
