@@ -240,7 +240,7 @@ impl Slots {
 
     /// Live pins of `slot` now (a snapshot).
     #[cfg(test)]
-    pub fn pins(&self, slot: usize) -> u64 {
+    pub(crate) fn pins(&self, slot: usize) -> u64 {
         (0..=self.mask)
             .map(|shard| u64::from(self.count(shard, slot).load(Ordering::Relaxed)))
             .sum()

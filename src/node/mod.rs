@@ -243,7 +243,7 @@ impl KernelMask {
     }
 
     /// An all-zero mask of the right size for reading a mask back from the kernel.
-    pub fn empty(possible: usize) -> Self {
+    pub(crate) fn empty(possible: usize) -> Self {
         KernelMask::new(&NodeSet::new(), possible)
     }
 

@@ -88,7 +88,7 @@ impl<'a> Piece<'a> {
     /// alignment padding between them): the strided rows of a column slice that must read
     /// as one `[rows, len]` run.
     #[must_use]
-    pub fn joined(mut self) -> Self {
+    pub(crate) fn joined(mut self) -> Self {
         self.joined = true;
         self
     }

@@ -140,7 +140,7 @@ impl GgufValue {
     }
 
     /// The value as a string, if it is one.
-    pub fn as_str(&self) -> Option<&str> {
+    pub(crate) fn as_str(&self) -> Option<&str> {
         match self {
             GgufValue::String(s) => Some(s),
             _ => None,

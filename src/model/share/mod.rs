@@ -136,12 +136,12 @@ impl LayerShare {
     }
 
     /// Experts in the checkpoint's layer (the whole, of which this is a share).
-    pub fn of(&self) -> usize {
+    pub(crate) fn of(&self) -> usize {
         self.of
     }
 
     /// How each role was sliced, in slot order (empty without a slice).
-    pub fn slices(&self) -> &[RoleSlice] {
+    pub(crate) fn slices(&self) -> &[RoleSlice] {
         &self.slices
     }
 }

@@ -33,7 +33,7 @@ pub struct Block {
 
 impl Block {
     /// The block of `dtype`.
-    pub fn of(dtype: Dtype) -> Block {
+    pub(crate) fn of(dtype: Dtype) -> Block {
         match dtype {
             Dtype::Ggml(t) => Block {
                 elements: u64::from(t.block_size()),
