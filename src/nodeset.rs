@@ -98,7 +98,7 @@ impl NodeSet {
     }
 
     /// The highest node in the set.
-    pub(crate) fn last(&self) -> Option<Node> {
+    pub fn last(&self) -> Option<Node> {
         (0..MAX_NODES)
             .rev()
             .find(|&i| self.bits[i / 64] & (1 << (i % 64)) != 0)

@@ -141,7 +141,7 @@ impl Topology {
 
     /// The node of `among` nearest to `from` by distance, ties to the lower id; `from`
     /// itself when it is in the set. `None` for an empty set.
-    pub(crate) fn nearest(&self, from: Node, among: &NodeSet) -> Option<Node> {
+    pub fn nearest(&self, from: Node, among: &NodeSet) -> Option<Node> {
         if among.contains(from) {
             return Some(from);
         }
