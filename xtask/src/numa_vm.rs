@@ -201,6 +201,9 @@ fn init_script(boots: &[(Shape, Vec<Case>)], fixtures: bool) -> String {
     // A small hugetlbfs pool, so the huge-page memfd tests take their success path here.
     s += &format!("echo {VM_HUGE_PAGES} > /proc/sys/vm/nr_hugepages\n");
     s += &format!("export NUMAPIN_HUGEPAGES={VM_HUGE_PAGES}\n");
+    // Each node's free memory before the tests (the console's record of room per node:
+    // a placement that finds a node full falls back to another).
+    s += "grep -h MemFree $N/node*/meminfo\n";
     s += "export NUMAPIN_EXPECT=full NUMAPIN_TEST_NODES=4 RUST_BACKTRACE=1 TMPDIR=/tmp\n";
     s += "export NUMAPIN_BIN=/x/numapin\n";
     s += &format!("export NUMAPIN_FUZZ_CASES={VM_FUZZ_CASES}\n");

@@ -103,9 +103,12 @@ impl Shape {
                 ]
             }
             Shape::Sockets => {
-                cmd.args(["-smp", "4,sockets=2,cores=2,threads=1", "-m", "1536M"]);
+                // 512 MiB a node: at 384 MiB, with the initramfs grown to ~210 MB of
+                // unreclaimable ramfs, none of pin_model's socket-1 huge pages landed on
+                // node 2 (they fell back to node 0); /init prints each node's MemFree.
+                cmd.args(["-smp", "4,sockets=2,cores=2,threads=1", "-m", "2048M"]);
                 for node in 0..4 {
-                    memory(cmd, node, 384);
+                    memory(cmd, node, 512);
                     cmd.args(["-numa", &format!("node,nodeid={node},memdev=m{node}")]);
                 }
                 // CPUs by socket and core: socket 0's cores on nodes 0 and 1, socket 1's
