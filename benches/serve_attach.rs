@@ -242,7 +242,6 @@ fn store_bench() {
     let t = Instant::now();
     write_file();
     let copy = (layers() * EXPERTS * EXPERT_BYTES) as f64;
-    let gib = |b: f64| b / (1u64 << 30) as f64;
     println!(
         "file {} ({:.2} GiB) ready in {:.1} s",
         file_path().display(),
@@ -272,35 +271,67 @@ fn store_bench() {
     let own_secs: Vec<f64> = own.iter().map(|(_, l)| secs(l)).collect();
     let pss_own: f64 = own.iter().map(|(c, _)| pss_bytes(c.id()) as f64).sum();
     finish(own);
-    let max = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     println!(
         "every byte equal to the file in all {} readers and {READERS} own copies",
         READERS
     );
     println!("server: place + export + bind {serve_secs:.3} s (process start included)");
+    print_figures(&Figures {
+        title: "4 processes",
+        attach_row: "served: fetch + attach (+server)",
+        attach: &attach,
+        ready: &ready,
+        own: &own_secs,
+        pss: [pss_all, pss_readers, pss_own],
+        copy,
+    });
+}
+
+/// One mode's figures: attach times and summed Pss of the served readers (with the server,
+/// then after it was killed) against each process placing its own copy.
+struct Figures<'a> {
+    title: &'a str,
+    attach_row: &'a str,
+    attach: &'a [f64],
+    ready: &'a [f64],
+    own: &'a [f64],
+    /// Summed Pss: server and readers, readers after the server's kill, the own copies.
+    pss: [f64; 3],
+    copy: f64,
+}
+
+/// Bytes in GiB.
+fn gib(bytes: f64) -> f64 {
+    bytes / (1u64 << 30) as f64
+}
+
+/// Prints `f` as a table, then the ratios.
+fn print_figures(f: &Figures<'_>) {
+    let max = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let [pss_all, pss_readers, pss_own] = f.pss;
     println!(
-        "{:<34} {:>9} {:>9} {:>10} {:>9}",
-        "4 processes", "mean s", "max s", "sum Pss", "x 1 copy"
+        "{:<36} {:>9} {:>9} {:>10} {:>9}",
+        f.title, "mean s", "max s", "sum Pss", "x 1 copy"
     );
     let row = |what: &str, s: &[f64], pss: f64| {
         println!(
-            "{what:<34} {:>9.4} {:>9.4} {:>6.3} GiB {:>9.3}",
+            "{what:<36} {:>9.4} {:>9.4} {:>6.3} GiB {:>9.3}",
             mean(s),
             max(s),
             gib(pss),
-            pss / copy
+            pss / f.copy
         );
     };
-    row("served: fetch + attach (+server)", &attach, pss_all);
-    row("served: readers after server kill", &attach, pss_readers);
-    row("served: attach + read a byte a page", &ready, pss_readers);
-    row("own copy: place each", &own_secs, pss_own);
+    row(f.attach_row, f.attach, pss_all);
+    row("served: readers after server kill", f.attach, pss_readers);
+    row("served: attach + read a byte a page", f.ready, pss_readers);
+    row("own copy: place each", f.own, pss_own);
     println!(
         "attach / place (means): {:.4}; attach + a byte a page / place: {:.4}; \
          memory served / own: {:.3}",
-        mean(&attach) / mean(&own_secs),
-        mean(&ready) / mean(&own_secs),
+        mean(f.attach) / mean(f.own),
+        mean(f.ready) / mean(f.own),
         pss_all / pss_own
     );
 }

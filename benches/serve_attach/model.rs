@@ -25,7 +25,7 @@ use numapin::model::{Checkpoint, DenseLayout, PlacedModel, PlacementPlan};
 use numapin::serve::{Access, Limits};
 use numapin::store::{Layout, StoreOptions};
 
-use super::{READERS, field, finish, pss_bytes, secs, spawn, wait_stdin};
+use super::{READERS, field, finish, gib, pss_bytes, secs, spawn, wait_stdin};
 
 const HIDDEN: u64 = 2048;
 const FFN: u64 = 768;
@@ -221,7 +221,6 @@ pub fn child(role: &str, name: &str) -> bool {
 pub fn run() {
     let t = Instant::now();
     let data = write();
-    let gib = |b: f64| b / (1u64 << 30) as f64;
     println!(
         "model {} ({} layers, {} experts a layer, {:.3} GiB of tensors) ready in {:.1} s",
         path().display(),
@@ -263,8 +262,6 @@ pub fn run() {
     let own_secs: Vec<f64> = own.iter().map(|(_, l)| secs(l)).collect();
     let pss_own: f64 = own.iter().map(|(c, _)| pss_bytes(c.id()) as f64).sum();
     finish(own);
-    let max = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     println!(
         "every tensor byte equal to the file in all {READERS} readers and {READERS} own copies"
     );
@@ -273,28 +270,13 @@ pub fn run() {
          included); its Pss {:.3} GiB",
         gib(pss_server)
     );
-    println!(
-        "{:<36} {:>9} {:>9} {:>10} {:>9}",
-        "whole model, 4 processes", "mean s", "max s", "sum Pss", "x 1 copy"
-    );
-    let row = |what: &str, s: &[f64], pss: f64| {
-        println!(
-            "{what:<36} {:>9.4} {:>9.4} {:>6.3} GiB {:>9.3}",
-            mean(s),
-            max(s),
-            gib(pss),
-            pss / copy
-        );
-    };
-    row("served: attach_served (+server)", &attach, pss_all);
-    row("served: readers after server kill", &attach, pss_readers);
-    row("served: attach + read a byte a page", &ready, pss_readers);
-    row("own copy: place each", &own_secs, pss_own);
-    println!(
-        "attach / place (means): {:.4}; attach + a byte a page / place: {:.4}; \
-         memory served / own: {:.3}",
-        mean(&attach) / mean(&own_secs),
-        mean(&ready) / mean(&own_secs),
-        pss_all / pss_own
-    );
+    super::print_figures(&super::Figures {
+        title: "whole model, 4 processes",
+        attach_row: "served: attach_served (+server)",
+        attach: &attach,
+        ready: &ready,
+        own: &own_secs,
+        pss: [pss_all, pss_readers, pss_own],
+        copy,
+    });
 }
