@@ -236,18 +236,7 @@ impl Checkpoint {
             .assignment(None)
             .piece_align(assigned.layout.align)
             .piece_congruence(assigned.layout.modulus);
-        let mut stores = Vec::with_capacity(assigned.stores.len());
-        for &(class, layout) in &assigned.stores {
-            stores.push(DenseStore {
-                class,
-                store: PinStore::new(layout.store_layout(), dense_options.clone())?,
-                reads: 0,
-                bounced: 0,
-                direct: crate::source::DirectReads::default(),
-                load_nanos: 0,
-                files: Vec::new(),
-            });
-        }
+        let mut stores = dense_stores(&assigned, &dense_options)?;
         let mut places: HashMap<usize, Place> = HashMap::new();
         let mut dense_pieces = Vec::with_capacity(assigned.groups.len());
         for g in &assigned.groups {
@@ -325,6 +314,7 @@ impl Checkpoint {
             }
             None => (None, None),
         };
+        let (expert_reads, expert_files) = expert_read_totals(expert_report.as_ref());
         let mut tensors = self.placed_tensors(&assigned, &mut places);
         if let (Some(store), Some(plan), Some(naming)) =
             (&experts, &assigned.experts, &assigned.naming)
@@ -341,20 +331,8 @@ impl Checkpoint {
             stores,
             experts,
             expert_load_nanos,
-            expert_reads: expert_report
-                .iter()
-                .flat_map(|r| &r.layer_reports)
-                .fold(crate::source::DirectReads::default(), |d, l| {
-                    d.plus(l.direct_reads)
-                }),
-            expert_files: expert_report
-                .iter()
-                .flat_map(|r| &r.layer_reports)
-                .flat_map(|l| &l.files)
-                .fold(Vec::new(), |mut all, f| {
-                    note_file(&mut all, f);
-                    all
-                }),
+            expert_reads,
+            expert_files,
             expert_plan: assigned.experts,
             naming: assigned.naming,
             report: None,
@@ -596,6 +574,43 @@ fn check_memory(cost: &PlacementCost) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// A store for each dense class and layout of the assignment, empty.
+fn dense_stores(assigned: &Assigned, options: &StoreOptions) -> Result<Vec<DenseStore>> {
+    assigned
+        .stores
+        .iter()
+        .map(|&(class, layout)| {
+            Ok(DenseStore {
+                class,
+                store: PinStore::new(layout.store_layout(), options.clone())?,
+                reads: 0,
+                bounced: 0,
+                direct: crate::source::DirectReads::default(),
+                load_nanos: 0,
+                files: Vec::new(),
+            })
+        })
+        .collect()
+}
+
+/// The experts' direct reads summed over their layers, and the files they read (each
+/// once: [`note_file`]).
+fn expert_read_totals(
+    report: Option<&crate::model::pack::ModelReport>,
+) -> (crate::source::DirectReads, Vec<crate::store::FileRead>) {
+    let layers = || report.into_iter().flat_map(|r| &r.layer_reports);
+    let reads = layers().fold(crate::source::DirectReads::default(), |d, l| {
+        d.plus(l.direct_reads)
+    });
+    let files = layers()
+        .flat_map(|l| &l.files)
+        .fold(Vec::new(), |mut all, f| {
+            note_file(&mut all, f);
+            all
+        });
+    (reads, files)
 }
 
 /// Adds `f` to `all` unless a read of the same path is there already (the first load's
