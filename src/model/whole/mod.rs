@@ -5,8 +5,10 @@
 //!
 //! The rooms: `classes` (what a name is for), `plan` (layouts per class and pattern),
 //! `shape` (a tensor's shape, block and dense slice: the leaf the others read), `assign` (a
-//! plan applied to a checkpoint and priced, nothing reserved), `place` (the checks, then
-//! the stores), `views` (lookups), `report` (what was done and verified: the figures),
+//! plan applied to a checkpoint and priced, nothing reserved), `piece_layout` (where the
+//! pieces start in their slots), `fit` (the plan against the machine's memory and map
+//! budget; the default plan), `place` (the fills, then the placed model), `views` and
+//! `expert_views` (lookups), `report` (what was done and verified: the figures),
 //! `measure` (how they are taken: mappings, classes, every copy re-read), `schedule` (the
 //! order of the fills, and drop-behind shared by all the stores of a placement).
 //!
@@ -41,12 +43,15 @@ mod assign;
 mod classes;
 mod convert;
 mod expert_tensors;
+mod expert_views;
 mod export;
+mod fit;
 mod framework;
 mod glob;
 mod identity;
 mod measure;
 mod pack_converted;
+mod piece_layout;
 mod place;
 mod plan;
 mod report;
@@ -61,6 +66,7 @@ mod wire;
 
 pub use assign::{ClassCost, DENSE_ALIGN, PlacementCost};
 pub use classes::TensorClass;
+pub use expert_views::ExpertPieceView;
 pub use export::{MAX_MANIFEST_BYTES, MODEL_MANIFEST_HEADER, ModelExport, ModelManifest};
 pub use framework::{FrameworkPlan, FrameworkStyle};
 pub use plan::{DenseLayout, PlacementPlan};
@@ -68,4 +74,4 @@ pub use report::{ClassMeasured, WholeReport, WholeVerify};
 pub(crate) use shape::normalized_shape;
 pub use shape::{Block, DenseSlice};
 pub use structure::{ExpertRole, ExpertTensorRef};
-pub use views::{ExpertPieceView, PlacedModel, TensorView};
+pub use views::{PlacedModel, TensorView};

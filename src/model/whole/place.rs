@@ -1,181 +1,40 @@
-//! Placing a whole checkpoint: the plan applied and priced, every budget and memory check
-//! made for all of it, then one store per (class, layout) packed group by group and the
-//! experts packed as [`Checkpoint::pack`] does.
+//! Placing a whole checkpoint: the plan applied and priced (`piece_layout`), every budget
+//! and memory check made for all of it (`fit`), then one store per (class, layout) packed
+//! group by group and the experts packed as [`Checkpoint::pack`] does, in the schedule's
+//! order, and the placed model made from the filled stores.
 
 use std::collections::HashMap;
 
-use super::assign::{Assigned, DENSE_ALIGN, Group, PlacementCost, assign};
+use super::assign::{Assigned, Group, PlacementCost};
 use super::classes::TensorClass;
-use super::plan::{DenseLayout, PlacementPlan};
+use super::fit::{check_budget, check_memory};
+use super::plan::PlacementPlan;
 use super::report::{WholeReport, nanos_since};
 use super::schedule::{GroupPieces, Step, share_drop_behind};
 use super::shape::normalized_shape;
 use super::views::{DenseStore, Place, PlacedModel, PlacedTensor};
-use crate::diag;
 use crate::error::{Error, Result, quote};
-use crate::model::pack::{check_layers_budget, pack_planned};
-use crate::model::{Checkpoint, SliceAxis};
-use crate::node::{Node, NodeSet};
-use crate::source::direct::dio_mem_alignment;
+use crate::model::pack::{PlannedLayer, check_layers_budget, pack_planned};
+use crate::model::{Checkpoint, ExpertPlan, SliceAxis};
 use crate::store::{
-    ExpertSource, HEAP_MARGIN, Kind, LayerReport, LayerSpec, Layout, Piece, PieceLayout, PinStore,
-    ReadMode, StoreOptions,
+    ExpertSource, Kind, LayerReport, LayerSpec, Piece, PinStore, ReadMode, StoreOptions,
 };
-use crate::topology::{FIGURE as NODE_MEMORY_FIGURE, available_bytes};
 
 const OP: &str = "Checkpoint::place";
 
+/// The routed experts' store before its fills, their plan and the layers to pack.
+type PlannedExperts<'c> = (PinStore, ExpertPlan, Vec<PlannedLayer<'c>>);
+
+/// What the fills left: the dense stores, where each dense tensor landed, the experts'
+/// load time and a report per expert layer.
+struct Filled {
+    stores: Vec<DenseStore>,
+    places: HashMap<usize, Place>,
+    expert_load_nanos: u64,
+    layer_reports: Vec<Option<LayerReport>>,
+}
+
 impl Checkpoint {
-    /// What `plan` would cost here, nothing reserved: per class its tensors, bytes,
-    /// groups, mappings, `mbind` calls, bytes per node, against one mapping per tensor.
-    /// Dense tensors are laid out at multiples of `max(options.piece_align, 64)` (and for
-    /// [`ReadMode::Direct`] congruent to their file offsets, see [`Checkpoint::place`]),
-    /// as [`Checkpoint::place`] does: the two count the same padding.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::place`]'s plan errors: a pattern that chooses no dense tensor, a
-    /// tensor whose bytes are not its dtype × shape, the expert naming's errors.
-    pub fn placement_cost(
-        &self,
-        plan: &PlacementPlan,
-        options: &StoreOptions,
-    ) -> Result<PlacementCost> {
-        let (assigned, slot) = self.assigned(plan, options)?;
-        assigned.cost(self, plan, slot, options.assignment.as_ref())
-    }
-
-    fn assigned(&self, plan: &PlacementPlan, options: &StoreOptions) -> Result<(Assigned, u64)> {
-        let slot = options.slot_align.bytes()?;
-        super::schedule::check_role_major(options)?;
-        let unit = self.direct_unit(options)?;
-        // The experts' store would refuse a bad modulus only after the dense ones are
-        // packed: refused here, before anything is reserved (and by the dry run too).
-        let experts = PieceLayout {
-            align: options.piece_align,
-            modulus: expert_congruence(options, unit.filter(|_| plan.share.is_none()), slot),
-        };
-        experts.check(slot)?;
-        let layout = dense_layout(options, unit, slot);
-        layout.check(slot)?;
-        let assigned = assign(self, plan, (layout, experts.modulus))?;
-        // A node past the node sets' bits would drop out of the set the store is given
-        // (`bind:65535` became "no nodes in LayerPerNode()"): named here, before the
-        // cost counts bytes on it.
-        for &(class, layout) in &assigned.stores {
-            if let DenseLayout::Bind(node) = layout
-                && usize::from(node.0) >= crate::nodeset::MAX_NODES
-            {
-                return Err(Error::no_such_node(
-                    OP,
-                    format!("the bind node of {class}"),
-                    usize::from(node.0),
-                    crate::nodeset::MAX_NODES,
-                    None,
-                ));
-            }
-        }
-        Ok((assigned, slot as u64))
-    }
-
-    /// The direct-I/O memory alignment the pieces are laid out for (`None`: none): the
-    /// largest `stx_dio_mem_align` the files report (a read lands in place from the first
-    /// aligned file offset on where the address follows the offset modulo it), for
-    /// [`ReadMode::Direct`], and for [`ReadMode::Auto`] where some file is mostly not in
-    /// the page cache (Auto reads it directly; a cached checkpoint keeps the layout of
-    /// buffered reads). `None` for other read modes and for files that report no
-    /// alignment (read buffered anyway).
-    fn direct_unit(&self, options: &StoreOptions) -> Result<Option<usize>> {
-        match options.read_mode {
-            ReadMode::Direct => {}
-            ReadMode::Auto => {
-                let mut cold = false;
-                for f in &self.files {
-                    if !crate::source::residency(f.file())?.mostly_cached() {
-                        cold = true;
-                        break;
-                    }
-                }
-                if !cold {
-                    return Ok(None);
-                }
-            }
-            _ => return Ok(None),
-        }
-        Ok(self
-            .files
-            .iter()
-            .filter_map(|f| dio_mem_alignment(f.file()))
-            .max())
-    }
-
-    /// The default plan over `nodes`, which looks at free memory per node: routed experts
-    /// split ([`Layout::SplitExperts`]); embeddings interleaved (a token reads a few rows);
-    /// every other dense class replicated where every node has room for its copy plus its
-    /// share of the rest, else interleaved. [`PlacementPlan::why`] says which branch was
-    /// taken and the figures.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::placement_cost`]; a node's meminfo cannot be read.
-    pub fn default_plan(&self, nodes: NodeSet) -> Result<PlacementPlan> {
-        if nodes.is_empty() {
-            return Err(Error::empty("Checkpoint::default_plan", "nodes"));
-        }
-        let mut plan =
-            PlacementPlan::new(Layout::SplitExperts(nodes), DenseLayout::Replicate(nodes));
-        plan.experts_why = format!(
-            "default: each expert on one home node, {} node(s) holding a contiguous block each",
-            nodes.len()
-        );
-        let embeddings = "default: interleaved, a token reads a few rows of the table, so one \
-                          copy spread over the nodes is enough";
-        plan.set_class(
-            TensorClass::Embeddings,
-            DenseLayout::Interleave(nodes),
-            embeddings.to_owned(),
-        );
-        let cost = self.placement_cost(&plan, &StoreOptions::default())?;
-        let mut short: Option<(Node, u64, Option<u64>)> = None;
-        for node in nodes.iter() {
-            let needed = cost.node_bytes.get(&node).copied().unwrap_or(0);
-            let available = available_bytes(node)?;
-            if available.is_none_or(|a| a < needed) {
-                short = Some((node, needed, available));
-                break;
-            }
-        }
-        let (dense, why) = match short {
-            None => (
-                DenseLayout::Replicate(nodes),
-                format!(
-                    "default: replicated, every node of {nodes} has room for a copy and its \
-                     share of the rest ({} bytes on the busiest node; the figure is \
-                     {NODE_MEMORY_FIGURE})",
-                    cost.node_bytes.values().max().copied().unwrap_or(0)
-                ),
-            ),
-            Some((node, needed, available)) => (
-                DenseLayout::Interleave(nodes),
-                match available {
-                    Some(a) => format!(
-                        "default: interleaved, node {} has {a} bytes available but a replica \
-                         and its share of the rest need {needed}",
-                        node.0
-                    ),
-                    None => format!(
-                        "default: interleaved, node {}'s free memory is unknown (no meminfo)",
-                        node.0
-                    ),
-                },
-            ),
-        };
-        for class in TensorClass::DENSE {
-            if class != TensorClass::Embeddings {
-                plan.set_class(class, dense, why.clone());
-            }
-        }
-        Ok(plan)
-    }
-
     /// Places every tensor of the checkpoint under `plan`: the routed experts in a store
     /// of the plan's expert layout (as [`Checkpoint::pack`]), each dense class in a store
     /// of its layout where each group (class, model layer, layout) is one layer of one
@@ -236,8 +95,48 @@ impl Checkpoint {
             .assignment(None)
             .piece_align(assigned.layout.align)
             .piece_congruence(assigned.layout.modulus);
-        let mut stores = dense_stores(&assigned, &dense_options)?;
-        let mut places: HashMap<usize, Place> = HashMap::new();
+        let stores = dense_stores(&assigned, &dense_options)?;
+        let planned = self.planned_experts(&assigned, plan, &options)?;
+        let filled = self.fill(&assigned, &options, stores, planned.as_ref())?;
+        // A read racing a truncation can be handed, in full, the zeroed tail of a large
+        // folio the truncation cut (seen on ext4): a file shorter now is an error.
+        self.check_not_truncated()?;
+        self.placed_model(plan, &options, assigned, cost, planned, filled)
+    }
+
+    /// The routed experts' store (empty), plan (under the plan's share) and layers to
+    /// pack; `None` for a checkpoint without routed experts.
+    fn planned_experts(
+        &self,
+        assigned: &Assigned,
+        plan: &PlacementPlan,
+        options: &StoreOptions,
+    ) -> Result<Option<PlannedExperts<'_>>> {
+        let Some(naming) = &assigned.naming else {
+            return Ok(None);
+        };
+        let expert_plan = match &plan.share {
+            Some(share) => naming.plan(self)?.share(self, share)?,
+            None => naming.plan(self)?,
+        };
+        let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
+        let store = PinStore::new(plan.experts, expert_options)?;
+        let layers = self.planned_layers(&expert_plan)?;
+        Ok(Some((store, expert_plan, layers)))
+    }
+
+    /// Runs every fill in [`Checkpoint::schedule`]'s order: each dense group into its
+    /// store (a converted group through `pack_converted`), each expert layer into the
+    /// experts' store (the map budget checked for all of them before the first); under
+    /// [`ReadMode::DropBehind`] with one drop-behind record shared by all the stores,
+    /// released once every fill ran.
+    fn fill(
+        &self,
+        assigned: &Assigned,
+        options: &StoreOptions,
+        mut stores: Vec<DenseStore>,
+        planned: Option<&PlannedExperts<'_>>,
+    ) -> Result<Filled> {
         let mut dense_pieces = Vec::with_capacity(assigned.groups.len());
         for g in &assigned.groups {
             // A converted group reads and converts its own bytes (pack_converted): no
@@ -245,27 +144,15 @@ impl Checkpoint {
             dense_pieces.push(if g.converted {
                 None
             } else {
-                Some(self.group_pieces(&assigned, g)?)
+                Some(self.group_pieces(assigned, g)?)
             });
         }
-        let planned = match &assigned.naming {
-            Some(naming) => {
-                let expert_plan = match &plan.share {
-                    Some(share) => naming.plan(self)?.share(self, share)?,
-                    None => naming.plan(self)?,
-                };
-                let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
-                let store = PinStore::new(plan.experts, expert_options)?;
-                let layers = self.planned_layers(&expert_plan)?;
-                Some((store, expert_plan, layers))
-            }
-            None => None,
-        };
-        let steps = self.schedule(&options, &dense_pieces, planned.as_ref().map(|p| &p.2));
+        let steps = self.schedule(options, &dense_pieces, planned.map(|p| &p.2));
         if options.read_mode == ReadMode::DropBehind {
-            let experts = planned.as_ref().map(|p| (&p.0, p.2.as_slice()));
+            let experts = planned.map(|p| (&p.0, p.2.as_slice()));
             share_drop_behind(&stores, &dense_pieces, experts);
         }
+        let mut places: HashMap<usize, Place> = HashMap::new();
         let mut expert_load_nanos = 0;
         let mut layer_reports: Vec<Option<LayerReport>> = planned
             .iter()
@@ -275,14 +162,14 @@ impl Checkpoint {
         for step in steps {
             match step {
                 Step::Dense(i) if assigned.groups[i].converted => {
-                    self.pack_converted(&assigned, &assigned.groups[i], &mut stores, &mut places)?;
+                    self.pack_converted(assigned, &assigned.groups[i], &mut stores, &mut places)?;
                 }
                 Step::Dense(i) => {
                     let pieces = dense_pieces[i].take().unwrap_or_default();
                     self.pack_group(&assigned.groups[i], pieces, &mut stores, &mut places)?;
                 }
                 Step::Experts(i) => {
-                    let Some((store, expert_plan, layers)) = &planned else {
+                    let Some((store, expert_plan, layers)) = planned else {
                         continue;
                     };
                     if !budget_checked {
@@ -303,9 +190,31 @@ impl Checkpoint {
         {
             store.share_drop_behind(None);
         }
-        // A read racing a truncation can be handed, in full, the zeroed tail of a large
-        // folio the truncation cut (seen on ext4): a file shorter now is an error.
-        self.check_not_truncated()?;
+        Ok(Filled {
+            stores,
+            places,
+            expert_load_nanos,
+            layer_reports,
+        })
+    }
+
+    /// The placed model from the filled stores: its tensor table, the experts' report,
+    /// the identity of a shared placement, the figures measured and the whole report.
+    fn placed_model(
+        &self,
+        plan: &PlacementPlan,
+        options: &StoreOptions,
+        assigned: Assigned,
+        cost: PlacementCost,
+        planned: Option<PlannedExperts<'_>>,
+        filled: Filled,
+    ) -> Result<PlacedModel> {
+        let Filled {
+            stores,
+            mut places,
+            expert_load_nanos,
+            layer_reports,
+        } = filled;
         let (experts, expert_report) = match planned {
             Some((store, expert_plan, _)) => {
                 let reports = layer_reports.into_iter().flatten().collect();
@@ -472,108 +381,6 @@ impl Checkpoint {
         })?;
         Ok(Piece::new(file.file(), offset, len))
     }
-}
-
-/// How the dense stores lay their tensors out in a slot. The caller's
-/// [`StoreOptions::piece_congruence`] when set (1: off, tensors at multiples of
-/// `max(piece_align, 64)`; otherwise that modulus, at least the alignment). At its default
-/// 0, with a direct-I/O alignment `unit` (see `Checkpoint::direct_unit`): every tensor
-/// congruent to its file offset modulo `max(unit, piece_align, 64)` (one whose file
-/// offset is a multiple of 64 is still 64-aligned; one that is not follows its file
-/// offset, so that its read lands in place), a modulus the slot alignment cannot reach
-/// leaving the alignment alone; without one, the alignment alone.
-fn dense_layout(options: &StoreOptions, unit: Option<usize>, slot: usize) -> PieceLayout {
-    let align = options.piece_align.max(DENSE_ALIGN);
-    let modulus = match (options.piece_congruence, unit) {
-        (0, Some(unit)) if unit.max(align) <= slot => {
-            return PieceLayout {
-                align: options.piece_align,
-                modulus: unit.max(align),
-            };
-        }
-        (0 | 1, _) => 0,
-        (modulus, _) => modulus.max(align),
-    };
-    PieceLayout { align, modulus }
-}
-
-/// The experts' congruence modulus: the caller's [`StoreOptions::piece_congruence`] when
-/// set (1: off), else the direct-I/O alignment `unit` where there is one within the piece
-/// and slot alignments (every expert piece then follows its file offset modulo it and
-/// lands in place). Not under a share (a column-sliced role's rows must stay back to
-/// back).
-fn expert_congruence(options: &StoreOptions, unit: Option<usize>, slot: usize) -> usize {
-    match (options.piece_congruence, unit) {
-        (0, Some(unit)) if (options.piece_align..=slot).contains(&unit) => unit,
-        (0 | 1, _) => 0,
-        (modulus, _) => modulus,
-    }
-}
-
-/// The plan's mappings (plus the store's heap margin) against the map budget.
-fn check_budget(cost: &PlacementCost, options: &StoreOptions) -> Result<()> {
-    let limit = match options.vma_budget {
-        Some(budget) => budget,
-        None => diag::max_map_count()?,
-    };
-    let current = diag::map_count()?;
-    let needed = cost.mappings.saturating_add(HEAP_MARGIN);
-    let available = limit.saturating_sub(current);
-    if needed > available {
-        return Err(Error::MapBudget {
-            what: format!(
-                "the placement plan ({} classes, {} mappings, {HEAP_MARGIN} kept free)",
-                cost.classes.len(),
-                cost.mappings
-            ),
-            needed,
-            available,
-            limit,
-            current,
-        });
-    }
-    Ok(())
-}
-
-/// The bytes each node is asked to hold against what it has; where placement is denied
-/// or unsupported (one unplaced copy is built), one copy against all nodes together.
-fn check_memory(cost: &PlacementCost) -> Result<()> {
-    let bound =
-        crate::calls::NumaCall::Mbind.support()? == crate::calls::MempolicySupport::Available;
-    if bound {
-        for (&node, &needed) in &cost.node_bytes {
-            if let Some(available) = available_bytes(node)?
-                && available < needed
-            {
-                return Err(Error::NodeMemory {
-                    what: format!("the placement plan's share of node {}", node.0),
-                    needed,
-                    available: vec![(node, available)],
-                    figure: NODE_MEMORY_FIGURE,
-                });
-            }
-        }
-        return Ok(());
-    }
-    let mut available = Vec::new();
-    for node in NodeSet::allowed().unwrap_or_default().iter() {
-        if let Some(bytes) = available_bytes(node)? {
-            available.push((node, bytes));
-        }
-    }
-    let total: u64 = available.iter().map(|&(_, b)| b).sum();
-    if !available.is_empty() && total < cost.one_copy_bytes {
-        return Err(Error::NodeMemory {
-            what: format!(
-                "the placement plan's one unplaced copy (placement is denied or unsupported \
-                 here; the nodes together have {total} bytes)"
-            ),
-            needed: cost.one_copy_bytes,
-            available,
-            figure: NODE_MEMORY_FIGURE,
-        });
-    }
-    Ok(())
 }
 
 /// A store for each dense class and layout of the assignment, empty.
