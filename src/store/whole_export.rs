@@ -115,6 +115,23 @@ impl PinStore {
             ));
         }
         self.state = State::Frozen;
+        self.freeze_all()?;
+        let mut layers = Vec::new();
+        for (layer, l) in self.layers.iter() {
+            layers.push(layer_part(layer, l, files)?);
+        }
+        Ok(StorePart {
+            layout: self.layout.to_string(),
+            assignment: self.options.assignment.as_ref().map(assignment_part),
+            piece_align: self.options.piece_align,
+            piece_congruence: self.options.piece_congruence,
+            layers,
+        })
+    }
+
+    /// Freezes every arena of every layer not frozen yet; a freeze that lost the arena's
+    /// bytes breaks the store.
+    fn freeze_all(&mut self) -> Result<()> {
         let indices: Vec<usize> = self.layers.iter().map(|(i, _)| i).collect();
         for &layer in &indices {
             let Some(l) = self.layers.get_mut(layer) else {
@@ -131,78 +148,7 @@ impl PinStore {
                 }
             }
         }
-        let mut layers = Vec::new();
-        for (layer, l) in self.layers.iter() {
-            let mut copies = Vec::new();
-            let replicas: Vec<(Option<Node>, &Arenas)> = if l.replica_nodes().is_empty() {
-                vec![(None, l.first_copy())]
-            } else {
-                l.replicas().map(|(n, a)| (Some(n), a)).collect()
-            };
-            for (node, arenas) in replicas {
-                let mut regions = Vec::new();
-                for kind in Kind::ALL {
-                    let Some(arena) = arenas[kind.index()].as_ref() else {
-                        continue;
-                    };
-                    let file = arena.sealed_file().ok_or_else(|| {
-                        let found = format!("layer {layer} {} is not sealed", kind.name());
-                        Error::wrong_backing(EXPORT, found, "sealed regions")
-                    })?;
-                    let r = arena.to_manifest(layer, kind);
-                    regions.push(RegionPart {
-                        file: files.len(),
-                        kind: kind.name().to_owned(),
-                        len: r.len,
-                        stride: r.stride,
-                        slot_bytes: r.slot_bytes,
-                        loaded: r.loaded,
-                        order: arena.order_part(),
-                    });
-                    files.push(
-                        file.try_clone()
-                            .map_err(|e| Error::io("dup", "store memfd", e))?,
-                    );
-                }
-                copies.push(CopyPart {
-                    node: node.map(|n| n.0),
-                    regions,
-                });
-            }
-            let spec = l.spec();
-            layers.push(LayerPart {
-                layer,
-                experts: spec.experts,
-                weight_bytes: spec.weight_bytes,
-                scale_bytes: spec.scale_bytes,
-                ids: l.ids().map(<[usize]>::to_vec),
-                copies,
-                slot_map: l.slot_map().map(SlotMap::to_part),
-            });
-        }
-        let assignment = self.options.assignment.as_ref().map(|a| AssignmentPart {
-            per_domain: a.hot_copy_shape() == HotCopies::PerDomain,
-            layers: a
-                .layers()
-                .map(|(l, homes)| {
-                    let homes = homes
-                        .iter()
-                        .map(|h| match h {
-                            Home::Node(n) => Some(n.0),
-                            Home::Hot => None,
-                        })
-                        .collect();
-                    (l, homes)
-                })
-                .collect(),
-        });
-        Ok(StorePart {
-            layout: self.layout.to_string(),
-            assignment,
-            piece_align: self.options.piece_align,
-            piece_congruence: self.options.piece_congruence,
-            layers,
-        })
+        Ok(())
     }
 
     /// The store `part` describes, its regions mapped read-only from `files` (each taken
@@ -244,6 +190,77 @@ impl PinStore {
                 .map_err(|_| Error::bad_value(ATTACH, "layer", l.layer, "appears twice"))?;
         }
         Ok(store)
+    }
+}
+
+/// Layer `layer` (`l`, frozen): its spec, ids and slot map, and every copy's regions, each
+/// region's sealed file appended to `files`.
+fn layer_part(layer: usize, l: &Layer, files: &mut Vec<File>) -> Result<LayerPart> {
+    let replicas: Vec<(Option<Node>, &Arenas)> = if l.replica_nodes().is_empty() {
+        vec![(None, l.first_copy())]
+    } else {
+        l.replicas().map(|(n, a)| (Some(n), a)).collect()
+    };
+    let mut copies = Vec::new();
+    for (node, arenas) in replicas {
+        let mut regions = Vec::new();
+        for kind in Kind::ALL {
+            let Some(arena) = arenas[kind.index()].as_ref() else {
+                continue;
+            };
+            let file = arena.sealed_file().ok_or_else(|| {
+                let found = format!("layer {layer} {} is not sealed", kind.name());
+                Error::wrong_backing(EXPORT, found, "sealed regions")
+            })?;
+            let r = arena.to_manifest(layer, kind);
+            regions.push(RegionPart {
+                file: files.len(),
+                kind: kind.name().to_owned(),
+                len: r.len,
+                stride: r.stride,
+                slot_bytes: r.slot_bytes,
+                loaded: r.loaded,
+                order: arena.order_part(),
+            });
+            files.push(
+                file.try_clone()
+                    .map_err(|e| Error::io("dup", "store memfd", e))?,
+            );
+        }
+        copies.push(CopyPart {
+            node: node.map(|n| n.0),
+            regions,
+        });
+    }
+    let spec = l.spec();
+    Ok(LayerPart {
+        layer,
+        experts: spec.experts,
+        weight_bytes: spec.weight_bytes,
+        scale_bytes: spec.scale_bytes,
+        ids: l.ids().map(<[usize]>::to_vec),
+        copies,
+        slot_map: l.slot_map().map(SlotMap::to_part),
+    })
+}
+
+/// The expert assignment of a split (hybrid) store: each expert's home node, `None` hot.
+fn assignment_part(a: &ExpertAssignment) -> AssignmentPart {
+    AssignmentPart {
+        per_domain: a.hot_copy_shape() == HotCopies::PerDomain,
+        layers: a
+            .layers()
+            .map(|(l, homes)| {
+                let homes = homes
+                    .iter()
+                    .map(|h| match h {
+                        Home::Node(n) => Some(n.0),
+                        Home::Hot => None,
+                    })
+                    .collect();
+                (l, homes)
+            })
+            .collect(),
     }
 }
 

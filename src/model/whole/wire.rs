@@ -371,6 +371,21 @@ pub(super) fn plan_part(plan: &ExpertPlan) -> PlanPart {
 /// The plan from its part: every piece names a tensor of the `tensors` placed, a
 /// share's ids are one per slot and increasing.
 pub(super) fn expert_plan(p: &PlanPart, tensors: usize) -> Result<ExpertPlan> {
+    Ok(ExpertPlan {
+        naming: p.naming.clone(),
+        layers: p
+            .layers
+            .iter()
+            .map(|l| layer_plan(l, tensors))
+            .collect::<Result<_>>()?,
+        engine_tensors: p.engine_tensors,
+        engine_bytes: p.engine_bytes,
+    })
+}
+
+/// One layer's plan from its part: its pieces checked against the `tensors` placed, one
+/// canonical name and orientation per role, its share checked.
+fn layer_plan(l: &LayerPlanPart, tensors: usize) -> Result<LayerPlan> {
     let piece = |&(tensor, file, offset, len): &PiecePart| {
         if tensor >= tensors {
             return Err(Error::OutOfRange {
@@ -387,112 +402,112 @@ pub(super) fn expert_plan(p: &PlanPart, tensors: usize) -> Result<ExpertPlan> {
             len,
         })
     };
-    let mut layers = Vec::with_capacity(p.layers.len());
-    for l in &p.layers {
-        let mut experts = Vec::with_capacity(l.experts.len());
-        for (w, s) in &l.experts {
-            experts.push(ExpertPieces {
-                weights: w.iter().map(piece).collect::<Result<_>>()?,
-                scales: s.iter().map(piece).collect::<Result<_>>()?,
-            });
-        }
-        if l.canonical.len() != l.roles.len() || l.orientations.len() != l.roles.len() {
-            return Err(Error::mismatch(
-                ATTACH,
-                format!(
-                    "layer {}: canonical roles and orientations, one per role",
-                    l.layer
-                ),
-                l.roles.len(),
-                l.canonical.len().min(l.orientations.len()),
-            ));
-        }
-        let orientations = l
-            .orientations
-            .iter()
-            .map(|o| match o.as_str() {
-                "out_in" => Ok(Orientation::OutIn),
-                "in_out" => Ok(Orientation::InOut),
-                other => Err(bad(
-                    "orientation",
-                    crate::error::quote(other),
-                    "out_in or in_out",
-                )),
-            })
-            .collect::<Result<_>>()?;
-        let gate_up = match &l.gate_up {
-            None => None,
-            Some(g) => Some(
-                GATE_UP
-                    .into_iter()
-                    .find(|x| format!("{x:?}") == *g)
-                    .ok_or_else(|| bad("gate_up layout", crate::error::quote(g), "unknown"))?,
-            ),
-        };
-        let share = match &l.share {
-            None => None,
-            Some(s) => {
-                let increasing = s.ids.windows(2).all(|w| w[0] < w[1]);
-                if s.ids.len() != experts.len() || !increasing || s.ids.iter().any(|&i| i >= s.of) {
-                    return Err(Error::bad_value(
-                        ATTACH,
-                        "layer",
-                        l.layer,
-                        format!(
-                            "the share's ids are not {} increasing ids below {}",
-                            experts.len(),
-                            s.of
-                        ),
-                    ));
-                }
-                Some(LayerShare {
-                    ids: s.ids.clone(),
-                    of: s.of,
-                    complete: s.complete,
-                    slices: s
-                        .slices
-                        .iter()
-                        .map(|c| RoleSlice {
-                            role: c.role.clone(),
-                            weight: c.weight,
-                            axis: axis_of(c.rows),
-                            start: c.start,
-                            len: c.len,
-                            extent: c.extent,
-                            shape: c.shape.clone(),
-                            whole: c.whole,
-                        })
-                        .collect(),
-                })
-            }
-        };
-        layers.push(LayerPlan {
-            layer: l.layer,
-            experts,
-            weight_bytes: l.weight_bytes,
-            scale_bytes: l.scale_bytes,
-            roles: l
-                .roles
-                .iter()
-                .map(|(s, n)| {
-                    let role = if *s {
-                        PieceRole::Scale
-                    } else {
-                        PieceRole::Weight
-                    };
-                    (role, n.clone())
-                })
-                .collect(),
-            canonical: l.canonical.clone(),
-            gate_up,
-            orientations,
-            share,
+    let mut experts = Vec::with_capacity(l.experts.len());
+    for (w, s) in &l.experts {
+        experts.push(ExpertPieces {
+            weights: w.iter().map(piece).collect::<Result<_>>()?,
+            scales: s.iter().map(piece).collect::<Result<_>>()?,
         });
     }
-    Ok(ExpertPlan {
-        naming: p.naming.clone(),
-        layers,
-        engine_tensors: p.engine_tensors,
-        engine_bytes: p.engine_bytes,
+    if l.canonical.len() != l.roles.len() || l.orientations.len() != l.roles.len() {
+        return Err(Error::mismatch(
+            ATTACH,
+            format!(
+                "layer {}: canonical roles and orientations, one per role",
+                l.layer
+            ),
+            l.roles.len(),
+            l.canonical.len().min(l.orientations.len()),
+        ));
+    }
+    let orientations = l
+        .orientations
+        .iter()
+        .map(|o| orientation_of(o))
+        .collect::<Result<_>>()?;
+    let gate_up = match &l.gate_up {
+        None => None,
+        Some(g) => Some(gate_up_of(g)?),
+    };
+    let share = match &l.share {
+        None => None,
+        Some(s) => Some(layer_share(s, l.layer, experts.len())?),
+    };
+    Ok(LayerPlan {
+        layer: l.layer,
+        experts,
+        weight_bytes: l.weight_bytes,
+        scale_bytes: l.scale_bytes,
+        roles: l
+            .roles
+            .iter()
+            .map(|(s, n)| {
+                let role = if *s {
+                    PieceRole::Scale
+                } else {
+                    PieceRole::Weight
+                };
+                (role, n.clone())
+            })
+            .collect(),
+        canonical: l.canonical.clone(),
+        gate_up,
+        orientations,
+        share,
+    })
+}
+
+fn orientation_of(text: &str) -> Result<Orientation> {
+    match text {
+        "out_in" => Ok(Orientation::OutIn),
+        "in_out" => Ok(Orientation::InOut),
+        other => Err(bad(
+            "orientation",
+            crate::error::quote(other),
+            "out_in or in_out",
+        )),
+    }
+}
+
+fn gate_up_of(text: &str) -> Result<GateUpLayout> {
+    GATE_UP
+        .into_iter()
+        .find(|x| format!("{x:?}") == text)
+        .ok_or_else(|| bad("gate_up layout", crate::error::quote(text), "unknown"))
+}
+
+/// Layer `layer`'s share from its part: its ids one per slot (`slots`), increasing and
+/// below the count it is a share of.
+fn layer_share(s: &SharePart, layer: usize, slots: usize) -> Result<LayerShare> {
+    let increasing = s.ids.windows(2).all(|w| w[0] < w[1]);
+    if s.ids.len() != slots || !increasing || s.ids.iter().any(|&i| i >= s.of) {
+        return Err(Error::bad_value(
+            ATTACH,
+            "layer",
+            layer,
+            format!(
+                "the share's ids are not {slots} increasing ids below {}",
+                s.of
+            ),
+        ));
+    }
+    Ok(LayerShare {
+        ids: s.ids.clone(),
+        of: s.of,
+        complete: s.complete,
+        slices: s
+            .slices
+            .iter()
+            .map(|c| RoleSlice {
+                role: c.role.clone(),
+                weight: c.weight,
+                axis: axis_of(c.rows),
+                start: c.start,
+                len: c.len,
+                extent: c.extent,
+                shape: c.shape.clone(),
+                whole: c.whole,
+            })
+            .collect(),
     })
 }
