@@ -22,21 +22,8 @@ fn dir(test: &str) -> std::path::PathBuf {
 
 /// A safetensors file of `(name, dtype, shape, bytes)`; returns its path.
 fn write(test: &str, tensors: &[(&str, &str, Vec<u64>, Vec<u8>)]) -> std::path::PathBuf {
-    let (mut at, mut entries, mut data) = (0, Vec::new(), Vec::new());
-    for (name, dtype, shape, bytes) in tensors {
-        entries.push(format!(
-            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{}]}}"#,
-            at + bytes.len()
-        ));
-        at += bytes.len();
-        data.extend_from_slice(bytes);
-    }
-    let header = format!("{{{}}}", entries.join(","));
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend(header.as_bytes());
-    file.extend(data);
     let path = dir(test).join("model.safetensors");
-    std::fs::write(&path, file).unwrap();
+    std::fs::write(&path, common::safetensors_bytes(tensors)).unwrap();
     path
 }
 

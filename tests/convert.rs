@@ -7,6 +7,8 @@
 //! known values.
 #![cfg(feature = "model")]
 
+mod common;
+
 use numapin::model::{
     Checkpoint, DenseLayout, Dtype, PlacementPlan, SafetensorsDtype, SliceAxis, TensorClass,
     TensorSlice,
@@ -33,23 +35,8 @@ const F16: [(u16, f32); 8] = [
 fn checkpoint(test: &str, tensors: &[(&str, &str, Vec<u64>, Vec<u8>)]) -> Checkpoint {
     let dir = std::env::temp_dir().join(format!("numapin-convert-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut at = 0;
-    let mut entries = Vec::new();
-    let mut data = Vec::new();
-    for (name, dtype, shape, bytes) in tensors {
-        entries.push(format!(
-            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{}]}}"#,
-            at + bytes.len()
-        ));
-        at += bytes.len();
-        data.extend_from_slice(bytes);
-    }
-    let header = format!("{{{}}}", entries.join(","));
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend(header.as_bytes());
-    file.extend(data);
     let path = dir.join("model.safetensors");
-    std::fs::write(&path, file).unwrap();
+    std::fs::write(&path, common::safetensors_bytes(tensors)).unwrap();
     Checkpoint::open(&path).unwrap()
 }
 

@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::memory_sources;
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::{Error, Node, NodeSet};
 
@@ -25,15 +26,6 @@ fn model(layer: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
                 .map(|i| (i * 3 + e * 5 + layer) as u8 ^ 0x5a)
                 .collect();
             (w, s)
-        })
-        .collect()
-}
-
-fn sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<ExpertSource<'_>> {
-    data.iter()
-        .map(|(w, s)| ExpertSource::Memory {
-            weights: w,
-            scales: s,
         })
         .collect()
 }
@@ -123,7 +115,9 @@ fn replicate_puts_a_full_copy_on_every_node_and_local_reads_find_one() {
     let layers = [model(0), model(1)];
     let copies = if bound_here() { set.len() } else { 1 };
     for (layer, data) in layers.iter().enumerate() {
-        let report = store.pack_layer(layer, &spec(), &sources(data)).unwrap();
+        let report = store
+            .pack_layer(layer, &spec(), &memory_sources(data))
+            .unwrap();
         assert_eq!(report.replicas, copies);
         assert_eq!(report.regions, 2 * copies);
         assert_eq!(report.bytes, model_bytes());
@@ -173,7 +167,9 @@ fn replicate_release_and_ensure_act_on_every_replica() {
     let set = common::nodes();
     let mut store = PinStore::new(Layout::Replicate(set), options(2)).unwrap();
     let data = model(0);
-    store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    store
+        .pack_layer(0, &spec(), &memory_sources(&data))
+        .unwrap();
     store.release(0, 5).unwrap();
     for node in set.iter() {
         assert!(matches!(
@@ -193,7 +189,7 @@ fn replicate_release_and_ensure_act_on_every_replica() {
     let copies = if bound_here() { set.len() } else { 1 } as u64;
     let one = (WEIGHT_BYTES + SCALE_BYTES) as u64;
     assert_eq!(store.stats().unwrap().bytes, (model_bytes() - one) * copies);
-    let srcs = sources(&data);
+    let srcs = memory_sources(&data);
     store.ensure(0, 5, &srcs[5]).unwrap();
     for node in set.iter() {
         assert_eq!(store.weights_on(node, 0, 5).unwrap(), &data[5].0[..]);
@@ -208,7 +204,9 @@ fn split_experts_puts_contiguous_blocks_on_the_nodes_in_order() {
     let n = set.len();
     let store = PinStore::new(Layout::SplitExperts(set), options(3)).unwrap();
     let data = model(0);
-    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    let report = store
+        .pack_layer(0, &spec(), &memory_sources(&data))
+        .unwrap();
     let blocks = n.min(EXPERTS);
     // One mbind per block per region, whether it took or degraded.
     assert_eq!(report.mbind_calls, 2 * blocks);
@@ -242,7 +240,9 @@ fn layer_per_node_loaders_write_on_the_layers_node() {
     let store = PinStore::new(Layout::LayerPerNode(set), options(3)).unwrap();
     for layer in 0..set.len() {
         let data = model(layer);
-        let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
+        let report = store
+            .pack_layer(layer, &spec(), &memory_sources(&data))
+            .unwrap();
         assert_eq!(report.local_bytes, model_bytes(), "layer {layer}");
         // Its loaders ran on its node, or the nearest one with CPUs if it has none.
         let node = set.nth(layer % set.len()).unwrap();
@@ -254,7 +254,9 @@ fn layer_per_node_loaders_write_on_the_layers_node() {
     }
     // Interleave binds to no single node: nothing counts as local.
     let store = PinStore::new(Layout::Interleave(set), options(3)).unwrap();
-    let report = store.pack_layer(0, &spec(), &sources(&model(0))).unwrap();
+    let report = store
+        .pack_layer(0, &spec(), &memory_sources(&model(0)))
+        .unwrap();
     assert_eq!(report.local_bytes, 0);
     assert_eq!(store.home_node(0, 0).unwrap(), None);
 }
@@ -281,7 +283,9 @@ fn loaders_give_the_calling_thread_its_affinity_back() {
         sched_setaffinity(None, &one).unwrap();
         // One loader thread: the calling thread loads everything itself.
         let store = PinStore::new(Layout::LayerPerNode(set), options(1)).unwrap();
-        let report = store.pack_layer(0, &spec(), &sources(&model(0))).unwrap();
+        let report = store
+            .pack_layer(0, &spec(), &memory_sources(&model(0)))
+            .unwrap();
         assert_eq!(report.local_bytes, model_bytes());
         assert_eq!(report.off_node_loaders, 0);
         let after = sched_getaffinity(None).unwrap();
@@ -391,7 +395,9 @@ fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
         let before = sched_getaffinity(None).unwrap();
         let store = PinStore::new(Layout::Interleave(set), options(set.len())).unwrap();
         let data = model(0);
-        let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+        let report = store
+            .pack_layer(0, &spec(), &memory_sources(&data))
+            .unwrap();
         if bound_here() {
             // One per node; a node without CPUs gets its loader on the nearest node with
             // some (which also has its own).
@@ -408,7 +414,9 @@ fn interleave_spreads_its_loaders_over_the_nodes_and_gives_the_affinity_back() {
         }
         // The other layouts' loaders follow the node they fill instead.
         let store = PinStore::new(Layout::LayerPerNode(set), options(set.len())).unwrap();
-        let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+        let report = store
+            .pack_layer(0, &spec(), &memory_sources(&data))
+            .unwrap();
         assert_eq!(report.loader_nodes, vec![filler(set.nth(0).unwrap())]);
     })
     .join()
@@ -427,7 +435,9 @@ fn replicate_domains_makes_a_copy_per_domain_and_local_reads_find_it() {
     assert_eq!(store.copy_groups(), &domains[..]);
     let copies = if bound_here() { domains.len() } else { 1 };
     let data = model(0);
-    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    let report = store
+        .pack_layer(0, &spec(), &memory_sources(&data))
+        .unwrap();
     assert_eq!(report.replicas, copies);
     assert_eq!(report.regions, 2 * copies);
     assert_eq!(report.mbind_calls, 2 * copies);

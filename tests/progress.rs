@@ -1,16 +1,19 @@
 //! The progress hook: monotonic reports, exactly one final report at the total, a number
 //! of calls bounded by the byte count, and hooks that panic or sleep.
 
+mod common;
+
 use std::fs::File;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use numapin::store::{
-    ExpertSource, LayerSpec, Layout, PROGRESS_STEP, PinStore, Progress, ProgressHook, ReadMode,
-    StoreOptions,
+    LayerSpec, Layout, PROGRESS_STEP, PinStore, Progress, ProgressHook, ReadMode, StoreOptions,
 };
 use numapin_testkit::synthetic::SyntheticModel;
+
+use common::memory_sources;
 
 const EXPERTS: usize = 40;
 const WEIGHTS: usize = (1 << 20) + 7;
@@ -21,15 +24,6 @@ fn data(layer: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
         .map(|e| {
             let b = (layer * 31 + e) as u8;
             (vec![b; WEIGHTS], vec![b ^ 0xff; SCALES])
-        })
-        .collect()
-}
-
-fn sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<ExpertSource<'_>> {
-    data.iter()
-        .map(|(w, s)| ExpertSource::Memory {
-            weights: w,
-            scales: s,
         })
         .collect()
 }
@@ -103,7 +97,9 @@ fn reports_are_monotonic_bounded_and_end_at_the_total() {
         let store = store(hook, threads);
         for layer in 0..2 {
             let data = data(layer);
-            let report = store.pack_layer(layer, &spec(), &sources(&data)).unwrap();
+            let report = store
+                .pack_layer(layer, &spec(), &memory_sources(&data))
+                .unwrap();
             let reports = std::mem::take(&mut *seen.lock().unwrap());
             check(&reports, layer, report.bytes, 2 * EXPERTS);
             // 40 MiB: the step is crossed at least twice before the end. One loader
@@ -156,7 +152,9 @@ fn a_panicking_hook_is_dropped_and_the_store_goes_on() {
         });
         let store = store(hook.clone(), threads);
         let data0 = data(0);
-        let report = store.pack_layer(0, &spec(), &sources(&data0)).unwrap();
+        let report = store
+            .pack_layer(0, &spec(), &memory_sources(&data0))
+            .unwrap();
         assert_eq!(report.experts, EXPERTS);
         assert!(hook.panicked());
         assert_eq!(
@@ -166,7 +164,9 @@ fn a_panicking_hook_is_dropped_and_the_store_goes_on() {
         );
         // The store still packs and reads.
         let data1 = data(1);
-        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        store
+            .pack_layer(1, &spec(), &memory_sources(&data1))
+            .unwrap();
         assert_eq!(
             calls.load(Ordering::Relaxed),
             1,
@@ -198,7 +198,9 @@ fn a_slow_hook_does_not_stop_the_load() {
     };
     let store = store(hook, 3);
     let data = data(0);
-    let report = store.pack_layer(0, &spec(), &sources(&data)).unwrap();
+    let report = store
+        .pack_layer(0, &spec(), &memory_sources(&data))
+        .unwrap();
     check(&seen.lock().unwrap(), 0, report.bytes, 2 * EXPERTS);
     for (e, (w, _)) in data.iter().enumerate() {
         assert_eq!(store.weights(0, e).unwrap(), &w[..]);
@@ -245,7 +247,9 @@ fn a_hook_whose_panic_payload_panics_on_drop_is_contained() {
         });
         let store = store(hook.clone(), threads);
         let data0 = data(0);
-        let report = store.pack_layer(0, &spec(), &sources(&data0)).unwrap();
+        let report = store
+            .pack_layer(0, &spec(), &memory_sources(&data0))
+            .unwrap();
         assert_eq!(report.experts, EXPERTS);
         assert!(hook.panicked(), "threads {threads} depth {depth}");
         assert_eq!(calls.load(Ordering::Relaxed), 1);
@@ -253,9 +257,13 @@ fn a_hook_whose_panic_payload_panics_on_drop_is_contained() {
         assert_eq!(drops.load(Ordering::Relaxed), 1, "depth {depth}");
         // The next pack, in this store or another, does not call the hook again.
         let data1 = data(1);
-        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        store
+            .pack_layer(1, &spec(), &memory_sources(&data1))
+            .unwrap();
         let other = self::store(hook.clone(), threads);
-        other.pack_layer(0, &spec(), &sources(&data1)).unwrap();
+        other
+            .pack_layer(0, &spec(), &memory_sources(&data1))
+            .unwrap();
         assert_eq!(calls.load(Ordering::Relaxed), 1);
         assert_eq!(drops.load(Ordering::Relaxed), 1);
         for (layer, data) in [(0, &data0), (1, &data1)] {
@@ -285,7 +293,9 @@ fn a_cancelling_hook_stops_its_layer_and_leaves_the_store_usable() {
         });
         let store = store(hook.clone(), threads);
         let data0 = data(0);
-        let err = store.pack_layer(0, &spec(), &sources(&data0)).unwrap_err();
+        let err = store
+            .pack_layer(0, &spec(), &memory_sources(&data0))
+            .unwrap_err();
         assert!(
             matches!(err, numapin::Error::Cancelled { layer: 0, .. }),
             "{err:?}"
@@ -300,7 +310,9 @@ fn a_cancelling_hook_stops_its_layer_and_leaves_the_store_usable() {
         assert_eq!((stats.layers, stats.experts_loaded), (0, 0));
         // The same store packs layer 1, and layer 0 again, and reads them right.
         let data1 = data(1);
-        store.pack_layer(1, &spec(), &sources(&data1)).unwrap();
+        store
+            .pack_layer(1, &spec(), &memory_sources(&data1))
+            .unwrap();
         for (e, (w, s)) in data1.iter().enumerate() {
             assert_eq!(store.weights(1, e).unwrap(), &w[..]);
             assert_eq!(store.scales(1, e).unwrap(), &s[..]);

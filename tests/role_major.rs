@@ -10,9 +10,8 @@
 
 mod common;
 
-use numapin::store::{
-    ExpertAssignment, ExpertSource, Home, LayerSpec, Layout, PinStore, StoreOptions,
-};
+use common::memory_sources;
+use numapin::store::{ExpertAssignment, Home, LayerSpec, Layout, PinStore, StoreOptions};
 use numapin::{Error, Node, NodeSet};
 
 const EXPERTS: usize = 6;
@@ -30,15 +29,6 @@ fn model() -> Vec<(Vec<u8>, Vec<u8>)> {
                 .map(|i| (i * 3 + s * 5) as u8 ^ 0x5a)
                 .collect();
             (w, sc)
-        })
-        .collect()
-}
-
-fn sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<ExpertSource<'_>> {
-    data.iter()
-        .map(|(w, s)| ExpertSource::Memory {
-            weights: w,
-            scales: s,
         })
         .collect()
 }
@@ -103,7 +93,7 @@ fn each_roles_experts_are_one_run_and_every_slot_of_an_expert_is_on_its_node() {
     let store = PinStore::new(Layout::SplitExperts(set), options()).unwrap();
     let data = model();
     let report = store
-        .pack_layer(0, &spec(ROLES * EXPERTS), &sources(&data))
+        .pack_layer(0, &spec(ROLES * EXPERTS), &memory_sources(&data))
         .unwrap();
     assert_eq!(report.weight_stride, WEIGHT_BYTES);
     assert_eq!(report.scale_stride, SCALE_BYTES);
@@ -173,7 +163,7 @@ fn every_role_of_an_expert_has_its_pages_on_its_home_node() {
     let store = PinStore::new(Layout::SplitExperts(set), options()).unwrap();
     let data = model();
     store
-        .pack_layer(0, &spec(ROLES * EXPERTS), &sources(&data))
+        .pack_layer(0, &spec(ROLES * EXPERTS), &memory_sources(&data))
         .unwrap();
     let mut seen = std::collections::BTreeSet::new();
     for s in 0..ROLES * EXPERTS {
@@ -222,7 +212,7 @@ fn role_major_refuses_what_it_cannot_keep_by_name() {
     let store = PinStore::new(split, options()).unwrap();
     let data = model();
     let short = &data[..ROLES * EXPERTS - 1];
-    match store.pack_layer(0, &spec(short.len()), &sources(short)) {
+    match store.pack_layer(0, &spec(short.len()), &memory_sources(short)) {
         Err(e @ Error::InvalidArgument { .. }) => {
             let text = e.to_string();
             assert!(text.contains("role-major") && text.contains("17"), "{text}");
@@ -230,13 +220,13 @@ fn role_major_refuses_what_it_cannot_keep_by_name() {
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     store
-        .pack_layer(0, &spec(data.len()), &sources(&data))
+        .pack_layer(0, &spec(data.len()), &memory_sources(&data))
         .unwrap();
     assert_eq!(store.weights(0, 5).unwrap(), &data[5].0[..]);
     // Role-major with one slot per expert is the default order.
     let plain = PinStore::new(split, options().role_major(1)).unwrap();
     plain
-        .pack_layer(0, &spec(data.len()), &sources(&data))
+        .pack_layer(0, &spec(data.len()), &memory_sources(&data))
         .unwrap();
     assert_eq!(
         plain.home_node(0, ROLES * EXPERTS - 1).unwrap(),

@@ -22,7 +22,7 @@ macro_rules! outln {
 }
 
 // `args`, `report`, `run`, `synthetic` and `whole` are public for the examples' support
-// module (re-exported to tests/examples.rs, tests/hostile7.rs and the benches) and the
+// module (re-exported to tests/examples/, tests/hostile7/ and the benches) and the
 // testkit (`synthetic`); everything else is the crate's.
 pub mod args;
 mod place;

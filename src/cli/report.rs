@@ -230,7 +230,7 @@ pub struct LayerRolesJson {
 }
 
 /// `numapin::Support` field by field, in the form the library's `serde` feature gives it
-/// (tests/examples.rs holds the two together): states and the THP mode as lowercase
+/// (tests/examples/probe.rs holds the two together): states and the THP mode as lowercase
 /// words, node sets as their Display strings, nodes as numbers.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SupportJson<'a> {

@@ -383,3 +383,32 @@ pub fn cold_read_count(test: &str, file: &std::fs::File, path: &std::path::Path)
     }
     before.filter(|_| cached == 0)
 }
+
+/// The bytes of a safetensors file holding `(name, dtype, shape, bytes)` back to back in
+/// that order, its header written here by hand (no numapin code).
+pub fn safetensors_bytes(tensors: &[(&str, &str, Vec<u64>, Vec<u8>)]) -> Vec<u8> {
+    let (mut at, mut entries, mut data) = (0, Vec::new(), Vec::new());
+    for (name, dtype, shape, bytes) in tensors {
+        entries.push(format!(
+            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{}]}}"#,
+            at + bytes.len()
+        ));
+        at += bytes.len();
+        data.extend_from_slice(bytes);
+    }
+    let header = format!("{{{}}}", entries.join(","));
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.extend(data);
+    file
+}
+
+/// A layer's sources from memory: each expert's `(weights, scales)` bytes.
+pub fn memory_sources(data: &[(Vec<u8>, Vec<u8>)]) -> Vec<numapin::store::ExpertSource<'_>> {
+    data.iter()
+        .map(|(w, s)| numapin::store::ExpertSource::Memory {
+            weights: w,
+            scales: s,
+        })
+        .collect()
+}

@@ -8,7 +8,7 @@
 //! `NUMAPIN_HOSTILE3_ROLE`): an abort fails the probe's test with the child's status
 //! instead of killing the run. The global allocator records the largest single
 //! allocation of each thread, so a test can assert that nothing was reserved for what a
-//! file merely claims.
+//! file merely claims. The probes of allocation against claimed counts are in `claims`.
 #![cfg(feature = "model")]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -60,8 +60,14 @@ fn largest_allocation_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
 const ROLE: &str = "NUMAPIN_HOSTILE3_ROLE";
 
 /// True in the child; in the parent, runs the child, asserts it succeeded, returns false.
-fn child(test: &str) -> bool {
-    if std::env::var(ROLE).is_ok_and(|r| r == test) {
+/// `module` is the test's `module_path!()`: the harness names a test by its path below
+/// the crate (`claims::name`), and `--exact` wants that path.
+fn child(module: &str, test: &str) -> bool {
+    let test = &match module.split_once("::") {
+        Some((_, below)) => format!("{below}::{test}"),
+        None => test.to_owned(),
+    };
+    if std::env::var(ROLE).is_ok_and(|r| r == *test) {
         return true;
     }
     let out = Command::new(std::env::current_exe().unwrap())
@@ -102,9 +108,10 @@ fn checkpoint_fault(result: numapin::Result<impl std::fmt::Debug>) -> (Checkpoin
     }
 }
 
+mod claims;
 mod files;
 
-use files::{F32, I8, expert, gguf, gstr, per_expert, write_f16, write_sparse, write_st};
+use files::{F32, expert, gguf, gstr, per_expert, write_f16, write_sparse};
 
 fn store() -> PinStore {
     PinStore::new(StoreLayout::Unplaced, StoreOptions::default()).unwrap()
@@ -122,7 +129,7 @@ fn store() -> PinStore {
 #[test]
 fn gguf_fused_gate_up_packs_whole_and_a_missing_role_is_refused() {
     const NAME: &str = "gguf_fused_gate_up_packs_whole_and_a_missing_role_is_refused";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let dir = scratch(NAME);
@@ -196,7 +203,7 @@ fn gguf_fused_gate_up_packs_whole_and_a_missing_role_is_refused() {
 #[test]
 fn a_role_missing_from_every_expert_is_refused() {
     const NAME: &str = "a_role_missing_from_every_expert_is_refused";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let dir = scratch(NAME);
@@ -237,7 +244,7 @@ fn a_role_missing_from_every_expert_is_refused() {
 #[test]
 fn a_lone_shard_is_refused_or_opened_through_its_index() {
     const NAME: &str = "a_lone_shard_is_refused_or_opened_through_its_index";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let dir = scratch(NAME);
@@ -290,7 +297,7 @@ fn a_lone_shard_is_refused_or_opened_through_its_index() {
 #[test]
 fn config_json_names_a_missing_moe_layer() {
     const NAME: &str = "config_json_names_a_missing_moe_layer";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let dir = scratch(NAME);
@@ -348,132 +355,7 @@ fn config_json_names_a_missing_moe_layer() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. Allocation bounded by bytes read, not by numbers a file claims
-
-/// A 1 TiB sparse GGUF whose header claims 2^36 key/values (then 2^35 tensor infos, then
-/// one array of 2^36 strings) used to reserve a terabyte and abort. The first entry is
-/// bad, so each is a quick error; nothing large was allocated.
-#[test]
-fn sparse_gguf_claiming_2_36_entries_reserves_nothing_for_them() {
-    const NAME: &str = "sparse_gguf_claiming_2_36_entries_reserves_nothing_for_them";
-    if !child(NAME) {
-        return;
-    }
-    let path = scratch(NAME).join("huge.gguf");
-    let header = |tensors: u64, kvs: u64, rest: &[u8]| {
-        let mut out = b"GGUF".to_vec();
-        out.extend_from_slice(&3u32.to_le_bytes());
-        out.extend_from_slice(&tensors.to_le_bytes());
-        out.extend_from_slice(&kvs.to_le_bytes());
-        out.extend_from_slice(rest);
-        out
-    };
-    let mut bad_kv = gstr("k");
-    bad_kv.extend_from_slice(&99u32.to_le_bytes()); // no such value type
-    let mut bad_tensor = gstr("t");
-    bad_tensor.extend_from_slice(&99u32.to_le_bytes()); // 99 dimensions
-    let mut strings = gstr("k");
-    strings.extend_from_slice(&9u32.to_le_bytes()); // array
-    strings.extend_from_slice(&8u32.to_le_bytes()); // of strings
-    strings.extend_from_slice(&(1u64 << 36).to_le_bytes());
-    strings.extend_from_slice(&u64::MAX.to_le_bytes()); // the first one absurdly long
-    let mut arrays = gstr("k");
-    arrays.extend_from_slice(&9u32.to_le_bytes());
-    arrays.extend_from_slice(&9u32.to_le_bytes()); // of arrays
-    arrays.extend_from_slice(&(1u64 << 36).to_le_bytes());
-    arrays.extend_from_slice(&99u32.to_le_bytes()); // the first of an unknown type
-    for (what, head) in [
-        ("2^36 key/values", header(0, 1 << 36, &bad_kv)),
-        ("2^35 tensors", header(1 << 35, 0, &bad_tensor)),
-        ("2^36 strings", header(0, 1, &strings)),
-        ("2^36 arrays", header(0, 1, &arrays)),
-    ] {
-        write_sparse(&path, &head, 1 << 40);
-        let (result, largest) = largest_allocation_during(|| Checkpoint::open(&path));
-        let (kind, e) = checkpoint_fault(result);
-        assert!(
-            matches!(kind, CheckpointFault::Header | CheckpointFault::Truncated),
-            "{what}: {e}"
-        );
-        assert!(largest <= 1 << 20, "{what}: {largest} bytes at once");
-    }
-}
-
-/// Merged GGUF expert tensors whose shape says 2^40 experts (a 3 TiB sparse file) used to
-/// abort while planning; 65,537 experts is one over the ceiling (a real, small file);
-/// 65,536 plans.
-#[test]
-fn merged_gguf_experts_beyond_the_ceiling_are_refused() {
-    const NAME: &str = "merged_gguf_experts_beyond_the_ceiling_are_refused";
-    if !child(NAME) {
-        return;
-    }
-    let path = scratch(NAME).join("experts.gguf");
-    let tensors = |n: u64| {
-        let (head, len) = gguf(
-            &[],
-            &[
-                ("blk.1.ffn_gate_exps.weight", vec![1, 1, n], I8, n),
-                ("blk.1.ffn_up_exps.weight", vec![1, 1, n], I8, n),
-                ("blk.1.ffn_down_exps.weight", vec![1, 1, n], I8, n),
-            ],
-        );
-        write_sparse(&path, &head, len);
-        let checkpoint = Checkpoint::open(&path).unwrap();
-        largest_allocation_during(|| checkpoint.expert_plan())
-    };
-    for n in [1u64 << 40, 65_537] {
-        let (plan, largest) = tensors(n);
-        let (kind, e) = checkpoint_fault(plan);
-        assert_eq!(kind, CheckpointFault::Shape, "{e}");
-        let Error::Checkpoint { tensor, reason, .. } = &e else {
-            unreachable!()
-        };
-        assert!(
-            tensor
-                .as_deref()
-                .is_some_and(|t| t.ends_with("_exps.weight")),
-            "{e}"
-        );
-        assert!(reason.contains(&format!("{n} experts")), "{e}");
-        assert!(reason.contains("at most 65536"), "{e}");
-        assert!(largest < 1 << 20, "{n}: {largest} bytes at once");
-    }
-    let (plan, _) = tensors(65_536);
-    let plan = plan.unwrap();
-    assert_eq!(plan.layers()[0].experts().len(), 65_536);
-    assert_eq!(plan.layers()[0].weight_bytes(), 3);
-}
-
-/// A fused safetensors expert tensor `[2^40, 1]` of U8 (a 2 TiB sparse file) used to
-/// abort while planning.
-#[test]
-fn fused_safetensors_experts_beyond_the_ceiling_are_refused() {
-    const NAME: &str = "fused_safetensors_experts_beyond_the_ceiling_are_refused";
-    if !child(NAME) {
-        return;
-    }
-    let path = scratch(NAME).join("fused.safetensors");
-    let n = 1u64 << 40;
-    write_st(
-        &path,
-        &[
-            (
-                "model.layers.0.mlp.experts.gate_up_proj",
-                "U8",
-                vec![n, 1],
-                n,
-            ),
-            ("model.layers.0.mlp.experts.down_proj", "U8", vec![n, 1], n),
-        ],
-    );
-    let checkpoint = Checkpoint::open(&path).unwrap();
-    let (plan, largest) = largest_allocation_during(|| checkpoint.expert_plan());
-    let (kind, e) = checkpoint_fault(plan);
-    assert_eq!(kind, CheckpointFault::Shape, "{e}");
-    assert!(e.to_string().contains("1099511627776 experts"), "{e}");
-    assert!(largest < 1 << 20, "{largest} bytes at once");
-}
+// 2. Allocation bounded by bytes read, not by numbers a file claims: `claims`
 
 // ---------------------------------------------------------------------------------------
 // 3a. A custom naming that lies
@@ -484,7 +366,7 @@ fn fused_safetensors_experts_beyond_the_ceiling_are_refused() {
 #[test]
 fn custom_naming_expert_usize_max_is_an_error_naming_the_tensor() {
     const NAME: &str = "custom_naming_expert_usize_max_is_an_error_naming_the_tensor";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let path = scratch(NAME).join("m.safetensors");
@@ -532,7 +414,7 @@ fn custom_naming_expert_usize_max_is_an_error_naming_the_tensor() {
 #[test]
 fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
     const NAME: &str = "errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose";
-    if !child(NAME) {
+    if !child(module_path!(), NAME) {
         return;
     }
     let dir = scratch(NAME);
@@ -597,69 +479,4 @@ fn errors_quote_at_most_a_few_hundred_bytes_of_what_a_file_chose() {
     let (head, len) = gguf(&[("general.alignment", 8, gstr(&big))], &[]);
     write_sparse(&gg, &head, len);
     bounded("alignment", checkpoint_fault(Checkpoint::open(&gg)).1);
-}
-
-/// DBRX's flattened experts (`ffn.experts.mlp.{w1,v1,w2}`, `[E·I, H]`): E from the
-/// router. A router claiming more than the ceiling, rows that do not divide into E, no
-/// router and no config: each a Shape error naming the tensor, nothing allocated per
-/// claimed expert, nothing packed. A consistent one packs E experts of I rows each.
-#[test]
-fn dbrx_flattened_experts_hostile_counts() {
-    const NAME: &str = "dbrx_flattened_experts_hostile_counts";
-    if !child(NAME) {
-        return;
-    }
-    let dir = scratch(NAME);
-    let flat = |rows: u64| {
-        ["w1", "v1", "w2"].map(|w| {
-            (
-                format!("transformer.blocks.0.ffn.experts.mlp.{w}"),
-                vec![rows, 4],
-                rows * 8,
-            )
-        })
-    };
-    let router = "transformer.blocks.0.ffn.router.layer.weight";
-    let cases: [(&str, Option<u64>, u64, &str); 4] = [
-        ("huge", Some(70_000), 70_000, "at most 65536 experts"),
-        ("uneven", Some(4), 10, "does not divide into 4 experts"),
-        ("no-router", None, 8, "router.layer.weight"),
-        ("ok", Some(4), 8, ""),
-    ];
-    for (case, experts, rows, words) in cases {
-        let mut tensors: Vec<(String, &str, Vec<u64>, u64)> = flat(rows)
-            .into_iter()
-            .map(|(n, s, b)| (n, "F16", s, b))
-            .collect();
-        if let Some(e) = experts {
-            tensors.push((router.to_owned(), "F16", vec![e, 4], e * 8));
-        }
-        let refs: Vec<(&str, &str, Vec<u64>, u64)> = tensors
-            .iter()
-            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), *b))
-            .collect();
-        let path = dir.join(format!("{case}.safetensors"));
-        write_st(&path, &refs);
-        let checkpoint = Checkpoint::open(&path).unwrap();
-        let plan = checkpoint.expert_plan();
-        if words.is_empty() {
-            let plan = plan.unwrap();
-            assert_eq!(plan.naming(), "generic");
-            let layer = plan.layer(0).unwrap();
-            assert_eq!(layer.experts().len(), 4);
-            assert_eq!(layer.weight_bytes(), 3 * 2 * 8);
-            let w1 = &layer.experts()[3].weights()[0];
-            assert_eq!(w1.len(), 16);
-            continue;
-        }
-        let (kind, e) = checkpoint_fault(plan);
-        assert_eq!(kind, CheckpointFault::Shape, "{case}: {e}");
-        assert!(
-            e.to_string().contains(words),
-            "{case}: {words:?} not in {e}"
-        );
-        let store = store();
-        assert!(checkpoint.pack(&store).is_err());
-        assert_eq!(store.stats().unwrap().layers, 0, "{case}: nothing packed");
-    }
 }

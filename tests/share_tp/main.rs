@@ -5,12 +5,16 @@
 //! are compared with numpy's bytes (`tensors.json` beside each fixture) cut here by plain
 //! index arithmetic; the ranks' pieces put back together — rows stacked for a row cut,
 //! each row's pieces side by side for a column cut — give numpy's whole tensor byte for
-//! byte, and a whole tensor is numpy's on every rank. Bad slices are named errors. No
+//! byte, and a whole tensor is numpy's on every rank. Bad slices are named errors
+//! (`bad_slices`); dense GGML blocks are kept whole (`ggml_blocks`). No
 //! node placement is asserted (that is the store's, tested elsewhere), so it runs the
 //! same on every host.
 #![cfg(feature = "model")]
 
+mod bad_slices;
+#[path = "../common/mod.rs"]
 mod common;
+mod ggml_blocks;
 
 use common::{fixtures, numpy_tensors, open_fixture};
 
@@ -449,81 +453,6 @@ fn slice_overrides_by_pattern_and_class() {
     );
 }
 
-#[test]
-fn bad_tp_slices_are_named_errors() {
-    let Some(dir) = fixtures("bad_tp_slices_are_named_errors") else {
-        return;
-    };
-    let nodes = common::nodes();
-    let opts = StoreOptions::default();
-    let st = open_fixture(&dir, "st-sharded");
-    let cols = |k, n| TensorSlice::part(SliceAxis::Columns, k, n).unwrap();
-    let err = |checkpoint: &Checkpoint, plan: PlacementPlan| {
-        let text = checkpoint
-            .placement_cost(&plan, &opts)
-            .unwrap_err()
-            .to_string();
-        assert!(checkpoint.place(&plan, options()).is_err(), "{text}");
-        text
-    };
-    // A column slice not dividing the axis names the tensor.
-    let text = err(&st, base(nodes).dense_slice(cols(0, 3)));
-    assert!(
-        text.contains("does not divide") && text.contains('"'),
-        "{text}"
-    );
-    // A huge n, a span from near u64::MAX: no panic, named errors.
-    let text = err(&st, base(nodes).dense_slice(cols(0, u64::MAX)));
-    assert!(text.contains("does not divide"), "{text}");
-    let far = TensorSlice::span(SliceAxis::Columns, u64::MAX - 1, 1).unwrap();
-    let text = err(&st, base(nodes).dense_slice(far));
-    assert!(text.contains("runs past the axis"), "{text}");
-    assert!(TensorSlice::span(SliceAxis::Columns, u64::MAX, 1).is_err());
-    let text = err(&st, base(nodes).tensor_parallel(0, u64::MAX).unwrap());
-    assert!(text.contains("does not divide"), "{text}");
-    // n = 0 and k ≥ n are refused when the preset is set.
-    assert!(base(nodes).tensor_parallel(0, 0).is_err());
-    assert!(base(nodes).tensor_parallel(2, 2).is_err());
-    assert!(base(nodes).tensor_parallel(u64::MAX, 1).is_err());
-    // A 1-D tensor under an explicit column pattern.
-    let text = err(
-        &st,
-        base(nodes).slice_pattern("*.input_layernorm.weight", cols(0, 2)),
-    );
-    assert!(
-        text.contains("1-D") && text.contains("input_layernorm"),
-        "{text}"
-    );
-    // A pattern matching nothing names the pattern.
-    let text = err(
-        &st,
-        base(nodes).slice_pattern("*.no_such_proj.*", cols(0, 2)),
-    );
-    assert!(
-        text.contains("no_such_proj") && text.contains("matches no"),
-        "{text}"
-    );
-    // A cut through an FP8 scale block names the block: the FP8 fixture's gate_proj has
-    // 160 columns under a grid of 2 (80 a block), and a quarter is 40.
-    let fp8 = open_fixture(&dir, "fam-deepseek-v3-fp8");
-    let text = err(&fp8, base(nodes).slice_pattern("*.gate_proj.*", cols(0, 4)));
-    assert!(
-        text.contains("weight_scale_inv") && text.contains("scale blocks of 80"),
-        "{text}"
-    );
-    // The TP preset over the FP8 fixture's MLP: 96 rows under one 128-row block.
-    let text = err(&fp8, base(nodes).tensor_parallel(0, 2).unwrap());
-    assert!(text.contains("scale blocks"), "{text}");
-    // A cut through a GGML block names it: the GGUF fixture's Q8_0 expert down
-    // projections have 32 columns, one block; the preset splits down by columns.
-    let gguf = open_fixture(&dir, "gguf-single");
-    let text = err(&gguf, base(nodes).tensor_parallel(1, 2).unwrap());
-    assert!(
-        text.contains("Q8_0 blocks of 32 elements") && text.contains("ffn_down_exps"),
-        "{text}"
-    );
-}
-
 /// A column slice's rows are back to back in the slot whatever the layout options: a
 /// 4096-byte `piece_align`, direct reads with their congruent layout, `piece_congruence`
 /// on; the views stay numpy's and every copy verifies.
@@ -569,93 +498,6 @@ fn column_slices_hold_under_direct_reads_and_wide_alignment() {
             verify_all(&format!("{name} {what}"), &checkpoint, &ranks);
         }
     }
-}
-
-/// A GGUF v3 file with two dense Q8_0 tensors `[8 rows, 64 columns]` (`ne` `[64, 8]`:
-/// two 34-byte blocks of 32 elements a row), data a byte pattern; returns its path and
-/// each tensor's bytes as written.
-fn q8_0_gguf(dir: &std::path::Path) -> (std::path::PathBuf, Vec<(String, Vec<u8>)>) {
-    const Q8_0: u32 = 8;
-    let names = ["blk.0.attn_q.weight", "blk.0.attn_output.weight"];
-    let bytes = 8 * 2 * 34;
-    let gstr = |s: &str| {
-        let mut out = (s.len() as u64).to_le_bytes().to_vec();
-        out.extend_from_slice(s.as_bytes());
-        out
-    };
-    let mut out = b"GGUF".to_vec();
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&(names.len() as u64).to_le_bytes());
-    out.extend_from_slice(&0u64.to_le_bytes());
-    let mut at = 0u64;
-    for name in names {
-        out.extend_from_slice(&gstr(name));
-        out.extend_from_slice(&2u32.to_le_bytes());
-        for d in [64u64, 8] {
-            out.extend_from_slice(&d.to_le_bytes());
-        }
-        out.extend_from_slice(&Q8_0.to_le_bytes());
-        out.extend_from_slice(&at.to_le_bytes());
-        at = (at + bytes).next_multiple_of(32);
-    }
-    out.resize(out.len().next_multiple_of(32), 0);
-    let mut tensors = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        let data: Vec<u8> = (0..bytes).map(|b| (b * 7 + i as u64 * 3) as u8).collect();
-        out.extend_from_slice(&data);
-        out.resize(out.len().next_multiple_of(32), 0);
-        tensors.push((name.to_string(), data));
-    }
-    let path = dir.join("q8_0.gguf");
-    std::fs::write(&path, out).unwrap();
-    (path, tensors)
-}
-
-/// Dense GGML blocks: a column slice keeps whole Q8_0 blocks (each rank one block a row,
-/// its bytes the file's, cut here by index arithmetic), a cut through one is an error
-/// naming the block size, and the TP preset cuts attn_q by rows and attn_output by
-/// columns.
-#[test]
-fn dense_ggml_blocks_are_kept_whole_or_refused_by_name() {
-    let dir = std::env::temp_dir().join(format!("numapin-share-tp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (path, tensors) = q8_0_gguf(&dir);
-    let checkpoint = Checkpoint::open(&path).unwrap();
-    let nodes = common::nodes();
-    let (row, block) = (68usize, 34usize);
-    for k in 0..2u64 {
-        let plan = base(nodes).dense_slice(TensorSlice::part(SliceAxis::Columns, k, 2).unwrap());
-        let model = checkpoint.place(&plan, options()).unwrap();
-        for (name, bytes) in &tensors {
-            let view = model.tensor(name).unwrap();
-            assert_eq!(view.shape(), &[8, 32], "{name}");
-            let want: Vec<u8> = bytes
-                .chunks(row)
-                .flat_map(|r| r[k as usize * block..(k as usize + 1) * block].to_vec())
-                .collect();
-            assert!(view.bytes().unwrap() == &want[..], "{name} rank {k}");
-        }
-        assert!(model.verify(&checkpoint).unwrap().verified());
-        let plan = base(nodes).tensor_parallel(k, 2).unwrap();
-        let model = checkpoint.place(&plan, options()).unwrap();
-        let q = model.tensor("blk.0.attn_q.weight").unwrap();
-        assert_eq!(q.shape(), &[4, 64]);
-        let rows = &tensors[0].1[k as usize * 4 * row..(k as usize + 1) * 4 * row];
-        assert!(q.bytes().unwrap() == rows, "attn_q rank {k}");
-        let o = model.tensor("blk.0.attn_output.weight").unwrap();
-        assert_eq!(o.shape(), &[8, 32]);
-        assert_eq!(o.slice().unwrap().axis, SliceAxis::Columns);
-    }
-    let plan = base(nodes).dense_slice(TensorSlice::part(SliceAxis::Columns, 1, 4).unwrap());
-    let text = checkpoint
-        .placement_cost(&plan, &StoreOptions::default())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        text.contains("Q8_0 blocks of 32 elements") && text.contains("attn_q"),
-        "{text}"
-    );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// DeepSeek-V3's FP8 `weight_scale_inv` grid is cut with its weight by columns: the
