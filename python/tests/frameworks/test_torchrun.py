@@ -57,9 +57,9 @@ def cases_at(n: int) -> list[tuple[str, str]]:
     cases = [(f, m) for f in families_n for m in MODES
              if m == "ep" or kv_heads(f) >= n]
     if n == 2 and not FULL:
-        # The file's own fused experts (Granite `input_linear`), held whole per rank;
-        # its tp (packed halves of a file-fused tensor) is not mapped yet.
-        cases += [("granitemoe", "ep"), ("granitemoe", "eptp")]
+        # The file's own fused experts (Granite `input_linear`): held whole per rank (ep,
+        # eptp), or cut rows k/n of each packed half (tp).
+        cases += [("granitemoe", m) for m in MODES]
     return cases
 
 
