@@ -198,16 +198,18 @@ fn check_orientations(checkpoint: &Checkpoint, name: &str, naming: &str, want: &
     }
 }
 
-/// The families the preset cannot cut are refused by name: a fused gate_up (the
-/// `fused` preset's and the generic naming's merged families, either orientation), and
-/// GGUF's Q8_0 down whose input dimension (its columns: 32) is one block.
+/// The families the preset cannot cut are refused by name: a fused gate_up that does not
+/// hold gate rows then up rows (the `fused` preset's and the generic naming's `[H, 2I]`
+/// families, gpt-oss's interleaved one), and GGUF's Q8_0 down whose input dimension (its
+/// columns: 32) is one block. A fused gate_up of gate rows then up rows (Granite, JetMoE)
+/// is cut rows k/n of each half: placed, verified, each expert's `[2I/2, H]`.
 #[test]
 fn tp_refuses_what_it_cannot_cut_naming_the_role() {
     let Some(dir) = fixtures("tp_refuses_what_it_cannot_cut_naming_the_role") else {
         return;
     };
     let nodes = common::nodes();
-    let cases: [(&str, &str, Orientation, &[&str]); 8] = [
+    let cases: [(&str, &str, Orientation, &[&str]); 5] = [
         ("st-fused", "fused", Orientation::InOut, &["gate_up_proj"]),
         (
             "fam-qwen3-vl-moe",
@@ -217,19 +219,6 @@ fn tp_refuses_what_it_cannot_cut_naming_the_role() {
         ),
         ("fam-llama4", "generic", Orientation::InOut, &["gate_up"]),
         ("fam-gpt-oss", "generic", Orientation::InOut, &["gate_up"]),
-        (
-            "fam-granite-moe",
-            "generic",
-            Orientation::OutIn,
-            &["gate_up"],
-        ),
-        (
-            "fam-granite-moe-v5",
-            "generic",
-            Orientation::OutIn,
-            &["gate_up"],
-        ),
-        ("fam-jetmoe", "generic", Orientation::OutIn, &["gate_up"]),
         (
             "gguf-single",
             "gguf-merged",
@@ -251,5 +240,17 @@ fn tp_refuses_what_it_cannot_cut_naming_the_role() {
         for w in words {
             assert!(text.contains(w), "{name}: {w:?} not in {text}");
         }
+    }
+    for name in ["fam-granite-moe", "fam-granite-moe-v5", "fam-jetmoe"] {
+        let checkpoint = open_fixture(&dir, name);
+        let expert_plan = checkpoint.expert_plan().unwrap();
+        let layer = &expert_plan.layers()[0];
+        let whole = layer.experts()[0].weights()[0].len();
+        let model = checkpoint.place(&plan(nodes, 1, 2), options()).unwrap();
+        let verify = model.verify(&checkpoint).unwrap();
+        assert!(verify.verified(), "{name}: {verify}");
+        let views = model.expert(layer.layer(), 0).unwrap();
+        let gate_up = views.iter().find(|v| v.canonical == "gate_up").unwrap();
+        assert_eq!(2 * gate_up.bytes.len() as u64, whole, "{name}");
     }
 }

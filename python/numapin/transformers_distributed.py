@@ -10,7 +10,8 @@ DTensor parameter's local shard is a numapin view.
    embedding's vocabulary rows), `Shard(-1)` of a matrix `rowwise` (columns k/n), an
    expert parameter's `Shard(0)` the held experts (`experts_held`, whole), its
    `_StridedShard` / `Shard` of the packed gate_up rows (`packed_colwise`) each per-expert
-   gate and up by rows k/n, its `Shard(-1)` each down by columns; replicated or unnamed:
+   gate and up by rows k/n (a gate_up the file holds fused, Granite's `input_linear`:
+   rows k/n of each half), its `Shard(-1)` each down by columns; replicated or unnamed:
    whole. numapin places that share (`Checkpoint.place(framework_plan=..., rank=...,
    experts_held=...)`), refusing by name before anything is reserved a cut that splits a
    head or does not divide its axis.
@@ -246,10 +247,13 @@ def _share_of(sharded: dict, sources: Sources, tied: frozenset[str]
                 held_ranges.add((k * local, local))
                 continue
             if p.ndim == 3:
-                raise InvalidArgument(
-                    f"numapin.transformers: {target}: an expert tensor the file holds fused, "
-                    f"cut by {cut}: numapin places its experts one slot each")
-            style = "colwise" if dim == 0 else "rowwise" if dim == p.ndim - 1 else None
+                # TP of every expert of a tensor the file holds fused: `packed_colwise`
+                # (`_StridedShard` of the rows, gate and up: rows k/n of each half) and
+                # `rowwise` (columns k/n); numapin cuts each expert's slot so, and the
+                # layer's held rows are one strided view.
+                style = _fused_expert_style(target, cut, dim)
+            else:
+                style = "colwise" if dim == 0 else "rowwise" if dim == p.ndim - 1 else None
         elif target in tied:
             continue  # transformers ties it to the parameter the file holds
         else:
@@ -279,6 +283,20 @@ def _share_of(sharded: dict, sources: Sources, tied: frozenset[str]
         ((k, n),) = ranks
         rank = f"{k}/{n}"
     return _globs(modules), experts_held, rank
+
+
+def _fused_expert_style(target: str, cut: Any, dim: int) -> str:
+    """The framework-plan style of an `[E, 2I, H]` / `[E, H, I]` expert tensor the file
+    holds fused, cut by `cut` along `dim` (not the experts axis): the packed rows of gate
+    and up (`_StridedShard` of 2), or the columns."""
+    if dim == 1 and isinstance(cut, _StridedShard) and getattr(cut, "split_factor", 0) == 2:
+        return "packed_colwise"
+    if dim == 2 and not isinstance(cut, _StridedShard):
+        return "rowwise"
+    raise InvalidArgument(
+        f"numapin.transformers: {target}: an expert tensor the file holds fused, cut by "
+        f"{cut}: numapin cuts its rows k/n of each of 2 packed halves (gate, up) or its "
+        f"columns")
 
 
 def _globs(modules: dict[str, str]) -> dict[str, str]:

@@ -238,7 +238,7 @@ impl Checkpoint {
         kind: Kind,
         pieces: &[super::TensorPiece],
     ) -> Option<String> {
-        use super::slice::check::{Part, expected, mismatch};
+        use super::slice::check::{Part, expected_parts, mismatch};
         let share = layer.share()?;
         let weight = kind == Kind::Weights;
         let mut at = 0usize;
@@ -277,7 +277,7 @@ impl Checkpoint {
                 dtype: t.dtype(),
             };
             let slice = (cut.axis, cut.start, cut.len, cut.extent);
-            let want = match expected(part, slice, cut.whole) {
+            let want = match expected_parts(part, slice, cut.parts, cut.whole) {
                 Ok(want) => want,
                 Err(why) => return Some(format!("{}: {why}", cut.role)),
             };

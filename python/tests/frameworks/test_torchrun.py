@@ -12,7 +12,8 @@ shape and dtype of transformers' own; numapin's lies in memory the WholeModel pl
 transformers cuts. Fewer KV heads than ranks is refused by numapin by name.
 
 One torchrun job per rank count runs its cases (the process start and torch's import paid
-once): n = 2 on five families, n = 4 on the two fixtures with 4 KV heads (qwen3_moe_kv4,
+once): n = 2 on five families and granitemoe (its experts fused in the file: tp cuts
+rows k/n of each packed half of `input_linear`), n = 4 on the two fixtures with 4 KV heads (qwen3_moe_kv4,
 mixtral_kv4). The full matrix (every family at n = 2 and n = 4; at n = 4 TP and EP+TP
 only where the family has 4 KV heads): NUMAPIN_TORCHRUN_FULL=1 (docs/frameworks.md).
 """
@@ -57,9 +58,9 @@ def cases_at(n: int) -> list[tuple[str, str]]:
     cases = [(f, m) for f in families_n for m in MODES
              if m == "ep" or kv_heads(f) >= n]
     if n == 2 and not FULL:
-        # The file's own fused experts (Granite `input_linear`), held whole per rank;
-        # its tp (packed halves of a file-fused tensor) is not mapped yet.
-        cases += [("granitemoe", "ep"), ("granitemoe", "eptp")]
+        # The file's own fused experts (Granite `input_linear`): held whole per rank (ep,
+        # eptp), or cut rows k/n of each packed half (tp).
+        cases += [("granitemoe", m) for m in MODES]
     return cases
 
 

@@ -63,8 +63,9 @@ impl Share {
 
     /// [`Share::tensor_parallel`]: rank `k` of `n`, gate and up cut along their output
     /// dimension, down along its input dimension (rows and columns of `[out, in]`; DBRX's
-    /// `[in, out]` `w2` by rows); a fused or unknown role is an error when the share is
-    /// placed.
+    /// `[in, out]` `w2` by rows; a fused gate_up stored gate rows then up rows by rows
+    /// k/n of each half, transformers' `packed_colwise`); an unknown role, or a fused
+    /// gate_up of another layout, is an error when the share is placed.
     ///
     /// # Errors
     /// `n` is 0 or `k ≥ n`; the share has a [`Share::tensor_slice`] already

@@ -34,6 +34,43 @@ fn exact(a: u64, n: u64, d: u64) -> Option<u64> {
     (d > 0 && p.is_multiple_of(d)).then(|| p / d)
 }
 
+/// The pieces a packed slice must be: `len` entries in all, `len / parts` from `start`
+/// of each of `parts` equal row blocks of the `extent` rows (one piece per block, each
+/// `extent / parts` rows after the one before). `parts` 1 is [`expected`].
+pub(crate) fn expected_parts(
+    part: Part,
+    (axis, start, len, extent): (SliceAxis, u64, u64, u64),
+    parts: u64,
+    whole: bool,
+) -> Result<Expected, String> {
+    if parts <= 1 || whole {
+        return expected(part, (axis, start, len, extent), whole);
+    }
+    if axis != SliceAxis::Rows {
+        return Err(format!(
+            "a packed slice of {parts} blocks cuts rows, not {axis:?}"
+        ));
+    }
+    let (Some(block), Some(each)) = (exact(extent, 1, parts), exact(len, 1, parts)) else {
+        return Err(format!(
+            "{len} of {extent} rows are not {parts} equal blocks' equal shares"
+        ));
+    };
+    if start.saturating_add(each) > block {
+        return Err(format!(
+            "rows {start}..{} of each block run past its {block} rows",
+            start + each
+        ));
+    }
+    let one = expected(part, (axis, start, each, extent), false)?;
+    let row = exact(part.bytes, 1, part.outer).unwrap_or(0);
+    Ok(Expected {
+        count: parts,
+        stride: block * row,
+        ..one
+    })
+}
+
 /// The pieces `len` entries from `start` of `axis` (of `extent` entries) must be, or why
 /// no pieces can be (a row that is not whole bytes, a cut inside an element's bytes or a
 /// block of a block type). `whole`: a part kept whole (one piece, all of it).
@@ -174,5 +211,26 @@ mod tests {
         assert!(expected(part(9, &[3, 6], St::F4), rows, false).is_ok());
         let rows = (SliceAxis::Rows, 1, 1, 2);
         assert!(expected(part(3, &[2, 3], St::F4), rows, false).is_err());
+    }
+
+    #[test]
+    fn a_packed_slice_is_one_piece_per_block() {
+        // [8, 2] F16 (4-byte rows), rows 1..2 of each of 2 blocks of 4 rows.
+        let p = part(32, &[8, 2], St::F16);
+        let want = expected_parts(p, (SliceAxis::Rows, 1, 2, 8), 2, false).unwrap();
+        let one = Expected {
+            offset: 4,
+            len: 4,
+            count: 2,
+            stride: 16,
+        };
+        assert_eq!(want, one);
+        assert_eq!(mismatch(&[(104, 4), (120, 4)], &want, 100), None);
+        // One range of rows 1..3 (an unpacked cut) is not it.
+        assert!(mismatch(&[(104, 8)], &want, 100).is_some());
+        // Rows past a block, blocks that do not divide, columns: no pieces.
+        assert!(expected_parts(p, (SliceAxis::Rows, 3, 4, 8), 2, false).is_err());
+        assert!(expected_parts(p, (SliceAxis::Rows, 0, 2, 8), 3, false).is_err());
+        assert!(expected_parts(p, (SliceAxis::Columns, 0, 2, 2), 2, false).is_err());
     }
 }

@@ -124,6 +124,8 @@ impl PlacedModel {
         for (cut, (name, canonical)) in cuts.iter().zip(names) {
             let rows = match cut.shape.split_last() {
                 Some((_, outer)) if sliced_by_columns(cut) => outer.iter().product::<u64>(),
+                // A packed row cut: one piece per block (gate rows, then up rows).
+                _ if !cut.whole => cut.parts.max(1),
                 _ => 1,
             };
             let count = usize::try_from(rows).unwrap_or(usize::MAX);

@@ -2,7 +2,7 @@
 //! `tp_plan` vocabulary (glob → style) read as data and turned into the slices of a
 //! [`PlacementPlan`], checked against the checkpoint before anything is reserved.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::assign::{expert_tensor_indices, experts_of};
 use super::glob::glob_match;
@@ -10,7 +10,7 @@ use super::plan::PlacementPlan;
 use super::shape::normalized_shape;
 use super::tp::expert_axis;
 use crate::error::{Error, Invalid, Result, quote};
-use crate::model::{Checkpoint, SliceAxis, TensorInfo, TensorSlice};
+use crate::model::{Checkpoint, ExpertPlan, Naming, PieceRole, SliceAxis, TensorInfo, TensorSlice};
 
 /// What a framework plan asks of a module's tensors, in transformers' vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +147,9 @@ impl FrameworkPlan {
     /// All before anything is reserved, each naming the tensor: a style numapin does not
     /// know; `packed_colwise` on a dense tensor (numapin cannot cut it by packed part); a
     /// routed expert's tensor cut on another axis than its role's, or only some of them; a
-    /// cut whose axis `ranks` does not divide; a cut of an attention projection whose
+    /// fused gate_up cut otherwise than `packed_colwise`, or stored otherwise than gate
+    /// rows then up rows; a cut whose axis `ranks` does not divide (a fused gate_up's rows
+    /// into 2 halves of `ranks` parts); a cut of an attention projection whose
     /// heads (config.json's `num_attention_heads`, `num_key_value_heads` for `k_proj` /
     /// `v_proj`) `ranks` does not divide (fewer heads than ranks would split a head); a
     /// glob that names no tensor with an unknown style. `rank ≥ ranks` or `ranks` 0.
@@ -164,6 +166,7 @@ impl FrameworkPlan {
         TensorSlice::part(SliceAxis::Rows, rank, ranks)?;
         let experts = experts_of(checkpoint)?;
         let expert_tensors = expert_tensor_indices(experts.as_ref());
+        let roles = canonical_roles(experts.as_ref());
         let held_whole = plan.expert_share().is_some_and(|s| !s.experts.is_all());
         let mut used = BTreeSet::new();
         let mut cuts: Vec<(&str, TensorSlice)> = Vec::new();
@@ -189,7 +192,8 @@ impl FrameworkPlan {
                 continue;
             }
             if expert_tensors.contains(&index) {
-                if self.cuts_expert(t, module, at, ranks)? {
+                let role = roles.get(&index).map(String::as_str);
+                if self.cuts_expert(t, (module, role), at, ranks)? {
                     expert_cuts.insert(index);
                 }
                 continue;
@@ -262,10 +266,17 @@ impl FrameworkPlan {
     }
 
     /// Whether entry `at`'s style cuts routed expert tensor `t` (tensor parallelism of
-    /// every expert: gate and up by rows, down by columns); `false` when it replicates.
-    /// Refused: an unknown style, a style or axis that is not the role's, an axis
-    /// `ranks` does not divide.
-    fn cuts_expert(&self, t: &TensorInfo, module: &[&str], at: usize, ranks: u64) -> Result<bool> {
+    /// every expert: gate and up by rows, down by columns, a fused gate_up by rows of
+    /// each half); `false` when it replicates. `role`: the naming's canonical role of
+    /// `t`, when it has one. Refused: an unknown style, a style or axis that is not the
+    /// role's, an axis `ranks` does not divide.
+    fn cuts_expert(
+        &self,
+        t: &TensorInfo,
+        (module, role): (&[&str], Option<&str>),
+        at: usize,
+        ranks: u64,
+    ) -> Result<bool> {
         let (glob, style_name) = &self.entries[at];
         let named = || format!("{} ({}: {})", quote(t.name()), glob.join("."), style_name);
         let Some(style) = FrameworkStyle::from_name(style_name) else {
@@ -274,7 +285,7 @@ impl FrameworkPlan {
         if style == FrameworkStyle::Replicate {
             return Ok(false);
         }
-        expert_cut(t, module, (style, style_name), ranks, &named)?;
+        expert_cut(t, (module, role), (style, style_name), ranks, &named)?;
         Ok(true)
     }
 
@@ -311,11 +322,70 @@ fn unknown_style(style: &str, named: String) -> Error {
     )
 }
 
+/// Each routed expert weight tensor's canonical role (`gate`, `up`, `gate_up`, `down`),
+/// by tensor index.
+fn canonical_roles(experts: Option<&(Naming, ExpertPlan)>) -> BTreeMap<usize, String> {
+    let mut out = BTreeMap::new();
+    for layer in experts.iter().flat_map(|(_, p)| p.layers()) {
+        let canonical: Vec<&String> = layer
+            .roles
+            .iter()
+            .zip(&layer.canonical)
+            .filter(|((r, _), _)| *r == PieceRole::Weight)
+            .map(|(_, c)| c)
+            .collect();
+        for expert in layer.experts() {
+            for (p, c) in expert.weights().iter().zip(&canonical) {
+                out.insert(p.tensor(), (*c).clone());
+            }
+        }
+    }
+    out
+}
+
+/// Checks a fused gate_up's cut: `packed_colwise` only (rows `k/n` of each half, as
+/// transformers holds it), its rows (`[…, 2I, H]`) dividing into 2 halves of `ranks`
+/// parts. Whether the layer stores gate rows then up rows is the slicer's check.
+fn packed_cut(
+    t: &TensorInfo,
+    (style, style_name): (FrameworkStyle, &str),
+    ranks: u64,
+    named: &dyn Fn() -> String,
+) -> Result<()> {
+    if style != FrameworkStyle::PackedColwise {
+        return Err(Error::bad_value(
+            SHARE,
+            "framework plan style",
+            quote(style_name),
+            format!(
+                "{}: a fused gate_up (gate rows then up rows) is cut by packed_colwise, rows \
+                 k/n of each half; another cut would mix gate and up rows",
+                named()
+            ),
+        ));
+    }
+    let shape = normalized_shape(t);
+    let rows = shape.len().checked_sub(2).map_or(1, |i| shape[i]);
+    if !rows.is_multiple_of(ranks.saturating_mul(2)) {
+        return Err(Error::bad_value(
+            SHARE,
+            "rank count",
+            ranks,
+            format!(
+                "{}: the rows of {rows} do not divide into 2 packed halves of {ranks} ranks",
+                named()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a cutting style on a routed expert's tensor against the per-role axis numapin
-/// cuts it by (gate and up rows, down columns: [`expert_axis`]); 1 when it agrees.
+/// cuts it by (gate and up rows, down columns: [`expert_axis`]; a fused gate_up
+/// [`packed_cut`]); 1 when it agrees.
 fn expert_cut(
     t: &TensorInfo,
-    module: &[&str],
+    (module, canonical): (&[&str], Option<&str>),
     (style, style_name): (FrameworkStyle, &str),
     ranks: u64,
     named: &dyn Fn() -> String,
@@ -338,7 +408,10 @@ fn expert_cut(
         }
     };
     let role = module.last().copied().unwrap_or_default();
-    let axis = expert_axis(role);
+    if canonical == Some("gate_up") {
+        return packed_cut(t, (style, style_name), ranks, named);
+    }
+    let axis = expert_axis(role).or_else(|| canonical.and_then(expert_axis));
     if axis != Some(want) {
         return Err(refused(format!(
             "a routed expert's {} cut by {}; numapin cuts an expert's gate and up by rows, \

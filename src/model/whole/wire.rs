@@ -122,9 +122,16 @@ struct RoleSlicePart {
     rows: bool,
     start: u64,
     len: u64,
+    /// [`RoleSlice::parts`]; absent (1) in a manifest written before packed cuts.
+    #[serde(default = "one_part")]
+    parts: u64,
     extent: u64,
     shape: Vec<u64>,
     whole: bool,
+}
+
+fn one_part() -> u64 {
+    1
 }
 
 const GATE_UP: [GateUpLayout; 5] = [
@@ -357,6 +364,7 @@ pub(super) fn plan_part(plan: &ExpertPlan) -> PlanPart {
                             rows: c.axis == SliceAxis::Rows,
                             start: c.start,
                             len: c.len,
+                            parts: c.parts,
                             extent: c.extent,
                             shape: c.shape.clone(),
                             whole: c.whole,
@@ -504,6 +512,7 @@ fn layer_share(s: &SharePart, layer: usize, slots: usize) -> Result<LayerShare> 
                 axis: axis_of(c.rows),
                 start: c.start,
                 len: c.len,
+                parts: c.parts,
                 extent: c.extent,
                 shape: c.shape.clone(),
                 whole: c.whole,
