@@ -69,7 +69,7 @@ fn the_default_stride_is_the_slot_rounded_to_the_page() {
 /// must ask the same nodes at nearly the same moment. Sharing the process with the other
 /// tests of this binary (each packing stores of up to 21 MiB meanwhile), or the control
 /// on the local node while the store interleaves over all of them (the VM's nodes hold
-/// 384 to 512 MiB), let the two see different free huge pages.
+/// 768 MiB), let the two see different free huge pages.
 #[test]
 fn huge_pages_back_the_region_as_well_as_a_control_region() {
     if !common::alone("huge_pages_back_the_region_as_well_as_a_control_region") {

@@ -4,16 +4,17 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use numapin::store::{ExpertSource, LayerSpec, Layout, PinStore, ReadMode, StoreOptions};
 use numapin_testkit::cache::{cached_pages, evict};
+use numapin_testkit::scratch::ScratchDir;
 
-fn dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("hostile6-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn dir(name: &str) -> ScratchDir {
+    ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("hostile6-{name}"),
+    )
 }
 
 /// `len` bytes no two 4 KiB pages of which are alike (xorshift64*), written and synced.
@@ -47,7 +48,7 @@ fn evicts_here(dir: &Path) -> bool {
 
 /// `dir(name)` where evicting a file from the page cache works; `None` (after saying
 /// NOT RUN for `test`) where it cannot.
-fn evictable_dir(name: &str, test: &str) -> Option<PathBuf> {
+fn evictable_dir(name: &str, test: &str) -> Option<ScratchDir> {
     let d = dir(name);
     if !evicts_here(&d) {
         println!(

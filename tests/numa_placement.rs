@@ -49,6 +49,19 @@ fn touched(policy: &MemPolicy) -> Region {
     r
 }
 
+/// Node `node`'s memory in MiB, from its `MemTotal` line in sysfs (read here, not by numapin).
+fn node_total_mib(node: usize) -> usize {
+    let path = format!("/sys/devices/system/node/node{node}/meminfo");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let kib: usize = text
+        .lines()
+        .find(|l| l.contains("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no MemTotal in {path}: {text}"));
+    kib >> 10
+}
+
 fn first_three(nodes: &NodeSet) -> NodeSet {
     nodes.iter().take(3).collect()
 }
@@ -480,9 +493,10 @@ fn replicas_and_blocks_are_refused_by_memory_and_map_budget_with_their_figures()
     }
     let set = first_three(&nodes);
     let store = PinStore::new(Layout::Replicate(set), replica_options(1)).unwrap();
-    // 600 MiB per copy: more than a 512 MiB node.
+    // A copy 88 MiB larger than the largest of the three nodes (the kernel's MemTotal).
+    let largest_mib = (0..3).map(node_total_mib).max().unwrap();
     let big = LayerSpec {
-        experts: 600,
+        experts: largest_mib + 88,
         weight_bytes: 1 << 20,
         scale_bytes: 0,
     };
@@ -490,13 +504,15 @@ fn replicas_and_blocks_are_refused_by_memory_and_map_budget_with_their_figures()
         Err(Error::NodeMemory {
             needed, available, ..
         }) => {
-            assert_eq!(needed, 600 << 20);
+            assert_eq!(needed, ((largest_mib + 88) as u64) << 20);
             assert_eq!(
                 available.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
                 vec![Node(0), Node(1), Node(2)]
             );
             assert!(
-                available.iter().all(|(_, b)| *b < 512 << 20),
+                available
+                    .iter()
+                    .all(|(_, b)| *b < (largest_mib as u64) << 20),
                 "{available:?}"
             );
         }

@@ -5,19 +5,20 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use numapin::store::{ExpertSource, LayerSpec, Layout, Piece, PinStore, ReadMode, StoreOptions};
 use numapin_testkit::cache::{cached_pages, evict};
+use numapin_testkit::scratch::ScratchDir;
 use numapin_testkit::synthetic::SyntheticModel;
 
 mod common;
 
-fn dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("read-auto-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn dir(name: &str) -> ScratchDir {
+    ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("read-auto-{name}"),
+    )
 }
 
 /// Loads 6 experts of odd sizes and offsets from `file` with default options; checks

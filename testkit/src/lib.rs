@@ -8,5 +8,6 @@
 
 pub mod baseline;
 pub mod cache;
+pub mod scratch;
 /// The synthetic model, which `numapin place` writes too (`numapin::cli::synthetic`).
 pub use numapin::cli::synthetic;

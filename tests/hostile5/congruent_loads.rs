@@ -187,7 +187,7 @@ fn one_byte_files_the_same_file_twice_and_many_tiny_pieces() {
             .unwrap();
             // 100k pieces of 1..=3 bytes at scattered offsets; 10k where each piece may
             // take a page of its own (congruent to its file offset modulo 4096), so that the
-            // slot stays at 40 MiB, not 400 (the 4-node VM has 512 MiB per node).
+            // slot stays at 40 MiB, not 400 (the 4-node VM has 768 MiB per node).
             let count = if modulus >= 4096 { 10_000 } else { 100_000 };
             let mut rng = Rng(99);
             let pieces: Vec<(u64, usize)> = (0..count)

@@ -109,7 +109,7 @@ fn drop_behind_over_sparse_tiny_pieces_keeps_its_bound() {
 
 /// `dir(name)` where evicting a file from the page cache works; `None` (after saying
 /// NOT RUN for `test`) where it cannot.
-fn evictable_dir(name: &str, test: &str) -> Option<PathBuf> {
+fn evictable_dir(name: &str, test: &str) -> Option<ScratchDir> {
     let d = dir(name);
     if !evicts_here(&d) {
         println!(

@@ -5,12 +5,13 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use numapin::Error;
 use numapin::store::{
     ExpertSource, Kind, LayerSpec, Layout, PinStore, ReadMode, SlotAlign, StoreOptions,
 };
+use numapin_testkit::scratch::ScratchDir;
 
 #[cfg(feature = "model")]
 #[path = "../common/mod.rs"]
@@ -21,11 +22,11 @@ mod drop_behind;
 #[cfg(feature = "model")]
 mod placed_models;
 
-fn dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("hostile5-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn dir(name: &str) -> ScratchDir {
+    ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("hostile5-{name}"),
+    )
 }
 
 /// A small deterministic generator (xorshift64*), so that a failure replays.

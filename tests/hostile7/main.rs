@@ -264,7 +264,7 @@ fn budget_flags_are_digits_and_one_unit() {
 }
 
 /// Bug (fixed): a 100 MB routing file took 2.5 GB of memory to be refused (the JSON
-/// tree of 50M counts; the 4-node VM has 512 MiB per node), and `/dev/zero` as a file
+/// tree of 50M counts; the 4-node VM has 768 MiB per node), and `/dev/zero` as a file
 /// read without end. Both description formats are refused past 16 MiB of text, before
 /// more is read; a large but real-sized file (100k counts) still reads.
 #[test]

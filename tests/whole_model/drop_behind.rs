@@ -79,9 +79,10 @@ fn a_whole_drop_behind_placement_reads_each_byte_once() {
     if !common::alone(TEST) {
         return;
     }
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("whole-drop-behind-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = numapin_testkit::scratch::ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        "whole-drop-behind",
+    );
     let nodes = common::nodes();
     let options = || options().read_mode(ReadMode::DropBehind);
     // The code of a drop-behind placement, run once on a small checkpoint first, so that
@@ -99,7 +100,6 @@ fn a_whole_drop_behind_placement_reads_each_byte_once() {
     let file = checkpoint.files()[0].file();
     let len = file.metadata().unwrap().len();
     let Some(before) = common::cold_read_count(TEST, file, &path) else {
-        std::fs::remove_dir_all(&dir).unwrap();
         return;
     };
     let model = checkpoint.place(&plan(nodes), options()).unwrap();
@@ -135,7 +135,6 @@ fn a_whole_drop_behind_placement_reads_each_byte_once() {
             assert!(copy == want, "{} on {node:?}", t.name());
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Every fixture (sharded safetensors, GGUF single and split, DeepSeek-V3 FP8) placed

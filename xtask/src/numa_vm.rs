@@ -1,5 +1,5 @@
 //! `cargo xtask test-numa`: the test binaries in qemu VMs (TCG), two boots of one
-//! initramfs: four NUMA nodes (nodes 0-2 with 512 MiB and one CPU each, node 3 a CPU
+//! initramfs: four NUMA nodes (nodes 0-2 with 768 MiB and one CPU each, node 3 a CPU
 //! without memory), then two sockets with sub-NUMA clusters and a CPU-less memory node
 //! (`vm_shape.rs` says which machine each boot is and which binaries it runs).
 //!
@@ -26,6 +26,7 @@ use crate::vm_shape::Shape;
 const BEGIN: &str = "@@NUMAPIN-BEGIN ";
 const END: &str = "@@NUMAPIN-END ";
 const DONE: &str = "@@NUMAPIN-DONE@@";
+const ROOM: &str = "@@NUMAPIN-ROOM ";
 const TOPOLOGY: &str = "@@NUMAPIN-TOPOLOGY ";
 /// 2 MiB hugetlbfs pages reserved in the VM.
 const VM_HUGE_PAGES: usize = 32;
@@ -185,7 +186,7 @@ fn all_cases(shape: Shape, tests: &[TestBinary]) -> Vec<Case> {
     cases
 }
 
-fn init_script(boots: &[(Shape, Vec<Case>)], fixtures: bool) -> String {
+fn init_script(boots: &[(Shape, Vec<Case>)], fixtures: bool, target_tmp: &Path) -> String {
     let mut s = String::from(
         "#!/bin/busybox sh\n\
          /bin/busybox --install -s /bin\n\
@@ -204,6 +205,14 @@ fn init_script(boots: &[(Shape, Vec<Case>)], fixtures: bool) -> String {
     // Each node's free memory before the tests (the console's record of room per node:
     // a placement that finds a node full falls back to another).
     s += "grep -h MemFree $N/node*/meminfo\n";
+    // Before each case, the room it starts with: free kB per node, shared memory, the
+    // files the cases before it left in /tmp and in Cargo's CARGO_TARGET_TMPDIR (here
+    // ramfs: memory on the node that wrote them, until removed), and processes alive.
+    // Then those files go: a case's leftovers must not fill a node for the next one.
+    s += &format!("TT={}\n", target_tmp.display());
+    s += "room() { for f in $N/node*/meminfo; do awk '/MemFree/{printf \"%s \", $4}' $f; done; \
+          echo \"shmem=$(awk '/Shmem:/{print $2}' /proc/meminfo) left=$(du -sk /tmp $TT 2>/dev/null | awk '{k+=$1} END {print k+0}') procs=$(ls -d /proc/[0-9]* | wc -l)\"; \
+          rm -rf /tmp/* $TT/* 2>/dev/null; }\n";
     s += "export NUMAPIN_EXPECT=full NUMAPIN_TEST_NODES=4 RUST_BACKTRACE=1 TMPDIR=/tmp\n";
     s += "export NUMAPIN_BIN=/x/numapin\n";
     s += &format!("export NUMAPIN_FUZZ_CASES={VM_FUZZ_CASES}\n");
@@ -218,7 +227,7 @@ fn init_script(boots: &[(Shape, Vec<Case>)], fixtures: bool) -> String {
         s += &format!("{})\n", shape.env().unwrap_or("''"));
         for case in cases {
             s += &format!(
-                "echo \"{BEGIN}{name}@@\"\n{command} 2>&1\necho \"{END}{name} $?@@\"\n",
+                "echo \"{ROOM}{name} $(room)@@\"\necho \"{BEGIN}{name}@@\"\n{command} 2>&1\necho \"{END}{name} $?@@\"\n",
                 name = case.name,
                 command = case.command
             );
@@ -248,7 +257,7 @@ fn build_initramfs(
     archive.file("/bin/busybox", &read(&tools.busybox)?, true);
     archive.file(
         "/init",
-        init_script(boots, fixtures.is_some()).as_bytes(),
+        init_script(boots, fixtures.is_some(), &crate::target_dir()?.join("tmp")).as_bytes(),
         true,
     );
     if let Some(dir) = fixtures {
@@ -454,6 +463,12 @@ impl Console {
             );
         }
         let now = self.started.elapsed().as_secs_f64();
+        if let Some(room) = line.strip_prefix(ROOM) {
+            eprintln!(
+                "xtask: [{now:>5.0} s] free kB per node, shmem kB, files left kB, processes before {}",
+                room.trim_end_matches('@')
+            );
+        }
         if let Some(name) = line.strip_prefix(BEGIN) {
             let name = name.trim_end_matches('@').to_string();
             eprintln!("xtask: [{now:>5.0} s] {name}");

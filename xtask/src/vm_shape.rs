@@ -3,7 +3,7 @@
 //! line sets (the kernel hands unknown `name=value` parameters to init as environment
 //! variables, and the test binaries inherit it).
 //!
-//! - [`Shape::FourNodes`]: four one-CPU sockets; nodes 0-2 with 512 MiB each, node 3 a
+//! - [`Shape::FourNodes`]: four one-CPU sockets; nodes 0-2 with 768 MiB each, node 3 a
 //!   CPU without memory. Every test binary runs here.
 //! - [`Shape::Sockets`] (`NUMAPIN_VM_SHAPE=sockets`): two sockets of two cores; socket 0
 //!   split into nodes 0 and 1 (sub-NUMA clusters, CPUs 0 and 1), socket 1 is node 2
@@ -12,6 +12,13 @@
 //!   shape (domains, and layouts' loaders for a CPU-less node) run here (see [`Shape::binaries`]), so the boot stays short.
 
 use std::process::Command;
+
+/// Memory per node with memory, in MiB. The initramfs unpacks into ~230 MB of
+/// unreclaimable ramfs on one node (whichever CPU unpacks it); at 512 MiB that node kept
+/// ~228 MB free, and late in the suite pin_model's interleave found it full and fell back
+/// to node 0 (CI, stop 38: pages {0: 25344, 1: 12672}, none on node 2). /init prints
+/// each node's free memory before every case (xtask shows it as `free kB per node`).
+pub const NODE_MIB: usize = 768;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
@@ -33,7 +40,7 @@ impl Shape {
     /// The table title.
     pub fn title(self) -> &'static str {
         match self {
-            Shape::FourNodes => "4-node VM: nodes 0-2 with 512 MiB each, node 3 memoryless",
+            Shape::FourNodes => "4-node VM: nodes 0-2 with 768 MiB each, node 3 memoryless",
             Shape::Sockets => {
                 "2-socket VM: nodes 0,1 on socket 0, node 2 on socket 1, node 3 CPU-less memory \
                  nearest node 2"
@@ -72,7 +79,7 @@ impl Shape {
         }
     }
 
-    /// The qemu machine: CPUs, memory per node and distances.
+    /// The qemu machine: CPUs, memory per node ([`NODE_MIB`]) and distances.
     pub fn qemu_args(self, cmd: &mut Command) {
         let memory = |cmd: &mut Command, node: usize, mib: usize| {
             cmd.args([
@@ -82,9 +89,9 @@ impl Shape {
         };
         let distances: &[(usize, usize, u32)] = match self {
             Shape::FourNodes => {
-                cmd.args(["-smp", "4,sockets=4,cores=1,threads=1", "-m", "1536M"]);
+                cmd.args(["-smp", "4,sockets=4,cores=1,threads=1", "-m", "2304M"]);
                 for node in 0..3 {
-                    memory(cmd, node, 512);
+                    memory(cmd, node, NODE_MIB);
                     cmd.args([
                         "-numa",
                         &format!("node,nodeid={node},cpus={node},memdev=m{node}"),
@@ -103,12 +110,9 @@ impl Shape {
                 ]
             }
             Shape::Sockets => {
-                // 512 MiB a node: at 384 MiB, with the initramfs grown to ~210 MB of
-                // unreclaimable ramfs, none of pin_model's socket-1 huge pages landed on
-                // node 2 (they fell back to node 0); /init prints each node's MemFree.
-                cmd.args(["-smp", "4,sockets=2,cores=2,threads=1", "-m", "2048M"]);
+                cmd.args(["-smp", "4,sockets=2,cores=2,threads=1", "-m", "3072M"]);
                 for node in 0..4 {
-                    memory(cmd, node, 512);
+                    memory(cmd, node, NODE_MIB);
                     cmd.args(["-numa", &format!("node,nodeid={node},memdev=m{node}")]);
                 }
                 // CPUs by socket and core: socket 0's cores on nodes 0 and 1, socket 1's
