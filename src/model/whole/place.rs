@@ -94,7 +94,8 @@ impl Checkpoint {
             .clone()
             .assignment(None)
             .piece_align(assigned.layout.align)
-            .piece_congruence(assigned.layout.modulus);
+            .piece_congruence(assigned.layout.modulus)
+            .role_major(1);
         let stores = dense_stores(&assigned, &dense_options)?;
         let planned = self.planned_experts(&assigned, plan, &options)?;
         let filled = self.fill(&assigned, &options, stores, planned.as_ref())?;
@@ -119,9 +120,14 @@ impl Checkpoint {
             Some(share) => naming.plan(self)?.share(self, share)?,
             None => naming.plan(self)?,
         };
-        let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
+        let expert_options = options
+            .clone()
+            .piece_congruence(assigned.expert_modulus)
+            .role_major(assigned.roles);
         let store = PinStore::new(plan.experts, expert_options)?;
-        let layers = self.planned_layers(&expert_plan)?;
+        // Role-major: R × E slots of one piece each (the report keeps the plan per expert).
+        let slots = super::role_major::role_major_plan(&expert_plan, assigned.roles);
+        let layers = self.planned_layers(&slots)?;
         Ok(Some((store, expert_plan, layers)))
     }
 
@@ -228,7 +234,14 @@ impl Checkpoint {
         if let (Some(store), Some(plan), Some(naming)) =
             (&experts, &assigned.experts, &assigned.naming)
         {
-            super::expert_tensors::expert_tensors(store, plan, naming, &mut tensors)?;
+            super::expert_tensors::expert_tensors(
+                store,
+                plan,
+                naming,
+                assigned.roles,
+                &mut tensors,
+            )?;
+            super::role_major::role_runs(store, plan, assigned.roles, &mut tensors)?;
         }
         let mut model = PlacedModel {
             by_name: tensors
@@ -243,6 +256,7 @@ impl Checkpoint {
             expert_reads,
             expert_files,
             expert_plan: assigned.experts,
+            roles: assigned.roles,
             naming: assigned.naming,
             report: None,
             // Read (the files' header bytes) only for a placement that can be exported.
