@@ -49,6 +49,11 @@ impl Checkpoint {
         layout.check(slot)?;
         let mut assigned = assign(self, plan, (layout, experts.modulus))?;
         assigned.roles = super::role_major::roles_for(self, &assigned, plan, options)?;
+        if assigned.roles > 1 && options.piece_congruence == 0 {
+            // A role's run must stay back to back: no padding to the file offsets (as
+            // under a share), unless the caller asked for a modulus.
+            assigned.expert_modulus = 0;
+        }
         // A node past the node sets' bits would drop out of the set the store is given
         // (`bind:65535` became "no nodes in LayerPerNode()"): named here, before the
         // cost counts bytes on it.

@@ -49,8 +49,9 @@ impl Checkpoint {
     /// whatever its file offset (one at a multiple of 64 in the file stays 64-aligned;
     /// one that is not follows its offset, as in the file), and every expert piece modulo
     /// the direct-I/O alignment (not under a [`PlacementPlan::share`], whose column-cut
-    /// rows must stay back to back): each read lands in the slot in place, only the
-    /// partial units at a piece's two ends going through the loader's bounce buffer
+    /// rows must stay back to back, nor in role-major slots, whose runs must): each read
+    /// lands in the slot in place, only the partial units at a piece's two ends going
+    /// through the loader's bounce buffer
     /// ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes),
     /// [`ClassMeasured::direct_reads`](super::ClassMeasured::direct_reads)), at the price
     /// of less than the modulus in padding per piece. `piece_congruence(1)` keeps the
@@ -63,6 +64,15 @@ impl Checkpoint {
     /// its pieces in file-offset order, so each byte is read from the device once
     /// (tests/whole_model/drop_behind.rs). Per store, a dense class's fill evicted the
     /// expert bytes it read past and the experts' store read them again (1.39x the file).
+    ///
+    /// Role-major expert slots ([`StoreOptions::role_major`]): a checkpoint whose expert
+    /// tensors are flattened per role (DBRX's `w1`/`v1`/`w2`, `[E·I, H]`) gets them
+    /// without asking, where no share, expert assignment or shared store orders the
+    /// slots; a caller may ask for `role_major(R)`, `R` the layers' weight roles (one
+    /// piece each, no scale slot). Slot `r × E + e` then holds role `r` of expert `e`,
+    /// on `e`'s node under a split: [`PlacedModel::tensor`] of a role's tensor is one run
+    /// of bytes in the file's layout, [`PlacedModel::expert`] is unchanged; the cost is
+    /// the store's (`R × blocks` mappings per region on several nodes, one on one node).
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
