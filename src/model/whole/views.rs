@@ -171,8 +171,10 @@ impl<'a> TensorView<'a> {
 
     /// Its bytes: for a replicated class, the copy on the calling thread's node (or the
     /// nearest); for a per-expert tensor, the part of it the share holds (its
-    /// [`TensorView::slice`] under a slice); `None` for a tensor holding every expert of
-    /// a layer, whose experts are read with [`PlacedModel::expert`] (and, seen through
+    /// [`TensorView::slice`] under a slice); for one role of every expert in role-major
+    /// slots (DBRX's `w1`, [`StoreOptions::role_major`](crate::store::StoreOptions::role_major)),
+    /// the run of the experts' pieces, the file's bytes; `None` for any other tensor
+    /// holding every expert of a layer, whose experts are read with [`PlacedModel::expert`] (and, seen through
     /// [`PlacedModel::tensors`], for a per-expert tensor outside the share).
     pub fn bytes(&self) -> Option<&'a [u8]> {
         self.bytes
