@@ -143,11 +143,22 @@ fn dbrx_roles_are_each_one_run_of_the_files_bytes() {
         .classes
         .iter()
         .find(|c| c.class == TensorClass::RoutedExperts);
-    assert_eq!(
-        experts.unwrap().mbind_calls,
-        calls,
-        "the cost counts the runs"
+    let experts = experts.unwrap();
+    assert_eq!(experts.mbind_calls, calls, "the cost counts the runs");
+    assert!(
+        experts.layout.ends_with(" role-major x3"),
+        "{}",
+        experts.layout
     );
+    // Expert-major where nothing is flattened per role (st-mixtral, not asked).
+    let plain = open_fixture(&dir, "st-mixtral")
+        .placement_cost(&plan(nodes), &options())
+        .unwrap();
+    let routed = plain
+        .classes
+        .iter()
+        .find(|c| c.class == TensorClass::RoutedExperts);
+    assert!(!routed.unwrap().layout.contains("role-major"));
 }
 
 /// Asked of a per-expert naming (Mixtral's `w1/w2/w3`): each role's experts lie back to

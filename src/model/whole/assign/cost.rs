@@ -145,6 +145,10 @@ impl Assigned {
         if let Some(experts) = &self.experts {
             let mut c = entry(TensorClass::RoutedExperts);
             c.layout = expert_layout_text(&plan.experts);
+            if self.roles > 1 {
+                // Each role's experts back to back: what the mappings count says.
+                c.layout = format!("{} role-major x{}", c.layout, self.roles);
+            }
             let layout = PieceLayout {
                 align: self.layout.align,
                 modulus: self.expert_modulus,
