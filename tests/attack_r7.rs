@@ -81,11 +81,13 @@ fn a_converted_tensor_changed_in_the_file_is_a_mismatch() {
     assert!(!check.verified(), "{check:?}");
 }
 
-/// A whole placement packs one slot per expert (and a dense store has one slot per
-/// group): `StoreOptions::role_major` above 1 made every dense pack fail deep inside
+/// `StoreOptions::role_major` above 1 made every dense pack fail deep inside
 /// `PinStore::pack_layer` ("role-major slots come in 2 runs of the experts") after the
 /// stores were reserved, and a placement of experts alone, their count a multiple of the
-/// roles, was taken as role-major (expert `k` given expert `k % (E/R)`'s node).
+/// roles, was taken as role-major (expert `k` given expert `k % (E/R)`'s node). Now a
+/// whole placement takes `role_major(R)` only with `R` the experts' weight roles (one
+/// slot per role and expert, tests/whole_model/role_major.rs; dense stores stay a slot
+/// per group): any other count, and 0, is refused by name before anything is reserved.
 #[test]
 fn a_whole_placement_refuses_role_major_by_name() {
     // With dense bytes (64), and of experts alone (an empty embedding).

@@ -283,7 +283,8 @@ class WholeModel:
         tensor_parallel=, as expert() gives it); one of an expert outside the share
         raises NotHeld. A tensor holding every expert of a layer (experts.gate_up_proj)
         is one view with the file's shape, strided by the slot, where the layout keeps it
-        whole (every expert held unsliced, at one stride); elsewhere InvalidArgument
+        whole (every expert held unsliced, at one stride; DBRX's flattened w1/v1/w2 one
+        contiguous run, its experts in role-major slots); elsewhere InvalidArgument
         naming the layer: use expert() or layer()."""
     def tensors(self) -> list[str]:
         """Every tensor's name, in checkpoint order."""

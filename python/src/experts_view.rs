@@ -149,7 +149,8 @@ pub fn role_view(
 /// Tensor `t`, which holds every expert of `at.layer` under one name, as one view with
 /// the file's shape, when the model holds every expert whole and its pieces lie at one
 /// stride: `[E, ...]` strided by the slot (`experts.gate_up_proj`, Granite's
-/// `input_linear`), or, for DBRX's `[E·I, H]`, only where the pieces are back to back.
+/// `input_linear`), or, for DBRX's `[E·I, H]`, only where the pieces are back to back
+/// (role-major slots make it one run, which `PlacedModel::tensor` gives before this).
 /// `None` where the layout does not keep the tensor whole (a share, a slice, a layer
 /// whose slots an expert assignment orders, DBRX's pieces a slot apart). A layer split over
 /// nodes is one range bound node block by node block, its slots at one stride: a view.

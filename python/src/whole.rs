@@ -385,9 +385,10 @@ impl WholeModel {
     /// slice, as `expert(layer, e)` gives it); one of an expert outside the share raises
     /// `NotHeld`. A tensor holding every expert of a layer (`experts.gate_up_proj`) is
     /// one view with the file's shape, strided by the slot, where the layout keeps it
-    /// whole (every expert held unsliced, its pieces at one stride; DBRX's flattened
-    /// `[E·I, H]` only with the pieces back to back); elsewhere `InvalidArgument`: read it
-    /// with `expert(layer, e)` or `layer(l, role)`.
+    /// whole (every expert held unsliced, its pieces at one stride); DBRX's flattened
+    /// `[E·I, H]` is one contiguous view of its role's run (role-major slots, unless a
+    /// share orders them); elsewhere `InvalidArgument`: read it with `expert(layer, e)`
+    /// or `layer(l, role)`.
     fn tensor(&self, name: &str) -> PyResult<View> {
         let t = self.inner.tensor(name).py_err()?;
         match t.held_bytes() {

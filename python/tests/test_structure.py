@@ -21,6 +21,10 @@ WHOLE = [
      "gate_up"),
     ("fam-qwen3-vl-moe", "model.language_model.layers.1.mlp.experts.down_proj", "down"),
     ("fam-jetmoe", "model.layers.1.mlp.input_linear.weight", "gate_up"),
+    # DBRX's flattened [E·I, H] per role: role-major slots make each one run.
+    ("fam-dbrx", "transformer.blocks.1.ffn.experts.mlp.w1", "gate"),
+    ("fam-dbrx", "transformer.blocks.1.ffn.experts.mlp.v1", "up"),
+    ("fam-dbrx", "transformer.blocks.1.ffn.experts.mlp.w2", "down"),
 ]
 
 
@@ -48,10 +52,11 @@ def test_a_tensor_of_every_expert_is_one_view_with_the_files_bytes(fixture, name
     assert a.__array_interface__ == b.__array_interface__
 
 
-def test_dbrx_flattened_tensor_is_refused_where_its_slot_holds_three_roles(fixture):
-    """DBRX's w1/v1/w2 share each expert's slot: `w1` [E·I, H] is no single view."""
+def test_dbrx_flattened_tensor_is_refused_under_a_share(fixture):
+    """Under an expert share DBRX's slots stay a slot per expert (w1, v1, w2 of one
+    expert back to back): `w1` [E·I, H] is no single view there."""
     fx = fixture("fam-dbrx")
-    model = place(fx)
+    model = place(fx, experts_held="0/2")
     name = "transformer.blocks.1.ffn.experts.mlp.w1"
     assert model.locate(name) == (1, None, "gate")
     with pytest.raises(numapin.InvalidArgument):

@@ -260,6 +260,25 @@ impl Arena {
         self.region.as_slice().get(start..start.checked_add(len)?)
     }
 
+    /// Slots `first..first + count` as one run of bytes: each slot but the last loaded
+    /// to its whole stride, all at consecutive positions (`None` otherwise: padding, a
+    /// slot order, a released slot), so the run is their loaded bytes back to back.
+    pub(crate) fn run(&self, first: usize, count: usize) -> Option<&[u8]> {
+        let last = first.checked_add(count)?.checked_sub(1)?;
+        let at = self.position(first)?;
+        for (k, i) in (first..=last).enumerate() {
+            let len = self.loaded(i)?;
+            if self.position(i)? != at.checked_add(k)? || (i < last && len != self.stride) {
+                return None;
+            }
+        }
+        let start = at.checked_mul(self.stride)?;
+        let len = (count - 1)
+            .checked_mul(self.stride)?
+            .checked_add(self.loaded(last)?)?;
+        self.region.as_slice().get(start..start.checked_add(len)?)
+    }
+
     /// Every slot, writable, in expert order (each the whole stride).
     pub(crate) fn slots_mut(&mut self) -> Result<Vec<&mut [u8]>> {
         let stride = self.stride.max(1);

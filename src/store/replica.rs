@@ -412,6 +412,45 @@ impl PinStore {
         })
     }
 
+    /// Slots `first..first + count` of `layer` (slot indices: not a share's layer) on
+    /// the copy a thread on `node` reads, as one run of bytes where they are back to back
+    /// (each slot but the last loaded to its whole stride, in slot order): a role's run
+    /// of experts under [`StoreOptions::role_major`](super::StoreOptions::role_major).
+    /// `None` where they are not one run.
+    ///
+    /// # Errors
+    /// The layer is not packed; the topology cannot be read.
+    pub(crate) fn run_near(
+        &self,
+        node: Node,
+        layer: usize,
+        (first, count): (usize, usize),
+        kind: Kind,
+    ) -> Result<Option<&[u8]>> {
+        let l = self.layer(layer)?;
+        let nodes = l.replica_nodes();
+        let arena = if nodes.is_empty() {
+            l.arena(kind)
+        } else {
+            let at = self.copy_lead(Topology::get()?, node, nodes);
+            at.and_then(|at| l.replica_arena(at, kind))
+        };
+        Ok(arena.and_then(|a| a.run(first, count)))
+    }
+
+    /// [`PinStore::run_near`] on the calling thread's node.
+    ///
+    /// # Errors
+    /// As [`PinStore::run_near`].
+    pub(crate) fn run_local(
+        &self,
+        layer: usize,
+        slots: (usize, usize),
+        kind: Kind,
+    ) -> Result<Option<&[u8]>> {
+        self.run_near(topology::current_node()?, layer, slots, kind)
+    }
+
     /// The lowest node of the copy a thread on `node` reads: the copy whose group holds
     /// the node of the groups nearest to `node` (`node` itself when a group holds it),
     /// among the copies the layer has (`leads`).

@@ -13,6 +13,7 @@ mod drop_behind;
 mod dry_run;
 mod figures;
 mod one_range;
+mod role_major;
 mod verify_mode;
 
 use common::{fixtures, numpy_tensors, open_fixture, pages_of_bytes};

@@ -22,7 +22,8 @@ import numapin.transformers as nt
 from .conftest import families, fixtures_dir
 
 REQUIRED = {"qwen3_moe", "qwen3_moe_tied", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3",
-            "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "phimoe", "granitemoe"}
+            "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "phimoe", "granitemoe",
+            "dbrx"}
 
 # What transformers holds in another dtype than the file (float32 routers and router
 # biases, `_keep_in_fp32_modules`): converted at placement (BF16 -> F32), so placed
@@ -139,6 +140,33 @@ def test_every_parameter_is_placed_memory_or_a_reported_copy(family):
     if family != "granitemoe":  # its file is fused already: a plain rename, no fusion
         assert set(report["fused"]) >= {n for n in experts
                                         if n.endswith(("gate_up_proj", "down_proj"))}
+
+
+def test_dbrx_role_tensors_are_each_one_view_of_the_placed_run():
+    """DBRX keeps each role of a layer's experts as one parameter, flattened [E·I, H]
+    (ffn.experts.mlp.w1, v1, w2), as its file does: numapin places its experts in
+    role-major slots, so each parameter is one contiguous view of its role's run (the
+    address of numapin's own tensor(name), expert e's piece at e × I·H elements in),
+    never a copy. Its values are transformers' own (test_every_parameter_is_...)."""
+    if "dbrx" not in families():
+        pytest.skip("no dbrx fixture")
+    model, whole = loaded("dbrx")
+    state = model.state_dict()
+    names = [n for n in state if ".ffn.experts.mlp." in n]
+    assert len(names) == 6, names
+    for name in names:
+        param = state[name]
+        assert param.is_contiguous(), name
+        assert param.data_ptr() == whole.tensor(name).address, name
+        assert name in model.numapin_load["views"], name
+        layer, expert, role = whole.locate(name)
+        assert expert is None
+        ids = whole.expert_ids(layer)
+        per = param.numel() // len(ids) * param.element_size()
+        for e in ids:
+            piece = whole.expert(layer, e)[whole.role_names(layer)[role]]
+            assert piece.address == param.data_ptr() + e * per, (name, e)
+    assert not model.numapin_load["copied"]
 
 
 def test_tied_weights_are_one_parameter():

@@ -15,6 +15,7 @@ pub(crate) fn expert_tensors(
     store: &PinStore,
     plan: &ExpertPlan,
     naming: &Naming,
+    roles: usize,
     tensors: &mut [PlacedTensor],
 ) -> Result<()> {
     for (index, t) in tensors.iter_mut().enumerate() {
@@ -41,6 +42,25 @@ pub(crate) fn expert_tensors(
             Kind::Scales => pieces.scales(),
         };
         let map = store.slot_map(r.layer)?;
+        if roles > 1 {
+            // Role-major: its piece is slot r × E + e alone (no share, no slice).
+            let experts = layer.experts().len();
+            let at = list.iter().position(|p| p.tensor() == index);
+            let Some((slot, _)) = at.map(|i| super::role_major::slot_of(roles, experts, expert, i))
+            else {
+                continue;
+            };
+            if let Some(sp) = map.pieces(slot, kind).and_then(<[_]>::first) {
+                t.place = Place::ExpertPiece {
+                    layer: r.layer,
+                    expert: slot,
+                    kind,
+                    offset: sp.offset,
+                    len: sp.len,
+                };
+            }
+            continue;
+        }
         let slots = map.pieces(expert, kind).unwrap_or_default();
         let mine: Vec<(&TensorPiece, &SlotPiece)> = list
             .iter()

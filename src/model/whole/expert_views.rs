@@ -58,6 +58,28 @@ impl PlacedModel {
             .map(|((r, n), c)| (r, (n, c)))
             .collect();
         let mut out = Vec::new();
+        if self.roles > 1 {
+            // Role-major slots: weight piece r of this expert is slot r × E + e alone.
+            let names = roles.iter().filter(|(r, _)| *r == PieceRole::Weight);
+            for (r, (p, (_, (name, canonical)))) in pieces.weights().iter().zip(names).enumerate() {
+                let (s, _) = super::role_major::slot_of(self.roles, experts, expert, r);
+                let slot = store.weights_local(layer, s)?;
+                let Some(sp) = map.pieces(s, Kind::Weights).and_then(<[_]>::first) else {
+                    continue;
+                };
+                let t = &self.tensors[p.tensor()];
+                out.push(ExpertPieceView {
+                    slot: PieceRole::Weight,
+                    role: name,
+                    canonical,
+                    tensor: &t.name,
+                    dtype: t.dtype,
+                    shape: expert_shape(&t.shape, t.len, p.len(), experts),
+                    bytes: piece(slot, sp.offset, sp.len),
+                });
+            }
+            return Ok(out);
+        }
         for (role, kind) in [
             (PieceRole::Weight, Kind::Weights),
             (PieceRole::Scale, Kind::Scales),

@@ -355,6 +355,7 @@ impl PlacedModel {
             expert_files: Vec::new(),
             expert_reads: crate::source::DirectReads::default(),
             expert_plan,
+            roles: 1, // a shared store is never role-major
             naming: body.naming.as_deref().and_then(preset),
             report: None,
             identity: Some(body.identity.clone()),

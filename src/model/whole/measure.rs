@@ -148,7 +148,10 @@ impl PlacedModel {
         let reader = Reader::new(mode, checkpoint.files().iter().map(|f| f.file()))?;
         let mut scratch = reader.scratch()?;
         for (t, ct) in self.tensors.iter().zip(checkpoint.tensors()) {
-            if !matches!(t.place, Place::Dense { .. } | Place::ExpertPiece { .. }) {
+            if !matches!(
+                t.place,
+                Place::Dense { .. } | Place::ExpertPiece { .. } | Place::ExpertRun { .. }
+            ) {
                 continue;
             }
             if let Some(why) = slice_fault(ct, t) {
@@ -206,7 +209,9 @@ impl PlacedModel {
         }
         if let (Some(store), Some(plan)) = (&self.experts, &self.expert_plan) {
             let started = std::time::Instant::now();
-            report.experts = Some(checkpoint.verify_plan(store, plan, mode)?);
+            // Slot by slot as the store holds them (role-major: one piece per slot).
+            let slots = super::role_major::role_major_plan(plan, self.roles);
+            report.experts = Some(checkpoint.verify_plan(store, &slots, mode)?);
             add_nanos(&mut report, TensorClass::RoutedExperts, started);
         }
         report.class_nanos.sort_by_key(|&(class, _)| class);

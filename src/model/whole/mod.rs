@@ -10,7 +10,8 @@
 //! budget; the default plan), `place` (the fills, then the placed model), `views` and
 //! `expert_views` (lookups), `report` (what was done and verified: the figures),
 //! `measure` (how they are taken: mappings, classes, every copy re-read), `schedule` (the
-//! order of the fills, and drop-behind shared by all the stores of a placement).
+//! order of the fills, and drop-behind shared by all the stores of a placement),
+//! `role_major` (role-major expert slots: DBRX's per-role tensors as one run each).
 //!
 //! # Shape: one store per class and layout
 //! Dense tensors reuse [`PinStore`](crate::store::PinStore): each (class, model layer,
@@ -55,6 +56,7 @@ mod piece_layout;
 mod place;
 mod plan;
 mod report;
+mod role_major;
 mod schedule;
 mod served;
 mod shape;

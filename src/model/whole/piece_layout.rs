@@ -37,7 +37,6 @@ impl Checkpoint {
         options: &StoreOptions,
     ) -> Result<(Assigned, u64)> {
         let slot = options.slot_align.bytes()?;
-        super::schedule::check_role_major(options)?;
         let unit = self.direct_unit(options)?;
         // The experts' store would refuse a bad modulus only after the dense ones are
         // packed: refused here, before anything is reserved (and by the dry run too).
@@ -48,7 +47,13 @@ impl Checkpoint {
         experts.check(slot)?;
         let layout = dense_layout(options, unit, slot);
         layout.check(slot)?;
-        let assigned = assign(self, plan, (layout, experts.modulus))?;
+        let mut assigned = assign(self, plan, (layout, experts.modulus))?;
+        assigned.roles = super::role_major::roles_for(self, &assigned, plan, options)?;
+        if assigned.roles > 1 && options.piece_congruence == 0 {
+            // A role's run must stay back to back: no padding to the file offsets (as
+            // under a share), unless the caller asked for a modulus.
+            assigned.expert_modulus = 0;
+        }
         // A node past the node sets' bits would drop out of the set the store is given
         // (`bind:65535` became "no nodes in LayerPerNode()"): named here, before the
         // cost counts bytes on it.

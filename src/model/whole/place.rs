@@ -49,8 +49,9 @@ impl Checkpoint {
     /// whatever its file offset (one at a multiple of 64 in the file stays 64-aligned;
     /// one that is not follows its offset, as in the file), and every expert piece modulo
     /// the direct-I/O alignment (not under a [`PlacementPlan::share`], whose column-cut
-    /// rows must stay back to back): each read lands in the slot in place, only the
-    /// partial units at a piece's two ends going through the loader's bounce buffer
+    /// rows must stay back to back, nor in role-major slots, whose runs must): each read
+    /// lands in the slot in place, only the partial units at a piece's two ends going
+    /// through the loader's bounce buffer
     /// ([`ClassMeasured::bounced_bytes`](super::ClassMeasured::bounced_bytes),
     /// [`ClassMeasured::direct_reads`](super::ClassMeasured::direct_reads)), at the price
     /// of less than the modulus in padding per piece. `piece_congruence(1)` keeps the
@@ -63,6 +64,15 @@ impl Checkpoint {
     /// its pieces in file-offset order, so each byte is read from the device once
     /// (tests/whole_model/drop_behind.rs). Per store, a dense class's fill evicted the
     /// expert bytes it read past and the experts' store read them again (1.39x the file).
+    ///
+    /// Role-major expert slots ([`StoreOptions::role_major`]): a checkpoint whose expert
+    /// tensors are flattened per role (DBRX's `w1`/`v1`/`w2`, `[E·I, H]`) gets them
+    /// without asking, where no share, expert assignment or shared store orders the
+    /// slots; a caller may ask for `role_major(R)`, `R` the layers' weight roles (one
+    /// piece each, no scale slot). Slot `r × E + e` then holds role `r` of expert `e`,
+    /// on `e`'s node under a split: [`PlacedModel::tensor`] of a role's tensor is one run
+    /// of bytes in the file's layout, [`PlacedModel::expert`] is unchanged; the cost is
+    /// the store's (`R × blocks` mappings per region on several nodes, one on one node).
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
     /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
@@ -94,7 +104,8 @@ impl Checkpoint {
             .clone()
             .assignment(None)
             .piece_align(assigned.layout.align)
-            .piece_congruence(assigned.layout.modulus);
+            .piece_congruence(assigned.layout.modulus)
+            .role_major(1);
         let stores = dense_stores(&assigned, &dense_options)?;
         let planned = self.planned_experts(&assigned, plan, &options)?;
         let filled = self.fill(&assigned, &options, stores, planned.as_ref())?;
@@ -119,9 +130,14 @@ impl Checkpoint {
             Some(share) => naming.plan(self)?.share(self, share)?,
             None => naming.plan(self)?,
         };
-        let expert_options = options.clone().piece_congruence(assigned.expert_modulus);
+        let expert_options = options
+            .clone()
+            .piece_congruence(assigned.expert_modulus)
+            .role_major(assigned.roles);
         let store = PinStore::new(plan.experts, expert_options)?;
-        let layers = self.planned_layers(&expert_plan)?;
+        // Role-major: R × E slots of one piece each (the report keeps the plan per expert).
+        let slots = super::role_major::role_major_plan(&expert_plan, assigned.roles);
+        let layers = self.planned_layers(&slots)?;
         Ok(Some((store, expert_plan, layers)))
     }
 
@@ -228,7 +244,14 @@ impl Checkpoint {
         if let (Some(store), Some(plan), Some(naming)) =
             (&experts, &assigned.experts, &assigned.naming)
         {
-            super::expert_tensors::expert_tensors(store, plan, naming, &mut tensors)?;
+            super::expert_tensors::expert_tensors(
+                store,
+                plan,
+                naming,
+                assigned.roles,
+                &mut tensors,
+            )?;
+            super::role_major::role_runs(store, plan, assigned.roles, &mut tensors)?;
         }
         let mut model = PlacedModel {
             by_name: tensors
@@ -243,6 +266,7 @@ impl Checkpoint {
             expert_reads,
             expert_files,
             expert_plan: assigned.experts,
+            roles: assigned.roles,
             naming: assigned.naming,
             report: None,
             // Read (the files' header bytes) only for a placement that can be exported.

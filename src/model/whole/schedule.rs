@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::assign::{Assigned, Group};
 use super::views::DenseStore;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::Checkpoint;
 use crate::model::pack::PlannedLayer;
 use crate::source::load::SharedBehind;
@@ -120,22 +120,4 @@ pub(super) fn share_drop_behind(
     {
         store.share_drop_behind(Some(shared.clone()));
     }
-}
-
-/// Refuses role-major slots: a whole placement packs one source per expert (and one
-/// slot per dense group), so `role_major` above 1 would fail every dense pack after the
-/// stores are reserved, or take expert `k` of a layer of experts alone as a role of
-/// expert `k % (E / R)` (its node under a split).
-pub(super) fn check_role_major(options: &StoreOptions) -> Result<()> {
-    if options.role_major == 1 {
-        return Ok(());
-    }
-    Err(Error::bad_value(
-        "Checkpoint::place",
-        "role_major",
-        options.role_major,
-        "a whole placement packs one slot per expert and per dense group; role-major \
-         slots are for PinStore::pack_layer callers packing one source per role and \
-         expert (StoreOptions::role_major)",
-    ))
 }

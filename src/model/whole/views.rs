@@ -40,6 +40,14 @@ pub(crate) enum Place {
     /// A tensor holding every expert of a layer: its experts are in the expert store
     /// (see [`PlacedModel::expert`]), not in one run of bytes.
     Experts,
+    /// A tensor holding one role of every expert of a layer in role-major slots
+    /// (DBRX's `w1`): weight slots `first..first + count`, back to back, in the file's
+    /// layout.
+    ExpertRun {
+        layer: usize,
+        first: usize,
+        count: usize,
+    },
     /// A per-expert tensor of an expert outside the share: [`Error::NotHeld`].
     NotHeld { layer: usize, expert: usize },
     /// A per-expert tensor whose sliced rows are not back to back in its slot
@@ -101,6 +109,9 @@ pub struct PlacedModel {
     /// What the experts' direct reads did (all layers).
     pub(crate) expert_reads: crate::source::DirectReads,
     pub(crate) expert_plan: Option<ExpertPlan>,
+    /// The experts' role-major runs ([`StoreOptions::role_major`](crate::store::StoreOptions::role_major); 1: a
+    /// slot per expert): weight piece `r` of expert `e` is slot `r × E + e`.
+    pub(crate) roles: usize,
     pub(crate) naming: Option<Naming>,
     pub(crate) report: Option<WholeReport>,
     /// The checkpoint's identity, for an export's manifest.
@@ -160,8 +171,10 @@ impl<'a> TensorView<'a> {
 
     /// Its bytes: for a replicated class, the copy on the calling thread's node (or the
     /// nearest); for a per-expert tensor, the part of it the share holds (its
-    /// [`TensorView::slice`] under a slice); `None` for a tensor holding every expert of
-    /// a layer, whose experts are read with [`PlacedModel::expert`] (and, seen through
+    /// [`TensorView::slice`] under a slice); for one role of every expert in role-major
+    /// slots (DBRX's `w1`, [`StoreOptions::role_major`](crate::store::StoreOptions::role_major)),
+    /// the run of the experts' pieces, the file's bytes; `None` for any other tensor
+    /// holding every expert of a layer, whose experts are read with [`PlacedModel::expert`] (and, seen through
     /// [`PlacedModel::tensors`], for a per-expert tensor outside the share).
     pub fn bytes(&self) -> Option<&'a [u8]> {
         self.bytes
@@ -274,6 +287,13 @@ impl PlacedModel {
                 };
                 Some(piece(slot, offset, len))
             }
+            Place::ExpertRun {
+                layer,
+                first,
+                count,
+            } => self
+                .expert_store()?
+                .run_local(layer, (first, count), Kind::Weights)?,
             Place::Experts | Place::NotHeld { .. } | Place::Padded { .. } => None,
             Place::Empty => Some(&[][..]),
         };
@@ -394,6 +414,23 @@ impl PlacedModel {
                 ));
             }
             Place::Empty => return Ok(vec![(None, &[][..])]),
+            Place::ExpertRun {
+                layer,
+                first,
+                count,
+            } => {
+                let store = self.expert_store()?;
+                let nodes = store.replica_nodes(layer)?;
+                let run = |node| store.run_near(node, layer, (first, count), Kind::Weights);
+                if nodes.is_empty() {
+                    let node = crate::topology::current_node()?;
+                    return Ok(run(node)?.map(|b| (None, b)).into_iter().collect());
+                }
+                return nodes
+                    .iter()
+                    .filter_map(|n| run(n).map(|b| b.map(|b| (Some(n), b))).transpose())
+                    .collect();
+            }
             Place::NotHeld { .. } | Place::Padded { .. } => {
                 // The same error tensor() gives: outside the share, or no one run of bytes.
                 return Err(self.tensor(name).err().unwrap_or_else(|| {

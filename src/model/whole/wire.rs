@@ -205,7 +205,8 @@ pub(super) fn tensor_part(t: &PlacedTensor) -> TensorPart {
             offset,
             len,
         },
-        Place::Experts => PlacePart::Experts,
+        // A shared store is never role-major (roles_for): a run is never exported.
+        Place::Experts | Place::ExpertRun { .. } => PlacePart::Experts,
         Place::NotHeld { layer, expert } => PlacePart::NotHeld { layer, expert },
         Place::Padded { layer, expert } => PlacePart::Padded { layer, expert },
         Place::Empty => PlacePart::Empty,

@@ -145,11 +145,18 @@ impl Assigned {
         if let Some(experts) = &self.experts {
             let mut c = entry(TensorClass::RoutedExperts);
             c.layout = expert_layout_text(&plan.experts);
+            if self.roles > 1 {
+                // Each role's experts back to back: what the mappings count says.
+                c.layout = format!("{} role-major x{}", c.layout, self.roles);
+            }
             let layout = PieceLayout {
                 align: self.layout.align,
                 modulus: self.expert_modulus,
             };
-            let (u, o) = expert_cost(&mut c, experts, (plan.experts, assignment), layout, slot)?;
+            // Role-major: the store's R × E slots of one piece each, in runs.
+            let experts = &crate::model::whole::role_major::role_major_plan(experts, self.roles);
+            let placed = (plan.experts, assignment, self.roles);
+            let (u, o) = expert_cost(&mut c, experts, placed, layout, slot)?;
             unbound = unbound.saturating_add(u);
             one_copy = one_copy.saturating_add(o);
             classes.insert(TensorClass::RoutedExperts, c);
@@ -309,12 +316,12 @@ fn tensors_of(layer: &LayerPlan) -> usize {
 fn expert_cost(
     c: &mut ClassCost,
     experts: &ExpertPlan,
-    (layout, assignment): (Layout, Option<&ExpertAssignment>),
+    (layout, assignment, roles): (Layout, Option<&ExpertAssignment>, usize),
     pieces_layout: PieceLayout,
     slot: u64,
 ) -> Result<(u64, u64)> {
     let hot = assignment.map(ExpertAssignment::hot_copy_shape);
-    let placer = Placer::with_domains(layout, hot, live_domains);
+    let placer = Placer::with_domains(layout, hot, live_domains).role_major(roles);
     let (mut unbound, mut one_copy) = (0u64, 0u64);
     for layer in experts.layers() {
         let order = match assignment {

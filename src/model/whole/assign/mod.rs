@@ -58,6 +58,8 @@ pub(crate) struct Assigned {
     pub(crate) cuts: Vec<Option<DenseCut>>,
     /// Per checkpoint tensor: its conversion at placement.
     pub(crate) converts: Vec<Option<Conversion>>,
+    /// The experts' role-major runs (1: a slot per expert; `role_major::roles_for`).
+    pub(crate) roles: usize,
 }
 
 /// The part of a dense tensor a rank holds, as placed: its rows (one piece) or its
@@ -460,6 +462,7 @@ pub(crate) fn assign(
         expert_modulus,
         cuts: classified.cuts,
         converts: classified.converts,
+        roles: 1,
     })
 }
 

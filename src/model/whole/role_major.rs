@@ -1,0 +1,208 @@
+//! Role-major expert slots in a whole placement (issue 33 item 5): where a framework
+//! keeps each role of a layer's experts as one tensor (DBRX's `w1`/`v1`/`w2`,
+//! `[E·I, H]` each), the experts' store holds role `r` of expert `e` in slot
+//! `r × E + e` ([`StoreOptions::role_major`]), so each role's experts lie back to back
+//! and the tensor is one run of bytes in the file's layout. Chosen for a checkpoint whose
+//! expert tensors are flattened per role (DBRX) and for a caller who asks
+//! (`role_major(R)`, `R` the layer's weight roles); refused by name where it cannot keep
+//! its promise.
+
+use super::assign::Assigned;
+use super::plan::PlacementPlan;
+use super::views::{Place, PlacedTensor};
+use crate::error::{Error, Result};
+use crate::model::{Checkpoint, ExpertPieces, ExpertPlan, LayerPlan};
+use crate::store::{Kind, PinStore, StoreOptions};
+
+const OP: &str = "Checkpoint::place";
+
+/// The role-major runs of the placement's experts: `options.role_major` where asked
+/// (above 1), checked against the plan; otherwise the weight roles of a checkpoint whose
+/// expert tensors are flattened per role (DBRX), where nothing else orders the slots;
+/// 1 (a slot per expert) for everything else.
+///
+/// # Errors
+/// Role-major asked with a share (its held experts and cut rows are not runs), an expert
+/// assignment or a shared store, a layer with scales, or `R` other than a layer's weight
+/// roles ([`Error::InvalidArgument`] naming `role_major`).
+pub(super) fn roles_for(
+    checkpoint: &Checkpoint,
+    assigned: &Assigned,
+    plan: &PlacementPlan,
+    options: &StoreOptions,
+) -> Result<usize> {
+    let asked = options.role_major;
+    let bad = |why: String| Error::bad_value(OP, "role_major", asked, why);
+    if asked == 0 {
+        return Err(bad("a slot order needs at least 1 role".into()));
+    }
+    let Some(experts) = assigned.experts.as_ref() else {
+        return Ok(1); // no routed experts: nothing to order
+    };
+    let weights = uniform_roles(experts);
+    if asked == 1 {
+        let auto = weights.filter(|_| {
+            plan.share.is_none()
+                && options.assignment.is_none()
+                && !options.shared
+                && flattened(checkpoint, experts)
+        });
+        return Ok(auto.unwrap_or(1));
+    }
+    if plan.share.is_some() {
+        return Err(bad(
+            "role-major slots under a share: its held experts and cut rows are placed a \
+             slot per expert"
+                .into(),
+        ));
+    }
+    if options.assignment.is_some() || options.shared {
+        return Err(bad(
+            "role-major slots with an expert assignment (it orders the slots node by node) \
+             or in a shared store (an export's manifest does not carry them)"
+                .into(),
+        ));
+    }
+    match weights {
+        Some(w) if w == asked => Ok(asked),
+        Some(w) => Err(bad(format!(
+            "the experts have {w} weight roles per layer: role-major slots hold one role \
+             of one expert each (role_major({w}))"
+        ))),
+        None => Err(bad(
+            "every MoE layer needs the same weight roles, one piece each, and no scale \
+             slot: a role-major slot holds one piece"
+                .into(),
+        )),
+    }
+}
+
+/// The weight roles every layer has, where every expert has one piece per role and no
+/// scales (what a role-major slot holds); `None` otherwise.
+fn uniform_roles(plan: &ExpertPlan) -> Option<usize> {
+    let first = plan.layers().first()?.experts().first()?.weights().len();
+    let uniform = plan.layers().iter().all(|l| {
+        l.share().is_none()
+            && l.scale_bytes() == 0
+            && l.experts()
+                .iter()
+                .all(|e| e.weights().len() == first && e.scales().is_empty())
+    });
+    (uniform && first > 1).then_some(first)
+}
+
+/// Whether a weight tensor holds every expert of its layer flattened per role: `E`
+/// pieces of it, its outermost dimension `E × k` with `k > 1` (DBRX's `[E·I, H]`), not
+/// `E` (`[E, I, H]`, GGUF's `ffn_*_exps`, a view of slots already).
+fn flattened(checkpoint: &Checkpoint, plan: &ExpertPlan) -> bool {
+    plan.layers().iter().any(|l| {
+        let experts = l.experts().len() as u64;
+        l.experts().first().is_some_and(|e| {
+            e.weights().iter().any(|p| {
+                let t = &checkpoint.tensors()[p.tensor()];
+                let shape = super::shape::normalized_shape(t);
+                experts > 1
+                    && t.len() == p.len().saturating_mul(experts)
+                    && shape
+                        .first()
+                        .is_some_and(|&d| d != experts && d % experts == 0)
+            })
+        })
+    })
+}
+
+/// `plan` in role-major slot order: each layer's `R × E` slots, slot `r × E + e` holding
+/// weight piece `r` of expert `e` alone (what the store packs and verify compares).
+pub(crate) fn role_major_plan(plan: &ExpertPlan, roles: usize) -> ExpertPlan {
+    if roles <= 1 {
+        return plan.clone();
+    }
+    let mut out = plan.clone();
+    out.layers = plan
+        .layers()
+        .iter()
+        .map(|l| role_major_layer(l, roles))
+        .collect();
+    out
+}
+
+fn role_major_layer(l: &LayerPlan, roles: usize) -> LayerPlan {
+    let mut out = l.clone();
+    out.experts = (0..roles)
+        .flat_map(|r| {
+            l.experts().iter().map(move |e| ExpertPieces {
+                weights: e.weights().get(r).copied().into_iter().collect(),
+                scales: Vec::new(),
+            })
+        })
+        .collect();
+    out.weight_bytes = out
+        .experts
+        .iter()
+        .flat_map(|e| e.weights())
+        .map(|p| p.len())
+        .max()
+        .unwrap_or(0);
+    out
+}
+
+/// The store slot of weight piece `piece` of expert `expert` (of `experts`), and the
+/// piece's index in that slot: `(expert, piece)` a slot per expert, `(piece × E +
+/// expert, 0)` role-major.
+pub(crate) fn slot_of(roles: usize, experts: usize, expert: usize, piece: usize) -> (usize, usize) {
+    if roles <= 1 {
+        (expert, piece)
+    } else {
+        (piece.saturating_mul(experts).saturating_add(expert), 0)
+    }
+}
+
+/// Under role-major slots, each tensor holding every expert of a layer whose role's run
+/// is back to back in the slots (each slot exactly its piece, in the file's order):
+/// [`Place::ExpertRun`], one run of bytes with the file's layout.
+pub(crate) fn role_runs(
+    store: &PinStore,
+    plan: &ExpertPlan,
+    roles: usize,
+    tensors: &mut [PlacedTensor],
+) -> Result<()> {
+    if roles <= 1 {
+        return Ok(());
+    }
+    for l in plan.layers() {
+        let experts = l.experts().len();
+        let Some(first) = l.experts().first() else {
+            continue;
+        };
+        let map = store.slot_map(l.layer())?;
+        for (r, p) in first.weights().iter().enumerate() {
+            let t = p.tensor();
+            // Every expert's piece r of the same tensor, in expert order, back to back in
+            // the file and in their slots (each at offset 0, its whole length).
+            let in_order = l.experts().iter().enumerate().all(|(e, x)| {
+                let (slot, _) = slot_of(roles, experts, e, r);
+                let piece = x.weights().get(r);
+                let placed = map.pieces(slot, Kind::Weights).unwrap_or_default();
+                piece.is_some_and(|q| {
+                    q.tensor() == t
+                        && q.offset() == p.offset().saturating_add(q.len() * e as u64)
+                        && placed.len() == 1
+                        && placed[0].offset == 0
+                        && placed[0].len as u64 == q.len()
+                })
+            });
+            let Some(placed) = tensors.get_mut(t) else {
+                continue;
+            };
+            let total = p.len().saturating_mul(experts as u64);
+            if in_order && placed.len == total && placed.place == Place::Experts {
+                placed.place = Place::ExpertRun {
+                    layer: l.layer(),
+                    first: r * experts,
+                    count: experts,
+                };
+            }
+        }
+    }
+    Ok(())
+}
