@@ -102,6 +102,10 @@ pub struct WholeVerify {
     /// Wall nanoseconds the re-reads and compares took, per class (in class order; the
     /// routed experts' under [`TensorClass::RoutedExperts`]).
     pub class_nanos: Vec<(TensorClass, u64)>,
+    /// What the dense classes' direct re-reads did (the experts' are in
+    /// [`WholeVerify::experts`]): bytes read in place, requests per mechanism, the
+    /// deepest queue.
+    pub direct: crate::source::DirectReads,
 }
 
 impl WholeVerify {

@@ -1,0 +1,266 @@
+//! The verify's reads: ranges of the files compared with the bytes placed from them,
+//! re-read in the load's read mode with many reads in flight.
+//!
+//! Every range ([`Compare`]) is cut into parts of at most [`WINDOW`] bytes, the parts
+//! sorted by file and offset and joined into windows of the file (gaps of at most
+//! [`GAP`] bytes read through), and the windows shared out to a few threads. Each thread
+//! reads a window into its own buffer, aligned for direct I/O and starting at an aligned
+//! file offset, so that a direct read lands in it with the whole window on the thread's
+//! `io_uring` at once ([`uring::CHUNK`](super::uring::CHUNK) a request), and compares it
+//! with every copy of every part it holds, in place: no tensor-sized buffer is allocated,
+//! and the page cache is not filled by a direct verify. A failed read stops every thread;
+//! the first error is returned.
+
+use std::fs::File;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::DirectReads;
+use super::read::{Reader, Scratch};
+use crate::error::{Error, Result};
+
+/// The most file bytes one thread reads and compares at once.
+pub(crate) const WINDOW: usize = 32 << 20;
+
+/// The most bytes between two ranges of one file read through to join them in a window.
+pub(crate) const GAP: u64 = 64 << 10;
+
+/// Threads a verify reads with: the CPUs (as the load's default loader threads), at
+/// least 2 so that one compares while the other's reads are in flight.
+pub(crate) fn threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
+}
+
+/// Bytes of a file that every copy must hold.
+pub(crate) struct Compare<'a> {
+    pub(crate) file: &'a File,
+    pub(crate) offset: u64,
+    /// Each copy of the bytes (all of one length).
+    pub(crate) copies: Vec<&'a [u8]>,
+    /// Who the bytes belong to (reported with a difference).
+    pub(crate) tag: usize,
+    /// Where these bytes start in the tag's bytes.
+    pub(crate) at: usize,
+}
+
+/// The first difference found in one copy of a tag's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Difference {
+    pub(crate) tag: usize,
+    pub(crate) copy: usize,
+    /// The first differing byte, from the start of the tag's bytes.
+    pub(crate) at: usize,
+    /// Its file offset.
+    pub(crate) file_offset: u64,
+}
+
+/// What [`compare`] did and found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Compared {
+    /// Windows read (one [`Reader::read`] each).
+    pub(crate) reads: usize,
+    /// File bytes read (gaps and alignment included).
+    pub(crate) read_bytes: u64,
+    /// How the direct reads were issued.
+    pub(crate) direct: DirectReads,
+    /// The first difference per tag and copy, sorted by tag then copy.
+    pub(crate) differences: Vec<Difference>,
+}
+
+/// The threads' window buffers, kept for every [`compare`] of one verify: fresh memory
+/// costs its first touch (much of a verify's time on a VM that backs guest pages on
+/// first use), so each buffer is faulted in once.
+#[derive(Default)]
+pub(crate) struct Buffers(Mutex<Vec<Vec<u8>>>);
+
+impl Buffers {
+    fn take(&self) -> Vec<u8> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+
+    fn put(&self, buffer: Vec<u8>) {
+        if !buffer.is_empty() {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(buffer);
+        }
+    }
+}
+
+/// A run of one file read at once, and the parts it holds.
+struct Window {
+    file: usize,
+    start: u64,
+    end: u64,
+    parts: std::ops::Range<usize>,
+}
+
+/// Compares every range with the files, read through `reader` by up to `threads`
+/// threads into `buffers`. `what` names the verify in errors.
+///
+/// # Errors
+/// A read fails (or the file ends before a range): the first one.
+pub(crate) fn compare(
+    (reader, buffers): (&Reader<'_>, &Buffers),
+    threads: usize,
+    compares: Vec<Compare<'_>>,
+    what: &(dyn Fn() -> String + Sync),
+) -> Result<Compared> {
+    let mut parts: Vec<Compare<'_>> = Vec::with_capacity(compares.len());
+    for c in compares {
+        let len = c.copies.first().map_or(0, |b| b.len());
+        for from in (0..len).step_by(WINDOW) {
+            let to = (from + WINDOW).min(len);
+            parts.push(Compare {
+                file: c.file,
+                offset: c.offset + from as u64,
+                copies: c.copies.iter().map(|b| &b[from..to]).collect(),
+                tag: c.tag,
+                at: c.at + from,
+            });
+        }
+    }
+    let key = |f: &File| f as *const File as usize;
+    parts.sort_by_key(|p| (key(p.file), p.offset));
+    let windows = windows(&parts, &|f| key(f));
+    let threads = threads.clamp(1, windows.len().max(1));
+    let shared = Shared {
+        next: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+        error: Mutex::new(None),
+        done: Mutex::new(Compared::default()),
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(|| shared.work((reader, buffers), &parts, &windows, what));
+        }
+        shared.work((reader, buffers), &parts, &windows, what);
+    });
+    if let Some(e) = shared.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
+    let mut done = shared.done.into_inner().unwrap_or_else(|e| e.into_inner());
+    done.differences.sort_by_key(|d| (d.tag, d.copy, d.at));
+    done.differences.dedup_by_key(|d| (d.tag, d.copy));
+    Ok(done)
+}
+
+/// The parts (sorted by file and offset) joined into windows of at most [`WINDOW`]
+/// bytes of one file with gaps of at most [`GAP`].
+fn windows(parts: &[Compare<'_>], key: &dyn Fn(&File) -> usize) -> Vec<Window> {
+    let mut out: Vec<Window> = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        let end = p.offset + p.copies.first().map_or(0, |b| b.len()) as u64;
+        if let Some(w) = out.last_mut() {
+            let same = key(parts[w.parts.start].file) == key(p.file);
+            if same && p.offset <= w.end.saturating_add(GAP) && end - w.start <= WINDOW as u64 {
+                w.end = w.end.max(end);
+                w.parts.end = i + 1;
+                continue;
+            }
+        }
+        out.push(Window {
+            file: i,
+            start: p.offset,
+            end,
+            parts: i..i + 1,
+        });
+    }
+    out
+}
+
+struct Shared {
+    next: AtomicUsize,
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+    done: Mutex<Compared>,
+}
+
+impl Shared {
+    fn work(
+        &self,
+        (reader, buffers): (&Reader<'_>, &Buffers),
+        parts: &[Compare<'_>],
+        windows: &[Window],
+        what: &(dyn Fn() -> String + Sync),
+    ) {
+        let mut mine = Compared::default();
+        let mut buffer = buffers.take();
+        let result = reader.scratch().and_then(|mut scratch| {
+            let io = (reader, &mut scratch, &mut buffer);
+            let result = self.take(io, parts, windows, &mut mine, what);
+            let (in_place, blocking, ring, peak) = scratch.counts();
+            mine.direct = DirectReads {
+                in_place_bytes: in_place,
+                uring_reads: ring,
+                blocking_reads: blocking,
+                uring_depth: peak,
+            };
+            result
+        });
+        buffers.put(buffer);
+        if let Err(e) = result {
+            self.stop.store(true, Ordering::Relaxed);
+            self.error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(e);
+        }
+        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        done.reads += mine.reads;
+        done.read_bytes += mine.read_bytes;
+        done.direct = done.direct.plus(mine.direct);
+        done.differences.append(&mut mine.differences);
+    }
+
+    fn take(
+        &self,
+        (reader, scratch, buffer): (&Reader<'_>, &mut Scratch, &mut Vec<u8>),
+        parts: &[Compare<'_>],
+        windows: &[Window],
+        mine: &mut Compared,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<()> {
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some(w) = windows.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+                return Ok(());
+            };
+            let file = parts[w.file].file;
+            let (mem, offset_align) = reader.alignment(file);
+            // An aligned start: a direct read lands in the buffer with no bounced head.
+            let start = w.start - w.start % offset_align as u64;
+            let len = usize::try_from(w.end - start).unwrap_or(usize::MAX);
+            if buffer.len() < len + mem {
+                *buffer = vec![0u8; WINDOW + offset_align + mem];
+            }
+            let base = buffer.as_ptr().align_offset(mem);
+            let bytes = &mut buffer[base..base + len];
+            reader.read(file, start, bytes, scratch, what)?;
+            mine.reads += 1;
+            mine.read_bytes += len as u64;
+            for p in &parts[w.parts.clone()] {
+                let from = (p.offset - start) as usize;
+                for (copy, held) in p.copies.iter().enumerate() {
+                    let file_bytes = &bytes[from..from + held.len()];
+                    if *held != file_bytes {
+                        let i = (0..held.len())
+                            .find(|&i| held[i] != file_bytes[i])
+                            .unwrap_or(0);
+                        mine.differences.push(Difference {
+                            tag: p.tag,
+                            copy,
+                            at: p.at + i,
+                            file_offset: p.offset + i as u64,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
