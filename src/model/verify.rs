@@ -34,12 +34,17 @@ pub struct VerifyReport {
     pub slots: usize,
     /// Bytes re-read from the files and compared.
     pub bytes: u64,
-    /// `pread` calls made.
+    /// Reads made: windows of the files of up to 32 MiB, each compared with every slot
+    /// piece it holds (a direct one as several requests in flight, see
+    /// [`VerifyReport::direct`]).
     pub reads: usize,
     /// Slots that differ (0: verified).
     pub mismatched_slots: usize,
     /// The first [`VerifyReport::MAX_LISTED`] of them.
     pub mismatches: Vec<SlotMismatch>,
+    /// What the direct re-reads did: bytes read in place, requests per mechanism, the
+    /// deepest queue (all zero for buffered re-reads).
+    pub direct: crate::source::DirectReads,
 }
 
 impl VerifyReport {
@@ -172,6 +177,7 @@ impl Checkpoint {
             reads: 0,
             mismatched_slots: 0,
             mismatches: Vec::new(),
+            direct: crate::source::DirectReads::default(),
         };
         // Every slot that differs, with its place in slot order.
         let mut found: Vec<(usize, SlotMismatch)> = Vec::new();
@@ -237,6 +243,7 @@ impl Checkpoint {
             "verify experts".to_owned()
         })?;
         report.reads = compared.reads;
+        report.direct = compared.direct;
         for d in compared.differences {
             let (order, at, places) = &slots[d.tag];
             let index = places

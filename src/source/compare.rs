@@ -264,3 +264,118 @@ impl Shared {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::ReadMode;
+
+    /// A file of `len` bytes `(i * 7 + i / 251) % 256` on the target directory's disk.
+    fn pattern(name: &str, len: usize) -> (std::path::PathBuf, File, Vec<u8>) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target")
+            .join(format!("compare-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes: Vec<u8> = (0..len).map(|i| ((i * 7 + i / 251) % 256) as u8).collect();
+        let path = dir.join("f");
+        std::fs::write(&path, &bytes).unwrap();
+        (dir, File::open(&path).unwrap(), bytes)
+    }
+
+    #[test]
+    fn every_difference_is_found_at_its_first_byte_in_every_mode() {
+        let len = 2 * WINDOW + 3 * 4096 + 123;
+        let (dir, file, bytes) = pattern("diff", len);
+        // Ranges: unaligned, across windows, overlapping, adjacent, at the file's end,
+        // one larger than a window, one past a gap larger than GAP.
+        let ranges: [(usize, usize); 7] = [
+            (17, 1000),
+            (1017, 5000),
+            (3000, 9000),
+            (WINDOW - 100, 300),
+            (WINDOW + 50, WINDOW + 4096),
+            (2 * WINDOW + 8192, 4096 + 123 + 4096 - 8192 + 4096),
+            (9000 + GAP as usize * 3, 77),
+        ];
+        // Copies: the file's bytes, and copies with one byte changed (copy 1) or two.
+        let mut held: Vec<Vec<Vec<u8>>> = Vec::new();
+        for (t, &(o, n)) in ranges.iter().enumerate() {
+            let good = bytes[o..o + n].to_vec();
+            let mut one = good.clone();
+            let mut two = good.clone();
+            one[(t * 131) % n] ^= 1;
+            two[n - 1] ^= 0x80;
+            two[n / 2] ^= 0x40;
+            held.push(vec![good, one, two]);
+        }
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            let reader = Reader::new(mode, [&file]).unwrap();
+            let compares: Vec<Compare<'_>> = ranges
+                .iter()
+                .zip(&held)
+                .enumerate()
+                .map(|(t, (&(o, _), copies))| Compare {
+                    file: &file,
+                    offset: o as u64,
+                    copies: copies.iter().map(|c| &c[..]).collect(),
+                    tag: t,
+                    at: 10,
+                })
+                .collect();
+            let buffers = Buffers::default();
+            let done = compare((&reader, &buffers), 3, compares, &|| "t".into()).unwrap();
+            // The reference: a byte loop over the file's bytes.
+            let mut want = Vec::new();
+            for (t, (&(o, _), copies)) in ranges.iter().zip(&held).enumerate() {
+                for (copy, c) in copies.iter().enumerate() {
+                    if let Some(i) = (0..c.len()).find(|&i| c[i] != bytes[o + i]) {
+                        want.push(Difference {
+                            tag: t,
+                            copy,
+                            at: 10 + i,
+                            file_offset: (o + i) as u64,
+                        });
+                    }
+                }
+            }
+            assert_eq!(done.differences, want, "{mode:?}");
+            assert_eq!(want.len(), 2 * ranges.len());
+            // The gap-separated range and the window limit: at least 4 windows.
+            assert!(done.reads >= 4, "{mode:?}: {done:?}");
+            let (_, unit) = reader.alignment(&file);
+            if reader.outcome().0 == ReadMode::Direct && unit > 1 {
+                let d = done.direct;
+                assert!(d.blocking_reads <= done.reads as u64, "{d:?}");
+                assert!(
+                    d.in_place_bytes + done.reads as u64 * unit as u64 >= done.read_bytes,
+                    "{done:?}"
+                );
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_shorter_than_a_range_is_an_error_naming_the_read() {
+        let (dir, file, bytes) = pattern("short", 10_000);
+        let held = bytes[9000..].to_vec();
+        let mut longer = held.clone();
+        longer.extend_from_slice(&[0; 100]);
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            let reader = Reader::new(mode, [&file]).unwrap();
+            let compares = vec![Compare {
+                file: &file,
+                offset: 9000,
+                copies: vec![&longer[..]],
+                tag: 0,
+                at: 0,
+            }];
+            let e = compare((&reader, &Buffers::default()), 2, compares, &|| {
+                "verify t".into()
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("verify t"), "{mode:?}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

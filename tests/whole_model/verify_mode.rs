@@ -37,6 +37,7 @@ fn a_direct_placement_verifies_without_filling_the_page_cache() {
         assert_eq!(model.read_mode(), ReadMode::Direct, "{name}");
         let verify = model.verify(&checkpoint).unwrap();
         assert!(verify.verified(), "{name}: {verify}");
+        read_in_place(name, &checkpoint, &model, &verify);
         let (after, pages) = cached(&checkpoint);
         assert!(
             after * 50 <= pages,
@@ -52,5 +53,64 @@ fn a_direct_placement_verifies_without_filling_the_page_cache() {
             after * 2 > pages,
             "{name}: a buffered verify cached only {after} of {pages} pages"
         );
+    }
+}
+
+/// What the direct re-reads of the dense classes did: windows read at aligned offsets
+/// into aligned buffers, so all but each window's partial last unit lands in place (at
+/// most one blocking read a window: its bounced tail), through `io_uring` wherever the
+/// load used one; and the window reads cover every dense byte compared, at most a
+/// unit more per window (its aligned start) and the gaps of at most 64 KiB between
+/// tensors.
+fn read_in_place(
+    name: &str,
+    checkpoint: &Checkpoint,
+    model: &numapin::model::PlacedModel,
+    verify: &numapin::model::WholeVerify,
+) {
+    let (_, unit) = common::dio_align(checkpoint.files()[0].file()).unwrap();
+    let d = verify.direct;
+    let dense: u64 = checkpoint
+        .tensors()
+        .iter()
+        // The tensors compared as dense ones: those with copies of their own (the
+        // experts' merged tensors are compared slot by slot, in `verify.experts`).
+        .filter(|t| model.tensor_copies(t.name()).is_ok())
+        .map(|t| t.len())
+        .sum();
+    println!(
+        "{name}: dense {dense} bytes, {} window reads, {d:?}",
+        verify.reads
+    );
+    assert!(verify.reads > 0, "{name}");
+    assert!(d.blocking_reads <= verify.reads as u64, "{name}: {d:?}");
+    assert!(
+        d.in_place_bytes + verify.reads as u64 * unit >= dense,
+        "{name}: {} of {dense} dense bytes read in place ({d:?})",
+        d.in_place_bytes
+    );
+    let load_ring: u64 = model.report().map_or(0, |r| {
+        r.measured.iter().map(|c| c.direct_reads.uring_reads).sum()
+    });
+    assert_eq!(
+        d.uring_reads > 0,
+        load_ring > 0,
+        "{name}: {d:?}, load {load_ring}"
+    );
+    // The experts' slots likewise.
+    if let Some(e) = &verify.experts {
+        let x = e.direct;
+        println!(
+            "{name}: experts {} bytes, {} window reads, {x:?}",
+            e.bytes, e.reads
+        );
+        assert!(x.blocking_reads <= e.reads as u64, "{name}: {x:?}");
+        assert!(
+            x.in_place_bytes + e.reads as u64 * unit >= e.bytes,
+            "{name}: {} of {} expert bytes read in place ({x:?})",
+            x.in_place_bytes,
+            e.bytes
+        );
+        assert_eq!(x.uring_reads > 0, load_ring > 0, "{name}: {x:?}");
     }
 }

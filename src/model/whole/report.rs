@@ -90,7 +90,7 @@ pub struct WholeVerify {
     pub copies: usize,
     /// Bytes compared over every copy.
     pub bytes: u64,
-    /// `pread` calls.
+    /// Reads made: windows of the files of up to 32 MiB (see [`WholeVerify::direct`]).
     pub reads: usize,
     /// Copies that differ.
     pub mismatched: usize,
