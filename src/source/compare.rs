@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use super::DirectReads;
 use super::read::{Reader, Scratch};
 use crate::error::{Error, Result};
+use crate::region::{Advice, Region};
 
 /// The most file bytes one thread reads and compares at once.
 pub(crate) const WINDOW: usize = 32 << 20;
@@ -70,26 +71,39 @@ pub(crate) struct Compared {
 /// The threads' window buffers, kept for every [`compare`] of one verify: fresh memory
 /// costs its first touch (much of a verify's time on a VM that backs guest pages on
 /// first use), so each buffer is faulted in once.
+///
+/// Each is an anonymous mapping aligned to 2 MiB and advised `MADV_HUGEPAGE`, as the
+/// stores' slots are: a direct read into huge pages is a few long segments, where one into
+/// base pages is a segment per 4 KiB page and a 4 MiB request splits into several (the
+/// disk here takes 254 segments a request).
 #[derive(Default)]
-pub(crate) struct Buffers(Mutex<Vec<Vec<u8>>>);
+pub(crate) struct Buffers(Mutex<Vec<Region>>);
+
+/// The alignment of a window buffer: a huge page.
+const HUGE_PAGE: usize = 2 << 20;
 
 impl Buffers {
-    fn take(&self) -> Vec<u8> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or_default()
+    fn take(&self) -> Option<Region> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).pop()
     }
 
-    fn put(&self, buffer: Vec<u8>) {
-        if !buffer.is_empty() {
+    fn put(&self, buffer: Option<Region>) {
+        if let Some(buffer) = buffer {
             self.0
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push(buffer);
         }
     }
+}
+
+/// A window buffer of at least `len` bytes, aligned to 2 MiB and advised to huge pages
+/// (where the kernel has them).
+fn window_buffer(len: usize) -> Result<Region> {
+    let region = Region::anonymous_aligned(len.next_multiple_of(HUGE_PAGE), HUGE_PAGE)?;
+    // Only advice: a kernel without transparent huge pages reads into base pages.
+    let _ = region.advise(Advice::HugePage);
+    Ok(region)
 }
 
 /// A run of one file read at once, and the parts it holds.
@@ -220,7 +234,7 @@ impl Shared {
 
     fn take(
         &self,
-        (reader, scratch, buffer): (&Reader<'_>, &mut Scratch, &mut Vec<u8>),
+        (reader, scratch, buffer): (&Reader<'_>, &mut Scratch, &mut Option<Region>),
         parts: &[Compare<'_>],
         windows: &[Window],
         mine: &mut Compared,
@@ -235,11 +249,16 @@ impl Shared {
             // An aligned start: a direct read lands in the buffer with no bounced head.
             let start = w.start - w.start % offset_align as u64;
             let len = usize::try_from(w.end - start).unwrap_or(usize::MAX);
-            if buffer.len() < len + mem {
-                *buffer = vec![0u8; WINDOW + offset_align + mem];
+            let need = len + mem.saturating_sub(HUGE_PAGE);
+            if buffer.as_ref().is_none_or(|b| b.len() < need) {
+                *buffer = Some(window_buffer((WINDOW + offset_align).max(need))?);
             }
-            let base = buffer.as_ptr().align_offset(mem);
-            let bytes = &mut buffer[base..base + len];
+            let Some(region) = buffer.as_mut() else {
+                return Ok(());
+            };
+            let memory = region.as_mut_slice()?;
+            let base = memory.as_ptr().align_offset(mem);
+            let bytes = &mut memory[base..base + len];
             reader.read(file, start, bytes, scratch, what)?;
             mine.reads += 1;
             mine.read_bytes += len as u64;
