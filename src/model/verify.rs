@@ -6,7 +6,7 @@ use std::fmt;
 use super::{Checkpoint, ExpertPlan, Naming, Share};
 use crate::error::{Error, Result};
 use crate::source::ReadMode;
-use crate::source::compare::{Buffers, Compare, compare, threads};
+use crate::source::compare::{Buffers, Compare, Difference, compare, threads};
 use crate::source::load::Reader;
 use crate::store::{Kind, PinStore, SlotPiece};
 
@@ -43,7 +43,11 @@ pub struct VerifyReport {
     /// The first [`VerifyReport::MAX_LISTED`] of them.
     pub mismatches: Vec<SlotMismatch>,
     /// What the direct re-reads did: bytes read in place, requests per mechanism, the
-    /// deepest queue (all zero for buffered re-reads).
+    /// deepest queue (all zero for buffered re-reads). In a
+    /// [`PlacedModel::verify`](crate::model::PlacedModel::verify) the experts' slots are
+    /// read in one pass with the dense classes: this and [`VerifyReport::reads`] stay
+    /// zero, the counts are the whole pass's
+    /// ([`WholeVerify::direct`](crate::model::WholeVerify::direct)).
     pub direct: crate::source::DirectReads,
 }
 
@@ -165,30 +169,51 @@ impl Checkpoint {
     /// pieces with the files, every slot's reads together ([`compare`]: windows of the
     /// files in flight on a few threads, compared in place), through `reader` (made for
     /// this checkpoint's files) into `buffers`.
-    pub(crate) fn verify_using(
+    fn verify_using(
         &self,
         store: &PinStore,
         plan: &ExpertPlan,
         (reader, buffers): (&Reader<'_>, &Buffers),
     ) -> Result<VerifyReport> {
-        let mut report = VerifyReport {
-            slots: 0,
-            bytes: 0,
-            reads: 0,
-            mismatched_slots: 0,
-            mismatches: Vec::new(),
-            direct: crate::source::DirectReads::default(),
+        let mut check = self.expert_check(store, plan, (0, 0))?;
+        let compares = std::mem::take(&mut check.compares);
+        let compared = compare((reader, buffers), threads(), compares, &|| {
+            "verify experts".to_owned()
+        })?;
+        let mut report = self.expert_found(plan, check, compared.differences);
+        report.reads = compared.reads;
+        report.direct = compared.direct;
+        Ok(report)
+    }
+
+    /// The first half of [`Checkpoint::verify_using`]: every slot's layout checked, and
+    /// the ranges to compare with the files (tags from `first_tag` on, counted under
+    /// `group`).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_in_mode`].
+    pub(crate) fn expert_check<'a>(
+        &'a self,
+        store: &'a PinStore,
+        plan: &ExpertPlan,
+        (group, first_tag): (usize, usize),
+    ) -> Result<ExpertCheck<'a>> {
+        let mut check = ExpertCheck {
+            report: VerifyReport {
+                slots: 0,
+                bytes: 0,
+                reads: 0,
+                mismatched_slots: 0,
+                mismatches: Vec::new(),
+                direct: crate::source::DirectReads::default(),
+            },
+            found: Vec::new(),
+            slots: Vec::new(),
+            compares: Vec::new(),
+            first_tag,
         };
-        // Every slot that differs, with its place in slot order.
-        let mut found: Vec<(usize, SlotMismatch)> = Vec::new();
-        // Per compared slot: where it is, its order, and its pieces' places.
-        let mut slots: Vec<(usize, SlotMismatch, &[SlotPiece])> = Vec::new();
-        let mut compares: Vec<Compare<'_>> = Vec::new();
-        let mut maps = Vec::new();
         for layer in plan.layers() {
-            maps.push(store.slot_map(layer.layer())?);
-        }
-        for (layer, map) in plan.layers().iter().zip(&maps) {
+            let map = store.slot_map(layer.layer())?;
             for (slot, expert) in layer.experts().iter().enumerate() {
                 // The global id: a share's store is looked up by it.
                 let e = layer.expert_id(slot);
@@ -200,8 +225,8 @@ impl Checkpoint {
                     if pieces.is_empty() && slot.is_empty() {
                         continue;
                     }
-                    let order = report.slots;
-                    report.slots += 1;
+                    let order = check.report.slots;
+                    check.report.slots += 1;
                     let places = map.pieces(e, kind).unwrap_or_default();
                     let at = SlotMismatch {
                         layer: layer.layer(),
@@ -215,37 +240,51 @@ impl Checkpoint {
                         None => self.slot_fault(slot, pieces, places)?,
                     };
                     if let Some((slot_offset, reason)) = fault {
-                        found.push((
-                            order,
-                            SlotMismatch {
-                                slot_offset,
-                                reason,
-                                ..at
-                            },
-                        ));
+                        let m = SlotMismatch {
+                            slot_offset,
+                            reason,
+                            ..at
+                        };
+                        check.found.push((order, m));
                         continue;
                     }
                     for (place, piece) in places.iter().zip(pieces) {
-                        report.bytes += place.len as u64;
-                        compares.push(Compare {
+                        check.report.bytes += place.len as u64;
+                        check.compares.push(Compare {
                             file: self.files[piece.file()].file(),
                             offset: piece.offset(),
                             copies: vec![&slot[place.offset..place.end()]],
-                            tag: slots.len(),
+                            tag: first_tag + check.slots.len(),
                             at: place.offset,
+                            group,
                         });
                     }
-                    slots.push((order, at, places));
+                    check.slots.push((order, at, places.to_vec()));
                 }
             }
         }
-        let compared = compare((reader, buffers), threads(), compares, &|| {
-            "verify experts".to_owned()
-        })?;
-        report.reads = compared.reads;
-        report.direct = compared.direct;
-        for d in compared.differences {
-            let (order, at, places) = &slots[d.tag];
+        Ok(check)
+    }
+
+    /// The second half: the report, given what the compare found (the differences of
+    /// this check's tags; `reads` and `direct` are the caller's to fill).
+    pub(crate) fn expert_found(
+        &self,
+        plan: &ExpertPlan,
+        check: ExpertCheck<'_>,
+        differences: Vec<Difference>,
+    ) -> VerifyReport {
+        let ExpertCheck {
+            mut report,
+            mut found,
+            slots,
+            first_tag,
+            ..
+        } = check;
+        for d in differences {
+            let Some((order, at, places)) = slots.get(d.tag.wrapping_sub(first_tag)) else {
+                continue;
+            };
             let index = places
                 .iter()
                 .position(|p| p.offset <= d.at && d.at < p.end())
@@ -258,14 +297,12 @@ impl Checkpoint {
                 "piece {index} differs from {path} at file offset {}",
                 d.file_offset
             );
-            found.push((
-                *order,
-                SlotMismatch {
-                    slot_offset: d.at,
-                    reason,
-                    ..at.clone()
-                },
-            ));
+            let m = SlotMismatch {
+                slot_offset: d.at,
+                reason,
+                ..at.clone()
+            };
+            found.push((*order, m));
         }
         found.sort_by_key(|(order, _)| *order);
         report.mismatched_slots = found.len();
@@ -274,7 +311,7 @@ impl Checkpoint {
             .take(VerifyReport::MAX_LISTED)
             .map(|(_, m)| m)
             .collect();
-        Ok(report)
+        report
     }
 
     /// How the pieces of a sliced layer's slot differ from what each role's slice must
@@ -417,6 +454,20 @@ impl Checkpoint {
         }
         Ok(None)
     }
+}
+
+/// The experts' half of a verify between its two steps
+/// ([`Checkpoint::expert_check`], [`Checkpoint::expert_found`]).
+pub(crate) struct ExpertCheck<'a> {
+    report: VerifyReport,
+    /// Every slot that differs so far, with its place in slot order.
+    found: Vec<(usize, SlotMismatch)>,
+    /// Per compared slot (its tag less `first_tag`): its order, where it is, its pieces'
+    /// places.
+    slots: Vec<(usize, SlotMismatch, Vec<SlotPiece>)>,
+    /// The ranges to compare.
+    pub(crate) compares: Vec<Compare<'a>>,
+    first_tag: usize,
 }
 
 /// The path of the file piece `index` of the slot `at` names (for a message).

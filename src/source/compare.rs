@@ -42,6 +42,14 @@ pub(crate) struct Compare<'a> {
     pub(crate) tag: usize,
     /// Where these bytes start in the tag's bytes.
     pub(crate) at: usize,
+    /// What the bytes are counted under in [`Compared::busy`] (a class).
+    pub(crate) group: usize,
+}
+
+impl Compare<'_> {
+    fn len(&self) -> usize {
+        self.copies.first().map_or(0, |b| b.len())
+    }
 }
 
 /// The first difference found in one copy of a tag's bytes.
@@ -66,6 +74,9 @@ pub(crate) struct Compared {
     pub(crate) direct: DirectReads,
     /// The first difference per tag and copy, sorted by tag then copy.
     pub(crate) differences: Vec<Difference>,
+    /// Per group ([`Compare::group`]): the threads' nanoseconds reading and comparing
+    /// its bytes, each window's shared out by the bytes of its parts.
+    pub(crate) busy: Vec<u64>,
 }
 
 /// The threads' window buffers, kept for every [`compare`] of one verify: fresh memory
@@ -136,6 +147,7 @@ pub(crate) fn compare(
                 copies: c.copies.iter().map(|b| &b[from..to]).collect(),
                 tag: c.tag,
                 at: c.at + from,
+                group: c.group,
             });
         }
     }
@@ -230,6 +242,12 @@ impl Shared {
         done.read_bytes += mine.read_bytes;
         done.direct = done.direct.plus(mine.direct);
         done.differences.append(&mut mine.differences);
+        if done.busy.len() < mine.busy.len() {
+            done.busy.resize(mine.busy.len(), 0);
+        }
+        for (all, own) in done.busy.iter_mut().zip(&mine.busy) {
+            *all += own;
+        }
     }
 
     fn take(
@@ -244,6 +262,7 @@ impl Shared {
             let Some(w) = windows.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
                 return Ok(());
             };
+            let started = std::time::Instant::now();
             let file = parts[w.file].file;
             let (mem, offset_align) = reader.alignment(file);
             // An aligned start: a direct read lands in the buffer with no bounced head.
@@ -278,6 +297,16 @@ impl Shared {
                         });
                     }
                 }
+            }
+            let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let parts = &parts[w.parts.clone()];
+            let total: u64 = parts.iter().map(|p| p.len() as u64).sum::<u64>().max(1);
+            for p in parts {
+                if mine.busy.len() <= p.group {
+                    mine.busy.resize(p.group + 1, 0);
+                }
+                let share = u128::from(nanos) * p.len() as u128 / u128::from(total);
+                mine.busy[p.group] += u64::try_from(share).unwrap_or(u64::MAX);
             }
         }
         Ok(())
@@ -339,6 +368,7 @@ mod tests {
                     copies: copies.iter().map(|c| &c[..]).collect(),
                     tag: t,
                     at: 10,
+                    group: t % 2,
                 })
                 .collect();
             let buffers = Buffers::default();
@@ -359,6 +389,10 @@ mod tests {
             }
             assert_eq!(done.differences, want, "{mode:?}");
             assert_eq!(want.len(), 2 * ranges.len());
+            assert!(
+                done.busy.len() == 2 && done.busy.iter().all(|&n| n > 0),
+                "{done:?}"
+            );
             // The gap-separated range and the window limit: at least 4 windows.
             assert!(done.reads >= 4, "{mode:?}: {done:?}");
             let (_, unit) = reader.alignment(&file);
@@ -388,6 +422,7 @@ mod tests {
                 copies: vec![&longer[..]],
                 tag: 0,
                 at: 0,
+                group: 0,
             }];
             let e = compare((&reader, &Buffers::default()), 2, compares, &|| {
                 "verify t".into()

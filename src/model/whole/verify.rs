@@ -12,7 +12,7 @@ use crate::error::{Error, Result, quote};
 use crate::model::{Checkpoint, VerifyReport};
 use crate::node::Node;
 use crate::source::ReadMode;
-use crate::source::compare::{Buffers, Compare, compare, threads};
+use crate::source::compare::{Buffers, Compare, Difference, compare, threads};
 use crate::source::load::Reader;
 use crate::store::PinStore;
 
@@ -87,32 +87,74 @@ impl PlacedModel {
                 classes.push(t.class);
             }
         }
-        for class in classes {
+        // Every class's ranges (the experts' slots' last), read and compared in one pass
+        // (no class waits for the slowest window of the one before), each class's
+        // share of the pass's wall time as of the threads' time on its bytes.
+        let mut dense = Dense::default();
+        for (group, &class) in classes.iter().enumerate() {
             let started = std::time::Instant::now();
-            self.verify_class(checkpoint, class, (&reader, &buffers), &mut report)?;
+            self.dense_compares(checkpoint, (class, group), &reader, &mut dense, &mut report)?;
             add_nanos(&mut report, class, started);
         }
-        if let (Some(store), Some(plan)) = (&self.experts, &self.expert_plan) {
-            let started = std::time::Instant::now();
-            report.experts = Some(checkpoint.verify_using(store, plan, (&reader, &buffers))?);
-            add_nanos(&mut report, TensorClass::RoutedExperts, started);
+        let mut experts = match (&self.experts, &self.expert_plan) {
+            (Some(store), Some(plan)) => {
+                let started = std::time::Instant::now();
+                let tags = (classes.len(), self.tensors.len());
+                let check = checkpoint.expert_check(store, plan, tags)?;
+                add_nanos(&mut report, TensorClass::RoutedExperts, started);
+                Some((plan, check))
+            }
+            _ => None,
+        };
+        classes.push(TensorClass::RoutedExperts);
+        if let Some((_, check)) = experts.as_mut() {
+            dense.compares.append(&mut check.compares);
         }
+        let started = std::time::Instant::now();
+        let what = || "verify".to_owned();
+        let compared = compare((&reader, &buffers), threads(), dense.compares, &what)?;
+        let wall = super::report::nanos_since(started);
+        report.reads += compared.reads;
+        report.direct = report.direct.plus(compared.direct);
+        let busy: u64 = compared.busy.iter().sum::<u64>().max(1);
+        for (&class, &nanos) in classes.iter().zip(&compared.busy) {
+            let share = u128::from(wall) * u128::from(nanos) / u128::from(busy);
+            add(&mut report, class, u64::try_from(share).unwrap_or(u64::MAX));
+        }
+        let (own, theirs): (Vec<Difference>, Vec<Difference>) = (compared.differences)
+            .into_iter()
+            .partition(|d| d.tag < self.tensors.len());
+        for d in own {
+            let t = &self.tensors[d.tag];
+            let node = dense
+                .nodes
+                .get(&d.tag)
+                .and_then(|n| n.get(d.copy))
+                .copied()
+                .flatten();
+            let len = t.len as usize;
+            mismatch(&mut report, differs(&t.name, node, len, len, d.at));
+        }
+        if let Some((plan, check)) = experts {
+            report.experts = Some(checkpoint.expert_found(plan, check, theirs));
+        }
+        report.class_nanos.retain(|&(_, n)| n > 0);
         report.class_nanos.sort_by_key(|&(class, _)| class);
         reader.finish()?;
         Ok(report)
     }
 
-    /// Compares every placed tensor of `class` and every copy of it with the files.
-    fn verify_class(
-        &self,
-        checkpoint: &Checkpoint,
-        class: TensorClass,
-        (reader, buffers): (&Reader<'_>, &Buffers),
+    /// The ranges of every placed tensor of `class` and every copy of it, to compare with
+    /// the files (counted under `group`), into `dense`; a tensor placed converted is read
+    /// and compared here.
+    fn dense_compares<'a>(
+        &'a self,
+        checkpoint: &'a Checkpoint,
+        (class, group): (TensorClass, usize),
+        reader: &Reader<'_>,
+        dense: &mut Dense<'a>,
         report: &mut WholeVerify,
     ) -> Result<()> {
-        let mut compares: Vec<Compare<'_>> = Vec::new();
-        // Per tensor index: the nodes of the copies compared, in `Compare::copies` order.
-        let mut nodes: HashMap<usize, Vec<Option<Node>>> = HashMap::new();
         let tensors = self.tensors.iter().zip(checkpoint.tensors()).enumerate();
         for (index, (t, ct)) in tensors {
             if t.class != class
@@ -186,31 +228,36 @@ impl PlacedModel {
             }
             for (r, at) in (0..len).step_by(per).enumerate() {
                 let end = (at + per).min(len);
-                compares.push(Compare {
+                dense.compares.push(Compare {
                     file: file.file(),
                     offset: t.offset + r as u64 * stride,
                     copies: good.iter().map(|(_, held)| &held[at..end]).collect(),
                     tag: index,
                     at,
+                    group,
                 });
             }
-            nodes.insert(index, good.into_iter().map(|(node, _)| node).collect());
-        }
-        let what = || format!("verify {}", class.name());
-        let compared = compare((reader, buffers), threads(), compares, &what)?;
-        report.reads += compared.reads;
-        report.direct = report.direct.plus(compared.direct);
-        for d in compared.differences {
-            let t = &self.tensors[d.tag];
-            let node = nodes
-                .get(&d.tag)
-                .and_then(|n| n.get(d.copy))
-                .copied()
-                .flatten();
-            let len = t.len as usize;
-            mismatch(report, differs(&t.name, node, len, len, d.at));
+            dense
+                .nodes
+                .insert(index, good.into_iter().map(|(node, _)| node).collect());
         }
         Ok(())
+    }
+}
+
+/// The dense classes' ranges to compare, and per tensor index the nodes of the copies
+/// compared (in [`Compare::copies`] order).
+#[derive(Default)]
+struct Dense<'a> {
+    compares: Vec<Compare<'a>>,
+    nodes: HashMap<usize, Vec<Option<Node>>>,
+}
+
+/// Adds `nanos` to `class`'s verify time.
+fn add(report: &mut WholeVerify, class: TensorClass, nanos: u64) {
+    match report.class_nanos.iter_mut().find(|(c, _)| *c == class) {
+        Some((_, n)) => *n = n.saturating_add(nanos),
+        None => report.class_nanos.push((class, nanos)),
     }
 }
 
