@@ -5,7 +5,9 @@ shards, then every NUMAPIN binary's `place --model DIR --plan default --read MOD
 in a rotating order, the page cache dropped before every run (root). Prints each round's
 ratios to dd, then per binary the medians (min-max) of: the whole process's wall over
 dd's (load + verify against one read), the load alone (the JSON's load_seconds) over
-dd's wall, and the verify over the load (verify_seconds / load_seconds). Ratios within a round only: the machine may be shared.
+dd's wall, the verify over the load (verify_seconds / load_seconds) and the verify over
+dd's wall (both one read of the files: the steadier figure when the load's first touch of
+fresh memory varies). Ratios within a round only: the machine may be shared.
 
     python3 benches/place_pairs.py ROUNDS MODE DIR NUMAPIN [NUMAPIN...]
 
@@ -47,6 +49,7 @@ def dd():
 wall = {b: [] for b in binaries}
 load = {b: [] for b in binaries}
 verify = {b: [] for b in binaries}
+verify_dd = {b: [] for b in binaries}
 for r in range(rounds):
     base = dd()
     order = binaries[r % len(binaries):] + binaries[:r % len(binaries)]
@@ -60,6 +63,7 @@ for r in range(rounds):
         load[b].append(report["load_seconds"] / base)
         if report.get("verify_seconds") is not None:
             verify[b].append(report["verify_seconds"] / report["load_seconds"])
+            verify_dd[b].append(report["verify_seconds"] / base)
         line.append(f"{b}: wall {seconds / base:.2f}x load {report['load_seconds'] / base:.2f}x")
     print("; ".join(line), flush=True)
 
@@ -70,4 +74,4 @@ def med(xs):
 
 for b in binaries:
     print(f"{b}: wall/dd {med(wall[b])}, load/dd {med(load[b])}, dd/load {med([1 / x for x in load[b]])}"
-          + (f", verify/load {med(verify[b])}" if verify[b] else ""))
+          + (f", verify/load {med(verify[b])}, verify/dd {med(verify_dd[b])}" if verify[b] else ""))

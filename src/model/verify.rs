@@ -6,7 +6,8 @@ use std::fmt;
 use super::{Checkpoint, ExpertPlan, Naming, Share};
 use crate::error::{Error, Result};
 use crate::source::ReadMode;
-use crate::source::load::{Reader, Scratch};
+use crate::source::compare::{Buffers, Compare, Difference, compare, threads};
+use crate::source::load::Reader;
 use crate::store::{Kind, PinStore, SlotPiece};
 
 /// One slot that does not hold what the checkpoint says.
@@ -33,12 +34,21 @@ pub struct VerifyReport {
     pub slots: usize,
     /// Bytes re-read from the files and compared.
     pub bytes: u64,
-    /// `pread` calls made.
+    /// Reads made: windows of the files of up to 32 MiB, each compared with every slot
+    /// piece it holds (a direct one as several requests in flight, see
+    /// [`VerifyReport::direct`]).
     pub reads: usize,
     /// Slots that differ (0: verified).
     pub mismatched_slots: usize,
     /// The first [`VerifyReport::MAX_LISTED`] of them.
     pub mismatches: Vec<SlotMismatch>,
+    /// What the direct re-reads did: bytes read in place, requests per mechanism, the
+    /// deepest queue (all zero for buffered re-reads). In a
+    /// [`PlacedModel::verify`](crate::model::PlacedModel::verify) the experts' slots are
+    /// read in one pass with the dense classes: this and [`VerifyReport::reads`] stay
+    /// zero, the counts are the whole pass's
+    /// ([`WholeVerify::direct`](crate::model::WholeVerify::direct)).
+    pub direct: crate::source::DirectReads,
 }
 
 impl VerifyReport {
@@ -80,9 +90,6 @@ impl fmt::Display for VerifyReport {
         }
     }
 }
-
-/// The largest read [`Checkpoint::verify`] makes at once.
-const VERIFY_CHUNK: usize = 4 << 20;
 
 impl Checkpoint {
     /// Re-reads a share packed with [`Checkpoint::pack_share`] (as
@@ -153,36 +160,58 @@ impl Checkpoint {
         mode: ReadMode,
     ) -> Result<VerifyReport> {
         let reader = Reader::new(mode, self.files.iter().map(|f| f.file()))?;
-        let mut scratch = reader.scratch()?;
-        let report = self.verify_using(store, plan, &reader, &mut scratch)?;
+        let report = self.verify_using(store, plan, (&reader, &Buffers::default()))?;
         reader.finish()?;
         Ok(report)
     }
 
+    /// Checks every slot's layout (pieces, lengths, zero padding) and compares its
+    /// pieces with the files, every slot's reads together ([`compare`]: windows of the
+    /// files in flight on a few threads, compared in place), through `reader` (made for
+    /// this checkpoint's files) into `buffers`.
     fn verify_using(
         &self,
         store: &PinStore,
         plan: &ExpertPlan,
-        reader: &Reader<'_>,
-        scratch: &mut Scratch,
+        (reader, buffers): (&Reader<'_>, &Buffers),
     ) -> Result<VerifyReport> {
-        let mut report = VerifyReport {
-            slots: 0,
-            bytes: 0,
-            reads: 0,
-            mismatched_slots: 0,
-            mismatches: Vec::new(),
+        let mut check = self.expert_check(store, plan, (0, 0))?;
+        let compares = std::mem::take(&mut check.compares);
+        let compared = compare((reader, buffers), threads(), compares, &|| {
+            "verify experts".to_owned()
+        })?;
+        let mut report = self.expert_found(plan, check, compared.differences);
+        report.reads = compared.reads;
+        report.direct = compared.direct;
+        Ok(report)
+    }
+
+    /// The first half of [`Checkpoint::verify_using`]: every slot's layout checked, and
+    /// the ranges to compare with the files (tags from `first_tag` on, counted under
+    /// `group`).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify_in_mode`].
+    pub(crate) fn expert_check<'a>(
+        &'a self,
+        store: &'a PinStore,
+        plan: &ExpertPlan,
+        (group, first_tag): (usize, usize),
+    ) -> Result<ExpertCheck<'a>> {
+        let mut check = ExpertCheck {
+            report: VerifyReport {
+                slots: 0,
+                bytes: 0,
+                reads: 0,
+                mismatched_slots: 0,
+                mismatches: Vec::new(),
+                direct: crate::source::DirectReads::default(),
+            },
+            found: Vec::new(),
+            slots: Vec::new(),
+            compares: Vec::new(),
+            first_tag,
         };
-        let largest = plan
-            .layers()
-            .iter()
-            .flat_map(|l| l.experts())
-            .flat_map(|e| e.weights().iter().chain(e.scales()))
-            .map(|p| p.len())
-            .max()
-            .unwrap_or(0);
-        let mut buffer =
-            vec![0u8; usize::try_from(largest).map_or(VERIFY_CHUNK, |n| n.min(VERIFY_CHUNK))];
         for layer in plan.layers() {
             let map = store.slot_map(layer.layer())?;
             for (slot, expert) in layer.experts().iter().enumerate() {
@@ -196,34 +225,93 @@ impl Checkpoint {
                     if pieces.is_empty() && slot.is_empty() {
                         continue;
                     }
-                    report.slots += 1;
+                    let order = check.report.slots;
+                    check.report.slots += 1;
                     let places = map.pieces(e, kind).unwrap_or_default();
-                    let found = match self.slice_fault(layer, e, kind, pieces) {
-                        Some(fault) => Some((0, fault)),
-                        None => self.compare_slot(
-                            slot,
-                            pieces,
-                            places,
-                            (&mut buffer, reader, &mut *scratch),
-                            &mut report,
-                        )?,
+                    let at = SlotMismatch {
+                        layer: layer.layer(),
+                        expert: e,
+                        kind,
+                        slot_offset: 0,
+                        reason: String::new(),
                     };
-                    if let Some((slot_offset, reason)) = found {
-                        report.mismatched_slots += 1;
-                        if report.mismatches.len() < VerifyReport::MAX_LISTED {
-                            report.mismatches.push(SlotMismatch {
-                                layer: layer.layer(),
-                                expert: e,
-                                kind,
-                                slot_offset,
-                                reason,
-                            });
-                        }
+                    let fault = match self.slice_fault(layer, e, kind, pieces) {
+                        Some(fault) => Some((0, fault)),
+                        None => self.slot_fault(slot, pieces, places)?,
+                    };
+                    if let Some((slot_offset, reason)) = fault {
+                        let m = SlotMismatch {
+                            slot_offset,
+                            reason,
+                            ..at
+                        };
+                        check.found.push((order, m));
+                        continue;
                     }
+                    for (place, piece) in places.iter().zip(pieces) {
+                        check.report.bytes += place.len as u64;
+                        check.compares.push(Compare {
+                            file: self.files[piece.file()].file(),
+                            offset: piece.offset(),
+                            copies: vec![&slot[place.offset..place.end()]],
+                            tag: first_tag + check.slots.len(),
+                            at: place.offset,
+                            group,
+                        });
+                    }
+                    check.slots.push((order, at, places.to_vec()));
                 }
             }
         }
-        Ok(report)
+        Ok(check)
+    }
+
+    /// The second half: the report, given what the compare found (the differences of
+    /// this check's tags; `reads` and `direct` are the caller's to fill).
+    pub(crate) fn expert_found(
+        &self,
+        plan: &ExpertPlan,
+        check: ExpertCheck<'_>,
+        differences: Vec<Difference>,
+    ) -> VerifyReport {
+        let ExpertCheck {
+            mut report,
+            mut found,
+            slots,
+            first_tag,
+            ..
+        } = check;
+        for d in differences {
+            let Some((order, at, places)) = slots.get(d.tag.wrapping_sub(first_tag)) else {
+                continue;
+            };
+            let index = places
+                .iter()
+                .position(|p| p.offset <= d.at && d.at < p.end())
+                .unwrap_or(0);
+            let path = places
+                .get(index)
+                .and(plan_file(self, plan, at, index))
+                .unwrap_or_default();
+            let reason = format!(
+                "piece {index} differs from {path} at file offset {}",
+                d.file_offset
+            );
+            let m = SlotMismatch {
+                slot_offset: d.at,
+                reason,
+                ..at.clone()
+            };
+            found.push((*order, m));
+        }
+        found.sort_by_key(|(order, _)| *order);
+        report.mismatched_slots = found.len();
+        report.mismatches = found
+            .into_iter()
+            .take(VerifyReport::MAX_LISTED)
+            .map(|(_, m)| m)
+            .collect();
+        report
     }
 
     /// How the pieces of a sliced layer's slot differ from what each role's slice must
@@ -306,14 +394,14 @@ impl Checkpoint {
         })
     }
 
-    /// The first difference between `slot` and `pieces` laid out as `places`.
-    fn compare_slot(
+    /// The first fault of `slot`'s layout: its pieces' count and lengths against the
+    /// checkpoint's, its length, padding that is not zero, a piece naming a file the
+    /// checkpoint does not have (an error). The pieces' bytes are compared later.
+    fn slot_fault(
         &self,
         slot: &[u8],
         pieces: &[super::TensorPiece],
         places: &[SlotPiece],
-        (buffer, reader, scratch): (&mut [u8], &Reader<'_>, &mut Scratch),
-        report: &mut VerifyReport,
     ) -> Result<Option<(usize, String)>> {
         if places.len() != pieces.len()
             || places
@@ -354,41 +442,50 @@ impl Checkpoint {
                     format!("padding before piece {index} is not zero"),
                 )));
             }
-            let file = self.files.get(piece.file()).ok_or_else(|| {
-                Error::bad_value(
+            if self.files.get(piece.file()).is_none() {
+                return Err(Error::bad_value(
                     "Checkpoint::verify",
                     "a piece's file",
                     piece.file(),
                     format!("the checkpoint has {} files", self.files.len()),
-                )
-            })?;
-            let mut done = 0usize;
-            while done < place.len {
-                let n = (place.len - done).min(buffer.len());
-                let offset = piece.offset() + done as u64;
-                let what = || format!("verify {}", file.path().display());
-                reader.read(file.file(), offset, &mut buffer[..n], scratch, &what)?;
-                report.reads += 1;
-                report.bytes += n as u64;
-                let here = place.offset + done;
-                let held = slot.get(here..here + n).unwrap_or_default();
-                if held != &buffer[..n] {
-                    let i = (0..n).find(|&i| held.get(i) != buffer.get(i)).unwrap_or(0);
-                    return Ok(Some((
-                        here + i,
-                        format!(
-                            "piece {index} differs from {} at file offset {}",
-                            file.path().display(),
-                            offset + i as u64
-                        ),
-                    )));
-                }
-                done += n;
+                ));
             }
             at = place.end();
         }
         Ok(None)
     }
+}
+
+/// The experts' half of a verify between its two steps
+/// ([`Checkpoint::expert_check`], [`Checkpoint::expert_found`]).
+pub(crate) struct ExpertCheck<'a> {
+    report: VerifyReport,
+    /// Every slot that differs so far, with its place in slot order.
+    found: Vec<(usize, SlotMismatch)>,
+    /// Per compared slot (its tag less `first_tag`): its order, where it is, its pieces'
+    /// places.
+    slots: Vec<(usize, SlotMismatch, Vec<SlotPiece>)>,
+    /// The ranges to compare.
+    pub(crate) compares: Vec<Compare<'a>>,
+    first_tag: usize,
+}
+
+/// The path of the file piece `index` of the slot `at` names (for a message).
+fn plan_file(
+    checkpoint: &Checkpoint,
+    plan: &ExpertPlan,
+    at: &SlotMismatch,
+    index: usize,
+) -> Option<String> {
+    let layer = plan.layers().iter().find(|l| l.layer() == at.layer)?;
+    let slot = (0..layer.experts().len()).find(|&s| layer.expert_id(s) == at.expert)?;
+    let expert = layer.experts().get(slot)?;
+    let pieces = match at.kind {
+        Kind::Weights => expert.weights(),
+        Kind::Scales => expert.scales(),
+    };
+    let file = checkpoint.files.get(pieces.get(index)?.file())?;
+    Some(file.path().display().to_string())
 }
 
 /// The index of the first byte of `bytes` that is not zero. Compared a page-sized chunk at

@@ -4,6 +4,7 @@
 //! and the cache alike; it knows nothing of either.
 
 mod behind;
+pub(crate) mod compare;
 pub(crate) mod direct;
 pub(crate) mod load;
 mod mode;

@@ -335,6 +335,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The memory and file-offset alignment of direct reads of `file` ((1, 1) when it is
+    /// not read directly): a buffer at a multiple of the first, read from a multiple of
+    /// the second, is read in place ([`Direct::read`]).
+    pub(crate) fn alignment(&self, file: &File) -> (usize, usize) {
+        match self.index.get(&key(file)).map(|&i| &self.files[i].how) {
+            Some(How::Direct(d)) => (
+                d.mem_align.max(d.offset_align).max(1),
+                d.offset_align.max(1),
+            ),
+            _ => (1, 1),
+        }
+    }
+
     /// Whether the threads need a bounce buffer (one more heap mapping each).
     pub(crate) fn needs_scratch(&self) -> bool {
         self.files.iter().any(|s| matches!(s.how, How::Direct(_)))

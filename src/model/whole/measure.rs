@@ -7,8 +7,6 @@ use super::report::{ClassMeasured, WholeVerify};
 use super::shape::normalized_shape;
 use super::views::{Place, PlacedModel, PlacedTensor};
 use crate::error::{Error, Result, quote};
-use crate::model::{Checkpoint, VerifyReport};
-use crate::source::ReadMode;
 use crate::source::load::{Reader, Scratch};
 use crate::store::PinStore;
 
@@ -86,142 +84,10 @@ impl PlacedModel {
         out.sort_by_key(|m| m.class);
         Ok(out)
     }
-
-    /// Re-reads every placed tensor from the files and compares it with every copy of it
-    /// (each replica of a replicated class); the routed experts as
-    /// [`Checkpoint::verify_with`] does (each slot's pieces, padding zero).
-    ///
-    /// # Errors
-    /// `checkpoint` is not the one placed (its tensor names differ); a read fails; a
-    /// store read fails.
-    pub fn verify(&self, checkpoint: &Checkpoint) -> Result<WholeVerify> {
-        self.verify_in_mode(checkpoint, self.read_mode())
-    }
-
-    /// The read mode the placement loaded with (its stores'
-    /// [`StoreOptions::read_mode`](crate::store::StoreOptions::read_mode)).
-    pub fn read_mode(&self) -> ReadMode {
-        (self.stores.iter().map(|s| &s.store))
-            .chain(self.experts.iter())
-            .next()
-            .map_or(ReadMode::Auto, PinStore::read_mode)
-    }
-
-    /// [`PlacedModel::verify`], re-reading the files in `mode`: [`ReadMode::Direct`] (and
-    /// [`ReadMode::Auto`] on files the page cache does not hold) leaves the page cache as
-    /// the load left it, where a buffered re-read would cache the whole model.
-    ///
-    /// # Example
-    /// ```no_run
-    /// use numapin::model::{Checkpoint, DenseLayout, PlacementPlan};
-    /// use numapin::store::{Layout, ReadMode, StoreOptions};
-    /// use numapin::NodeSet;
-    /// let ckpt = Checkpoint::open("/models/deepseek-v3")?;
-    /// let all = NodeSet::allowed()?;
-    /// let plan = PlacementPlan::new(Layout::SplitExperts(all), DenseLayout::Replicate(all));
-    /// let options = StoreOptions::default().read_mode(ReadMode::Direct);
-    /// let placed = ckpt.place(&plan, options)?;
-    /// assert_eq!(placed.read_mode(), ReadMode::Direct);
-    /// let check = placed.verify_in_mode(&ckpt, ReadMode::Direct)?;
-    /// assert_eq!(check.mismatched, 0);
-    /// # Ok::<(), numapin::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As [`PlacedModel::verify`], or the direct-I/O set-up fails (a file system that
-    /// cannot do it falls back to buffered reads, as the load does).
-    pub fn verify_in_mode(&self, checkpoint: &Checkpoint, mode: ReadMode) -> Result<WholeVerify> {
-        let same = checkpoint.tensors().len() == self.tensors.len()
-            && checkpoint
-                .tensors()
-                .iter()
-                .zip(&self.tensors)
-                .all(|(a, b)| a.name() == b.name && (a.len() == b.len || b.slice.is_some()));
-        if !same {
-            return Err(Error::invalid(
-                "PlacedModel::verify",
-                "the checkpoint is not the one placed (its tensors differ)",
-            ));
-        }
-        let mut report = WholeVerify::default();
-        let mut buffer = Vec::new();
-        let reader = Reader::new(mode, checkpoint.files().iter().map(|f| f.file()))?;
-        let mut scratch = reader.scratch()?;
-        for (t, ct) in self.tensors.iter().zip(checkpoint.tensors()) {
-            if !matches!(
-                t.place,
-                Place::Dense { .. } | Place::ExpertPiece { .. } | Place::ExpertRun { .. }
-            ) {
-                continue;
-            }
-            if let Some(why) = slice_fault(ct, t) {
-                report.tensors += 1;
-                report.mismatched += 1;
-                if report.mismatches.len() < VerifyReport::MAX_LISTED {
-                    report.mismatches.push(format!("{}: {why}", t.name));
-                }
-                continue;
-            }
-            let file = checkpoint.files().get(t.file).ok_or_else(|| {
-                Error::bad_value(
-                    "PlacedModel::verify",
-                    "a tensor's file",
-                    t.file,
-                    format!("the checkpoint has {} files", checkpoint.files().len()),
-                )
-            })?;
-            let len = usize::try_from(t.len).map_err(|_| {
-                Error::overflow(
-                    "PlacedModel::verify",
-                    format!("{}: {} bytes", quote(&t.name), t.len),
-                )
-            })?;
-            let started = std::time::Instant::now();
-            buffer.resize(len, 0);
-            report.reads += read_held(file, t, &mut buffer, (&reader, &mut scratch))?;
-            if let Some(c) = t.converted {
-                // The placed copy holds the conversion of the file's bytes.
-                let mut converted = Vec::with_capacity(buffer.len() * 2);
-                c.apply(&buffer, &mut converted);
-                buffer = converted;
-            }
-            report.tensors += 1;
-            for (node, held) in self.tensor_copies(&t.name)? {
-                report.copies += 1;
-                report.bytes += held.len() as u64;
-                if held != &buffer[..] {
-                    report.mismatched += 1;
-                    if report.mismatches.len() < VerifyReport::MAX_LISTED {
-                        let at = held.iter().zip(&buffer).position(|(a, b)| a != b);
-                        report.mismatches.push(format!(
-                            "{} (copy on node {}): {} bytes held, {} in the file, first \
-                             difference at byte {}",
-                            quote(&t.name),
-                            node.map_or("-".to_owned(), |n| n.0.to_string()),
-                            held.len(),
-                            buffer.len(),
-                            at.unwrap_or(held.len().min(buffer.len()))
-                        ));
-                    }
-                }
-            }
-            add_nanos(&mut report, t.class, started);
-        }
-        if let (Some(store), Some(plan)) = (&self.experts, &self.expert_plan) {
-            let started = std::time::Instant::now();
-            // Slot by slot as the store holds them (role-major: one piece per slot).
-            let slots = super::role_major::role_major_plan(plan, self.roles);
-            report.experts = Some(checkpoint.verify_plan(store, &slots, mode)?);
-            add_nanos(&mut report, TensorClass::RoutedExperts, started);
-        }
-        report.class_nanos.sort_by_key(|&(class, _)| class);
-        reader.finish()?;
-        Ok(report)
-    }
 }
 
 /// Adds the nanoseconds since `started` to `class`'s verify time.
-fn add_nanos(report: &mut WholeVerify, class: TensorClass, started: std::time::Instant) {
+pub(super) fn add_nanos(report: &mut WholeVerify, class: TensorClass, started: std::time::Instant) {
     let nanos = super::report::nanos_since(started);
     match report.class_nanos.iter_mut().find(|(c, _)| *c == class) {
         Some((_, n)) => *n = n.saturating_add(nanos),
@@ -233,7 +99,7 @@ fn add_nanos(report: &mut WholeVerify, class: TensorClass, started: std::time::I
 /// from the file's shape, bytes and dtype alone ([`slice::check`](crate::model::slice::check)):
 /// its pieces in the file (count, offsets from the tensor's start, lengths) and the run
 /// its slot holds (rows × the sliced row's bytes, back to back).
-fn slice_fault(whole: &crate::model::TensorInfo, t: &PlacedTensor) -> Option<String> {
+pub(super) fn slice_fault(whole: &crate::model::TensorInfo, t: &PlacedTensor) -> Option<String> {
     use crate::model::slice::check::{Part, expected, mismatch};
     let s = t.slice?;
     let shape = normalized_shape(whole);
@@ -277,7 +143,7 @@ const VERIFY_SPAN: u64 = 4 << 20;
 /// Reads the bytes `t` holds into `buffer` (its `len` bytes): one read, or for a column
 /// slice one read per run of rows spanning at most [`VERIFY_SPAN`], each row's piece
 /// then packed back to back as the slot holds them. Returns the reads.
-fn read_held(
+pub(super) fn read_held(
     file: &crate::model::CheckpointFile,
     t: &PlacedTensor,
     buffer: &mut [u8],

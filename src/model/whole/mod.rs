@@ -63,6 +63,7 @@ mod shape;
 mod structure;
 mod text;
 pub(crate) mod tp;
+mod verify;
 mod views;
 mod wire;
 

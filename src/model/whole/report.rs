@@ -90,7 +90,8 @@ pub struct WholeVerify {
     pub copies: usize,
     /// Bytes compared over every copy.
     pub bytes: u64,
-    /// `pread` calls.
+    /// Reads made, the experts' slots' included: windows of the files of up to 32 MiB
+    /// (see [`WholeVerify::direct`]).
     pub reads: usize,
     /// Copies that differ.
     pub mismatched: usize,
@@ -100,8 +101,13 @@ pub struct WholeVerify {
     /// [`Checkpoint::verify_with`](crate::model::Checkpoint::verify_with) does.
     pub experts: Option<VerifyReport>,
     /// Wall nanoseconds the re-reads and compares took, per class (in class order; the
-    /// routed experts' under [`TensorClass::RoutedExperts`]).
+    /// routed experts' under [`TensorClass::RoutedExperts`]): every class is read in one
+    /// pass, whose wall time is shared out by the threads' time on each class's bytes
+    /// (plus each class's own set-up).
     pub class_nanos: Vec<(TensorClass, u64)>,
+    /// What the direct re-reads did, the experts' slots' included (one pass reads
+    /// every class): bytes read in place, requests per mechanism, the deepest queue.
+    pub direct: crate::source::DirectReads,
 }
 
 impl WholeVerify {
