@@ -264,13 +264,17 @@ impl TensorSlice {
         if parts == 1 {
             return Ok(vec![self.resolve(extent)?]);
         }
-        let cut = parts.saturating_mul(n);
-        if extent == 0 || !extent.is_multiple_of(cut) {
+        // parts × n past u64 divides no axis (saturating it would take u64::MAX as the
+        // cut and hand back `parts` ranges of an axis they do not divide).
+        let Some(cut) = parts
+            .checked_mul(n)
+            .filter(|&c| extent > 0 && extent.is_multiple_of(c))
+        else {
             return Err(format!(
                 "{parts} packed blocks of {n} equal parts of an axis of {extent}: \
-                 {parts} × {n} = {cut} does not divide it"
+                 {parts} × {n} does not divide it"
             ));
-        }
+        };
         let (block, len) = (extent / parts, extent / cut);
         Ok((0..parts)
             .map(|p| p * block + k * len..p * block + (k + 1) * len)

@@ -161,6 +161,18 @@ impl PlacedModel {
                 ));
             };
             at = end;
+            // A manifest's forged `parts` (or any count off the slot's pieces) takes
+            // another tensor's piece into this role: refused, not a wrong view.
+            if ps.iter().any(|p| p.tensor() != ps[0].tensor()) {
+                return Err(Error::mismatch(
+                    "PlacedModel::expert",
+                    format!("layer {layer} expert {expert} {name}: pieces of one tensor"),
+                    count,
+                    ps.iter()
+                        .take_while(|p| p.tensor() == ps[0].tensor())
+                        .count(),
+                ));
+            }
             let (Some(first), Some(last)) = (sps.first(), sps.last()) else {
                 continue;
             };
@@ -195,6 +207,14 @@ impl PlacedModel {
                 shape,
                 bytes: piece(slot, first.offset, last.end() - first.offset),
             });
+        }
+        if at != places.len() || at != pieces.len() {
+            return Err(Error::mismatch(
+                "PlacedModel::expert",
+                format!("layer {layer} expert {expert}: slot pieces its role slices take"),
+                places.len(),
+                at,
+            ));
         }
         Ok(out)
     }

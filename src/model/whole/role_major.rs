@@ -146,6 +146,32 @@ fn role_major_layer(l: &LayerPlan, roles: usize) -> LayerPlan {
     out
 }
 
+/// Role-major verify compares slot by slot ([`role_major_plan`]): a mismatch found at
+/// slot `r × E + e` is expert `e`'s (its role `r`), as [`SlotMismatch::expert`] says.
+///
+/// [`SlotMismatch::expert`]: crate::model::SlotMismatch::expert
+pub(crate) fn expert_of_slots(
+    report: &mut crate::model::VerifyReport,
+    plan: &ExpertPlan,
+    roles: usize,
+) {
+    if roles <= 1 {
+        return;
+    }
+    for m in &mut report.mismatches {
+        let Some(l) = plan.layers().iter().find(|l| l.layer() == m.layer) else {
+            continue;
+        };
+        let experts = l.experts().len();
+        if experts == 0 {
+            continue;
+        }
+        let (r, e) = (m.expert / experts, m.expert % experts);
+        m.reason = format!("role {r} (role-major slot {}): {}", m.expert, m.reason);
+        m.expert = e;
+    }
+}
+
 /// The store slot of weight piece `piece` of expert `expert` (of `experts`), and the
 /// piece's index in that slot: `(expert, piece)` a slot per expert, `(piece × E +
 /// expert, 0)` role-major.

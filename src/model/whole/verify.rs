@@ -139,8 +139,12 @@ impl PlacedModel {
             let len = t.len as usize;
             mismatch(&mut report, differs(&t.name, node, len, len, d.at));
         }
-        if let Some((plan, check)) = experts {
-            report.experts = Some(checkpoint.expert_found(&plan, check, theirs));
+        if let Some((slots, check)) = experts {
+            let mut found = checkpoint.expert_found(&slots, check, theirs);
+            if let Some(plan) = &self.expert_plan {
+                super::role_major::expert_of_slots(&mut found, plan, self.roles);
+            }
+            report.experts = Some(found);
         }
         report.class_nanos.retain(|&(_, n)| n > 0);
         report.class_nanos.sort_by_key(|&(class, _)| class);

@@ -500,6 +500,22 @@ fn layer_share(s: &SharePart, layer: usize, slots: usize) -> Result<LayerShare> 
             ),
         ));
     }
+    // Rows k/n of each of `parts` blocks: parts ≥ 1, more only for a row cut whose
+    // held rows split into them.
+    if let Some(c) = s.slices.iter().find(|c| {
+        c.parts == 0 || (c.parts > 1 && (!c.rows || c.whole || !c.len.is_multiple_of(c.parts)))
+    }) {
+        return Err(Error::bad_value(
+            ATTACH,
+            "layer",
+            layer,
+            format!(
+                "role {}'s slice has parts {} (len {}, rows {}): parts are 1, or more for \
+                 a row cut whose len divides into them",
+                c.role, c.parts, c.len, c.rows
+            ),
+        ));
+    }
     Ok(LayerShare {
         ids: s.ids.clone(),
         of: s.of,
