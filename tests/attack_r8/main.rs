@@ -366,3 +366,49 @@ fn dup(files: &[std::fs::File]) -> Vec<std::fs::File> {
 
 mod role_major;
 mod verify;
+
+/// The TP preset's packed halves with odd or huge `n`: refused by name, or each rank's
+/// gate_up is rows `k/n` of each half as the file holds them.
+#[test]
+fn tensor_parallel_with_odd_or_huge_n_is_refused_or_exact() {
+    let dir = scratch("tp_odd_n");
+    let path = granite(&dir);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let name = "model.layers.1.block_sparse_moe.input_linear.weight";
+    let (_, file) = file_tensor(&path, name);
+    for (k, n) in [
+        (0, 3),
+        (7, 8),
+        (0, 16),
+        (1, 1u64 << 63),
+        (u64::MAX - 1, u64::MAX),
+    ] {
+        let plan = match base().tensor_parallel(k, n) {
+            Ok(p) => p,
+            Err(e) => panic!("{k}/{n} refused before placing: {e}"),
+        };
+        match checkpoint.place(&plan, options()) {
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains(&n.to_string()) || e.contains("divide"),
+                    "{k}/{n}: {e}"
+                );
+            }
+            Ok(m) => {
+                assert!(I.is_multiple_of(n), "{k}/{n} placed");
+                let each = I / n;
+                let ranges = [
+                    (k * each, (k + 1) * each),
+                    (I + k * each, I + (k + 1) * each),
+                ];
+                for e in 0..E {
+                    let views = m.expert(1, e as usize).unwrap();
+                    let v = views.iter().find(|v| v.tensor == name).unwrap();
+                    assert_eq!(v.bytes, &rows_of(&file, 2 * I, e, &ranges)[..], "{k}/{n}");
+                }
+                assert!(m.verify(&checkpoint).unwrap().verified(), "{k}/{n}");
+            }
+        }
+    }
+}
