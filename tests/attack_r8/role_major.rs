@@ -79,6 +79,7 @@ fn role_major_with_any_r_keeps_the_files_bytes_or_is_refused() {
             }
             Err(e) => {
                 let e = e.to_string();
+                eprintln!("role_major({r}): refused: {e}");
                 assert!(e.contains("role_major") || e.contains("role"), "{r}: {e}");
             }
         }
@@ -95,8 +96,12 @@ fn role_tensors_not_dividing_by_the_experts_or_unequal_are_refused_or_exact() {
     ] {
         let dir = scratch(case);
         let path = dbrx(&dir, rows);
-        let Ok(checkpoint) = Checkpoint::open(&path) else {
-            continue;
+        let checkpoint = match Checkpoint::open(&path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{case}: refused at open: {e}");
+                continue;
+            }
         };
         for opts in [options(), options().role_major(3)] {
             match checkpoint.place(&base(), opts) {
@@ -104,7 +109,7 @@ fn role_tensors_not_dividing_by_the_experts_or_unequal_are_refused_or_exact() {
                     check_runs(&m, &path, case);
                     assert!(m.verify(&checkpoint).unwrap().verified(), "{case}");
                 }
-                Err(e) => assert!(!e.to_string().is_empty(), "{case}"),
+                Err(e) => eprintln!("{case}: refused: {e}"),
             }
         }
     }
