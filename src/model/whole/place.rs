@@ -75,7 +75,7 @@ impl Checkpoint {
     /// the store's (`R × blocks` mappings per region on several nodes, one on one node).
     ///
     /// Mappings: a dense group costs one mapping per copy (its layout's nodes for
-    /// [`DenseLayout::Replicate`], else 1), so a class of L layers costs at most
+    /// [`DenseLayout::Replicate`](super::DenseLayout::Replicate), else 1), so a class of L layers costs at most
     /// L × copies mappings (+1 for a global group); the experts cost what the store
     /// costs (2 regions per MoE layer per copy, one per block when split).
     /// [`PlacementCost::mappings`] is the exact sum.
