@@ -15,17 +15,17 @@ use numapin::model::{
     TensorSlice,
 };
 use numapin::store::{Layout, ReadMode, StoreOptions};
+use numapin_testkit::scratch::ScratchDir;
 
 /// bf16: 2 bytes an element.
 const B: u64 = 2;
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("attack_r8")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The test's directory, removed when the test ends (passed or panicked).
+fn scratch(test: &str) -> ScratchDir {
+    ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("attack_r8-{test}"),
+    )
 }
 
 /// A safetensors file of BF16 tensors `(name, shape, bytes)` (bytes `None`: distinct
