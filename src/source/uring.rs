@@ -228,17 +228,7 @@ impl Ring {
             let room = first_error.is_none() && !free.is_empty();
             if let Some(mut request) = room.then(|| pending.pop()).flatten() {
                 let slot = free.pop().unwrap_or_default();
-                let iovecs: Vec<libc::iovec> = request
-                    .bufs
-                    .iter_mut()
-                    .map(|buf| {
-                        prefault(buf);
-                        libc::iovec {
-                            iov_base: buf.as_mut_ptr().cast(),
-                            iov_len: buf.len(),
-                        }
-                    })
-                    .collect();
+                let iovecs = prefaulted_iovecs(&mut request);
                 let count = u32::try_from(iovecs.len()).unwrap_or(u32::MAX);
                 let entry = opcode::Readv::new(fd, iovecs.as_ptr(), count)
                     .offset(request.offset)
@@ -345,6 +335,22 @@ impl Ring {
 /// the kernel's worker threads, which fault them one request at a time (measured here:
 /// 0.17 GB/s instead of 1.2). The bytes are not changed. An error is ignored on purpose:
 /// the read faults whatever is still missing (a kernel before 5.14 answers `EINVAL`).
+/// The request's buffers as iovecs, each buffer's pages faulted in first (so that the
+/// faults of the next request overlap the transfers of those in flight).
+fn prefaulted_iovecs(request: &mut Request<'_>) -> Vec<libc::iovec> {
+    request
+        .bufs
+        .iter_mut()
+        .map(|buf| {
+            prefault(buf);
+            libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            }
+        })
+        .collect()
+}
+
 fn prefault(buf: &mut [u8]) {
     let page = crate::page::page_size();
     let start = (buf.as_mut_ptr() as usize).next_multiple_of(page);

@@ -4,8 +4,8 @@
 use super::shape::DenseSlice;
 use super::views::{Place, PlacedTensor};
 use crate::error::{Error, Result};
-use crate::model::{ExpertPlan, Naming, SliceAxis, TensorPiece};
-use crate::store::{Kind, PinStore, SlotPiece};
+use crate::model::{ExpertPlan, Naming, RoleSlice, SliceAxis, TensorPiece};
+use crate::store::{Kind, PinStore, SlotMap, SlotPiece};
 
 /// Records where each per-expert tensor went (a tensor the naming gives one expert):
 /// its part of its expert's slot, under a slice the part held (its sliced shape, its
@@ -43,21 +43,11 @@ pub(crate) fn expert_tensors(
         };
         let map = store.slot_map(r.layer)?;
         if roles > 1 {
-            // Role-major: its piece is slot r × E + e alone (no share, no slice).
-            let experts = layer.experts().len();
-            let at = list.iter().position(|p| p.tensor() == index);
-            let Some((slot, _)) = at.map(|i| super::role_major::slot_of(roles, experts, expert, i))
-            else {
-                continue;
-            };
-            if let Some(sp) = map.pieces(slot, kind).and_then(<[_]>::first) {
-                t.place = Place::ExpertPiece {
-                    layer: r.layer,
-                    expert: slot,
-                    kind,
-                    offset: sp.offset,
-                    len: sp.len,
-                };
+            let experts = (roles, layer.experts().len());
+            if let Some(place) =
+                role_major_piece(map, (r.layer, expert, kind), experts, list, index)
+            {
+                t.place = place;
             }
             continue;
         }
@@ -102,20 +92,46 @@ pub(crate) fn expert_tensors(
             None => (1, 0),
         };
         if let Some(cut) = cut.filter(|c| !c.whole) {
-            let axis = match cut.axis {
-                SliceAxis::Rows => t.shape.first_mut(),
-                SliceAxis::Columns => t.shape.last_mut(),
-            };
-            if let Some(d) = axis {
-                *d = cut.len;
-            }
-            t.slice = Some(DenseSlice {
-                axis: cut.axis,
-                start: cut.start,
-                len: cut.len,
-                extent: cut.extent,
-            });
+            record_cut(t, cut);
         }
     }
     Ok(())
+}
+
+/// Role-major: a per-expert tensor's piece is slot `r × E + e` alone (no share, no
+/// slice); `None` where the tensor is not among the expert's pieces or the slot has none.
+fn role_major_piece(
+    map: &SlotMap,
+    (layer, expert, kind): (usize, usize, Kind),
+    (roles, experts): (usize, usize),
+    list: &[TensorPiece],
+    index: usize,
+) -> Option<Place> {
+    let at = list.iter().position(|p| p.tensor() == index)?;
+    let (slot, _) = super::role_major::slot_of(roles, experts, expert, at);
+    let sp = map.pieces(slot, kind).and_then(<[_]>::first)?;
+    Some(Place::ExpertPiece {
+        layer,
+        expert: slot,
+        kind,
+        offset: sp.offset,
+        len: sp.len,
+    })
+}
+
+/// The tensor's shape and slice under its role's cut.
+fn record_cut(t: &mut PlacedTensor, cut: &RoleSlice) {
+    let axis = match cut.axis {
+        SliceAxis::Rows => t.shape.first_mut(),
+        SliceAxis::Columns => t.shape.last_mut(),
+    };
+    if let Some(d) = axis {
+        *d = cut.len;
+    }
+    t.slice = Some(DenseSlice {
+        axis: cut.axis,
+        start: cut.start,
+        len: cut.len,
+        extent: cut.extent,
+    });
 }
