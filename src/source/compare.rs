@@ -138,7 +138,7 @@ pub(crate) fn compare(
 ) -> Result<Compared> {
     let mut parts: Vec<Compare<'_>> = Vec::with_capacity(compares.len());
     for c in compares {
-        let len = c.copies.first().map_or(0, |b| b.len());
+        let len = c.len();
         for from in (0..len).step_by(WINDOW) {
             let to = (from + WINDOW).min(len);
             parts.push(Compare {
@@ -181,7 +181,7 @@ pub(crate) fn compare(
 fn windows(parts: &[Compare<'_>], key: &dyn Fn(&File) -> usize) -> Vec<Window> {
     let mut out: Vec<Window> = Vec::new();
     for (i, p) in parts.iter().enumerate() {
-        let end = p.offset + p.copies.first().map_or(0, |b| b.len()) as u64;
+        let end = p.offset + p.len() as u64;
         if let Some(w) = out.last_mut() {
             let same = key(parts[w.parts.start].file) == key(p.file);
             if same && p.offset <= w.end.saturating_add(GAP) && end - w.start <= WINDOW as u64 {
