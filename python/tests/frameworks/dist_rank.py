@@ -134,6 +134,8 @@ for family, mode in jobs:
         end = start + nt._span(got)
         params[name] = {
             "sharded": isinstance(tensor, DTensor) and got.shape != tensor.shape,
+            "ref_sharded": isinstance(ref_state[name], DTensor)
+            and want.shape != ref_state[name].shape,
             "equal": got.shape == want.shape and got.dtype == want.dtype
             and bool(torch.equal(got, want)),
             "placed": got.numel() == 0 or any(a <= start and end <= b for a, b in ranges),

@@ -117,9 +117,12 @@ def test_each_ranks_shards_are_numapin_views_with_transformers_bytes(family, mod
         assert set(r["copied"]) == outside, r["copied"]
         cut = {k for k, v in params.items() if v["sharded"]}
         experts = {k for k in params if ".experts." in k}
-        # Each mode cuts what transformers cuts: ep the experts alone (half each),
-        # tp and eptp the dense modules too.
-        assert experts and experts <= cut, (mode, experts - cut)
+        # Each mode cuts what transformers' own load cuts, in the installed version (its
+        # model class's plan: transformers 5.24's tp cut the routed experts too, 5.25's
+        # holds them whole): ep the experts alone (half each), tp and eptp the dense
+        # modules at least.
+        assert cut == {k for k, v in params.items() if v["ref_sharded"]}, mode
+        assert experts, params.keys()
         if mode == "ep":
             assert cut == experts, cut - experts
             assert r["share"].startswith("experts "), r["share"]
