@@ -398,7 +398,11 @@ mod tests {
             let (_, unit) = reader.alignment(&file);
             if reader.outcome().0 == ReadMode::Direct && unit > 1 {
                 let d = done.direct;
-                assert!(d.blocking_reads <= done.reads as u64, "{d:?}");
+                // On the ring at most one blocking read a window (its bounced tail);
+                // where io_uring is denied (seccomp), every read is a blocking one.
+                if d.uring_reads > 0 {
+                    assert!(d.blocking_reads <= done.reads as u64, "{d:?}");
+                }
                 assert!(
                     d.in_place_bytes + done.reads as u64 * unit as u64 >= done.read_bytes,
                     "{done:?}"

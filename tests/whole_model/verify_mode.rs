@@ -85,7 +85,11 @@ fn read_in_place(
         verify.reads
     );
     assert!(verify.reads > 0, "{name}");
-    assert!(d.blocking_reads <= verify.reads as u64, "{name}: {d:?}");
+    // On the ring at most one blocking read a window (its bounced tail); where io_uring
+    // is denied (the containers' seccomp filters), every read is a blocking one.
+    if d.uring_reads > 0 {
+        assert!(d.blocking_reads <= verify.reads as u64, "{name}: {d:?}");
+    }
     assert!(
         d.in_place_bytes + verify.reads as u64 * unit >= compared,
         "{name}: {} of {compared} bytes read in place ({d:?})",
