@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,22 +154,70 @@ def _give_back_freed() -> None:
     trim(0)
 
 
+_MISSING_HOOK = "_move_missing_keys_from_meta_to_device"
+# {class: [the attribute it had (None: inherited), loads in progress]}: the hook is put on
+# a class by the first load of it and taken off by the last, under this lock.
+_HOOKED: dict[Any, list] = {}
+_HOOKED_LOCK = threading.Lock()
+# Per thread, {class: [(sharded, make, assigned), ...]}: the loads this thread runs.
+_LOADS_HERE = threading.local()
+
+
+def _loads_here(cls: Any) -> list:
+    loads = getattr(_LOADS_HERE, "by_class", None)
+    if loads is None:
+        loads = _LOADS_HERE.by_class = {}
+    return loads.setdefault(cls, [])
+
+
 @contextlib.contextmanager
 def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]:
-    """While transformers' `from_pretrained` runs on `cls`: where it would materialise a
-    missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`: an empty
-    local shard, which `_initialize_missing_keys` then fills at random), `make(name,
-    meta DTensor)` is assigned instead, marked initialised. Yields the names assigned.
-    The class attribute is replaced for the duration: not for two loads of one class in
-    two threads at once."""
-    attr = "_move_missing_keys_from_meta_to_device"
-    original = getattr(cls, attr, None)
+    """While transformers' `from_pretrained` runs on `cls` in this thread: where it would
+    materialise a missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`:
+    an empty local shard, which `_initialize_missing_keys` then fills at random),
+    `make(name, meta DTensor)` is assigned instead, marked initialised. Yields the names
+    assigned.
+
+    The class attribute is replaced while any load of `cls` runs, by a hook that serves
+    the loads of the thread calling it (a thread-local stack) and defers to the original
+    for everything else: two loads of one class in two threads each get their own views,
+    and a load in a third thread that is not ours gets transformers' own behaviour."""
     assigned: set[str] = set()
-    if original is None:  # another transformers: the parameters are replaced afterwards
+    if getattr(cls, _MISSING_HOOK, None) is None:
+        # Another transformers: the parameters are replaced afterwards.
         yield assigned
         return
+    with _HOOKED_LOCK:
+        hooked = _HOOKED.get(cls)
+        if hooked is None:
+            own = cls.__dict__.get(_MISSING_HOOK)
+            original = getattr(cls, _MISSING_HOOK)
+            hooked = _HOOKED[cls] = [own, 0]
+            setattr(cls, _MISSING_HOOK, _missing_hook(cls, original))
+        hooked[1] += 1
+    frame = (sharded, make, assigned)
+    mine = _loads_here(cls)
+    mine.append(frame)
+    try:
+        yield assigned
+    finally:
+        mine.remove(frame)
+        with _HOOKED_LOCK:
+            hooked[1] -= 1
+            if hooked[1] == 0:
+                del _HOOKED[cls]
+                if hooked[0] is not None:
+                    setattr(cls, _MISSING_HOOK, hooked[0])
+                else:
+                    delattr(cls, _MISSING_HOOK)
 
+
+def _missing_hook(cls: Any, original: Any) -> Any:
     def move(self: Any, missing_keys: Any, *args: Any, **kw: Any) -> Any:
+        mine = _loads_here(cls)
+        if not mine:
+            return original(self, missing_keys, *args, **kw)
+        sharded, make, assigned = mine[-1]
         rest = set()
         for key in missing_keys:
             if key not in sharded:
@@ -180,15 +229,7 @@ def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]
             assigned.add(key)
         return original(self, rest, *args, **kw)
 
-    own = attr in cls.__dict__
-    setattr(cls, attr, move)
-    try:
-        yield assigned
-    finally:
-        if own:
-            setattr(cls, attr, original)
-        else:
-            delattr(cls, attr)
+    return move
 
 
 def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: Any) -> dict:

@@ -17,7 +17,8 @@ fn sparse_gguf_claiming_2_36_entries_reserves_nothing_for_them() {
     if !child(module_path!(), NAME) {
         return;
     }
-    let path = scratch(NAME).join("huge.gguf");
+    let scratch_dir = scratch(NAME);
+    let path = scratch_dir.join("huge.gguf");
     let header = |tensors: u64, kvs: u64, rest: &[u8]| {
         let mut out = b"GGUF".to_vec();
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -66,7 +67,8 @@ fn merged_gguf_experts_beyond_the_ceiling_are_refused() {
     if !child(module_path!(), NAME) {
         return;
     }
-    let path = scratch(NAME).join("experts.gguf");
+    let scratch_dir = scratch(NAME);
+    let path = scratch_dir.join("experts.gguf");
     let tensors = |n: u64| {
         let (head, len) = gguf(
             &[],
@@ -111,7 +113,8 @@ fn fused_safetensors_experts_beyond_the_ceiling_are_refused() {
     if !child(module_path!(), NAME) {
         return;
     }
-    let path = scratch(NAME).join("fused.safetensors");
+    let scratch_dir = scratch(NAME);
+    let path = scratch_dir.join("fused.safetensors");
     let n = 1u64 << 40;
     write_st(
         &path,

@@ -13,7 +13,9 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use numapin_testkit::scratch::ScratchDir;
 use std::process::Command;
 
 use numapin::model::{Checkpoint, CustomNaming, Naming, TensorRef};
@@ -92,13 +94,13 @@ fn child(module: &str, test: &str) -> bool {
     false
 }
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("hostile3")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The test's own directory, removed when it ends (passed or panicked): in the VM the
+/// target tmp dir is ramfs, where a file left behind keeps its node's memory.
+fn scratch(test: &str) -> ScratchDir {
+    ScratchDir::new(
+        &Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile3"),
+        test,
+    )
 }
 
 fn checkpoint_fault(result: numapin::Result<impl std::fmt::Debug>) -> (CheckpointFault, Error) {
@@ -278,7 +280,8 @@ fn a_lone_shard_is_refused_or_opened_through_its_index() {
     let plan = checkpoint.expert_plan().unwrap();
     assert_eq!(plan.layers()[0].weight_bytes(), 96);
 
-    let whole = scratch(&format!("{NAME}-whole")).join("model-00001-of-00001.safetensors");
+    let scratch_dir = scratch(&format!("{NAME}-whole"));
+    let whole = scratch_dir.join("model-00001-of-00001.safetensors");
     write_f16(&whole, &per_expert(&[0], 2, &["gate", "up", "down"]));
     assert_eq!(
         Checkpoint::open(&whole)
@@ -369,7 +372,8 @@ fn custom_naming_expert_usize_max_is_an_error_naming_the_tensor() {
     if !child(module_path!(), NAME) {
         return;
     }
-    let path = scratch(NAME).join("m.safetensors");
+    let scratch_dir = scratch(NAME);
+    let path = scratch_dir.join("m.safetensors");
     write_f16(&path, &per_expert(&[0], 2, &["gate", "up", "down"]));
     let checkpoint = Checkpoint::open(&path).unwrap();
     let lying = |expert: usize| {
