@@ -236,3 +236,55 @@ fn a_fused_gate_up_the_ranks_do_not_divide_is_refused_by_name() {
     assert_eq!(what, "framework plan style");
     assert!(why.contains("packed_colwise"), "{why}");
 }
+
+/// `numapin place --slice tp:k/2 --json` of the file-fused gate_up: the share's JSON says
+/// the role is cut in 2 packed blocks (gate rows, then up rows), where each block's held
+/// rows start and how many rows it holds in all; the text form says "of each of 2 blocks".
+#[cfg(feature = "cli")]
+#[test]
+fn the_cli_report_says_a_packed_cut_has_parts() {
+    let dir = scratch("cli_parts");
+    let i = 8;
+    granite(&dir, i);
+    let run = |k: u64, json: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_numapin"));
+        cmd.args(["place", "--model"]).arg(&dir);
+        cmd.args(["--slice", &format!("tp:{k}/2")]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    for k in 0..2 {
+        let json: serde_json::Value = serde_json::from_str(&run(k, true)).unwrap();
+        let slices = &json["model"]["share"]["slices"];
+        for l in ["0", "1"] {
+            let roles = slices[l].as_array().unwrap_or_else(|| panic!("{json}"));
+            let fused = roles
+                .iter()
+                .find(|r| r["role"].as_str().unwrap().contains("gate_up"))
+                .unwrap_or_else(|| panic!("no gate_up role: {roles:?}"));
+            assert_eq!(fused["axis"], "rows", "{fused}");
+            assert_eq!(fused["parts"], 2, "{fused}");
+            assert_eq!(fused["start"], k * i / 2, "{fused}");
+            assert_eq!(fused["len"], i, "{fused}");
+            assert_eq!(fused["extent"], 2 * i, "{fused}");
+            let down = roles.iter().find(|r| r["role"] == "down").unwrap();
+            assert_eq!(down["parts"], 1, "{down}");
+            assert_eq!(down["axis"], "columns", "{down}");
+        }
+        let text = run(k, false);
+        let want = format!(
+            "rows {}..{} of each of 2 blocks of {i}",
+            k * i / 2,
+            (k + 1) * i / 2
+        );
+        assert!(text.contains(&want), "{want} not in:\n{text}");
+    }
+}

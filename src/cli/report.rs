@@ -180,10 +180,14 @@ pub struct RoleSliceJson {
     pub role: String,
     /// `"rows"` or `"columns"`.
     pub axis: &'static str,
-    /// First entry held, entries held, entries of the whole axis.
+    /// First entry held (of each packed block when `parts` > 1), entries held (in
+    /// all), entries of the whole axis.
     pub start: u64,
     pub len: u64,
     pub extent: u64,
+    /// The equal blocks the axis is cut in, each alike: 1, or 2 for a fused gate_up cut
+    /// by packed halves (`rows:k/n:2`: gate rows k/n, then up rows k/n).
+    pub parts: u64,
     /// One expert's whole tensor, row-major.
     pub shape: Vec<u64>,
     /// Kept whole (a one-element scale, a bias under a column cut).
@@ -208,6 +212,7 @@ impl ShareJson {
                             start: s.start,
                             len: s.len,
                             extent: s.extent,
+                            parts: s.parts,
                             shape: s.shape.clone(),
                             whole: s.whole,
                         })

@@ -103,6 +103,15 @@ fn print_share(share: &ShareJson) {
         for s in slices {
             let what = if s.whole {
                 "whole".to_owned()
+            } else if s.parts > 1 {
+                let block = s.extent / s.parts;
+                format!(
+                    "{} {}..{} of each of {} blocks of {block}",
+                    s.axis,
+                    s.start,
+                    s.start + s.len / s.parts,
+                    s.parts
+                )
             } else {
                 format!(
                     "{} {}..{} of {}",
