@@ -8,8 +8,9 @@ vocabulary 32000, 8 query and 4 KV heads) written once by transformers' own
 `save_pretrained` into DIR (skipped when DIR/config.json exists).
 
 Per rank, in its own torchrun job per mode: the baseline is the process after importing
-torch, transformers and numapin, joining the process group and building the model on the
-meta device; then the peak (VmHWM) is reset (`clear_refs` 5), the model is loaded, and
+torch, transformers and numapin, joining the process group, building the model on the
+meta device and making transformers' device mesh for the config (any distributed load
+makes one); then the peak (VmHWM) is reset (`clear_refs` 5), the model is loaded, and
 /proc/self/smaps_rollup is read again. The figures: RSS, PSS and USS (Private_Clean +
 Private_Dirty) above the baseline, the peak RSS above it (a transient allocation shows
 there), against the rank's share: the bytes numapin placed for it (the placed stores'
@@ -125,6 +126,10 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
                                tp_plan=dict.fromkeys(meta.tp_plan, "replicate"))
     else:
         dc = DistributedConfig(tp_size=n, ep_size=n)
+    # transformers' device mesh for that config (its gloo process groups, ~2 MB): any
+    # distributed load makes one, so the baseline has one too (the load makes its own,
+    # ~0.15 MB more; it is counted).
+    mesh = type(meta).prepare_distribute_model(dc)
     del meta
     gc.collect()
     dist.barrier()
@@ -160,7 +165,7 @@ def rank_main(root: Path, mode: str, out_dir: Path) -> None:
     }
     (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    del model, whole
+    del model, whole, mesh
     gc.collect()
     dist.destroy_process_group()
     os._exit(0)

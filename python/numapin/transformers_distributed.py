@@ -64,7 +64,10 @@ def load_share(
     kwargs: dict[str, Any],
 ) -> tuple[Any, WholeModel]:
     cls = type(meta)
-    sharded = _sharded_parameters(cls, config, distributed_config, kwargs["dtype"])
+    # transformers' device mesh (its gloo process groups: threads and buffers per group),
+    # made once: the load below is handed the same one (`_same_mesh`).
+    prepared = cls.prepare_distribute_model(distributed_config)
+    sharded = _sharded_parameters(cls, config, prepared, kwargs["dtype"])
     tied = frozenset(meta.all_tied_weights_keys) if hasattr(meta, "all_tied_weights_keys") \
         else frozenset()
     sharded = {k: v for k, v in sharded.items()
@@ -110,7 +113,8 @@ def load_share(
     # The cut parameters are not in the state dict, so transformers would materialise each
     # (an empty local shard of the share's size, then its random initialisation) before
     # they are replaced: instead they get numapin's views where it would allocate them.
-    with _views_for_missing(cls, sharded, shard_param) as assigned:
+    with _views_for_missing(cls, sharded, shard_param) as assigned, \
+            _same_mesh(cls, distributed_config, prepared):
         model = cls.from_pretrained(
             None, config=config, state_dict=state, distributed_config=distributed_config,
             **kwargs
@@ -168,6 +172,33 @@ def _loads_here(cls: Any) -> list:
     if loads is None:
         loads = _LOADS_HERE.by_class = {}
     return loads.setdefault(cls, [])
+
+
+@contextlib.contextmanager
+def _same_mesh(cls: Any, distributed_config: Any, prepared: tuple) -> Iterator[None]:
+    """While transformers' `from_pretrained` runs on `cls`: its `prepare_distribute_model`
+    for `distributed_config` (no device map) gives `prepared`, the mesh the share was
+    read from, rather than a second mesh with process groups of its own (under gloo, 2
+    threads and a TCP loop per group: ~6 groups at tp_size=2, each with its stacks and
+    buffers, for the process's life). The class attribute is replaced for the duration,
+    as in `_views_for_missing`."""
+    attr = "prepare_distribute_model"
+    original = getattr(cls, attr)  # bound to cls
+    raw = cls.__dict__.get(attr)
+
+    def prepare(_: Any, config: Any, device_map: Any = None) -> Any:
+        if config is distributed_config and device_map is None:
+            return prepared
+        return original(config, device_map=device_map)
+
+    setattr(cls, attr, classmethod(prepare))
+    try:
+        yield
+    finally:
+        if raw is not None:
+            setattr(cls, attr, raw)
+        else:
+            delattr(cls, attr)
 
 
 @contextlib.contextmanager
@@ -232,12 +263,13 @@ def _missing_hook(cls: Any, original: Any) -> Any:
     return move
 
 
-def _sharded_parameters(cls: Any, config: Any, distributed_config: Any, dtype: Any) -> dict:
+def _sharded_parameters(cls: Any, config: Any, prepared: tuple, dtype: Any) -> dict:
     """{parameter name: meta DTensor} of every parameter transformers' plan cuts on this
-    rank (a placement other than Replicate), from the model distributed on meta."""
+    rank (a placement other than Replicate), from the model distributed on meta over
+    `prepared` (`cls.prepare_distribute_model`'s result)."""
     import copy
 
-    dc, _, mesh_manager = cls.prepare_distribute_model(distributed_config)
+    dc, _, mesh_manager = prepared
     if mesh_manager is None:
         return {}
     from transformers import initialization
