@@ -158,47 +158,79 @@ def _give_back_freed() -> None:
     trim(0)
 
 
-_MISSING_HOOK = "_move_missing_keys_from_meta_to_device"
-# {class: [the attribute it had (None: inherited), loads in progress]}: the hook is put on
-# a class by the first load of it and taken off by the last, under this lock.
-_HOOKED: dict[Any, list] = {}
+# {(class, attribute): [what the class itself had (None: inherited), loads in progress]}:
+# a hook is put on a class by the first load of it and taken off by the last, under this
+# lock.
+_HOOKED: dict[tuple, list] = {}
 _HOOKED_LOCK = threading.Lock()
-# Per thread, {class: [(sharded, make, assigned), ...]}: the loads this thread runs.
+# Per thread, {(class, attribute): [frame, ...]}: what this thread's loads gave the hook.
 _LOADS_HERE = threading.local()
 
 
-def _loads_here(cls: Any) -> list:
-    loads = getattr(_LOADS_HERE, "by_class", None)
+def _loads_here(key: tuple) -> list:
+    loads = getattr(_LOADS_HERE, "by_key", None)
     if loads is None:
-        loads = _LOADS_HERE.by_class = {}
-    return loads.setdefault(cls, [])
+        loads = _LOADS_HERE.by_key = {}
+    return loads.setdefault(key, [])
+
+
+@contextlib.contextmanager
+def _class_hook(cls: Any, attr: str, install: Any, frame: Any) -> Iterator[None]:
+    """Replaces `cls.attr` by `install((cls, attr))` while any load of `cls` runs, and
+    pushes `frame` on this thread's stack for that hook: the hook serves the frames of
+    the thread calling it (`_loads_here(key)`) and defers to the original otherwise, so
+    two loads of one class in two threads each get their own, and a call from a thread
+    with no load of ours gets transformers' own behaviour. The last load out restores
+    what the class had (its own attribute, or none: inherited again)."""
+    key = (cls, attr)
+    with _HOOKED_LOCK:
+        hooked = _HOOKED.get(key)
+        if hooked is None:
+            hooked = _HOOKED[key] = [cls.__dict__.get(attr), 0]
+            setattr(cls, attr, install(key))
+        hooked[1] += 1
+    mine = _loads_here(key)
+    mine.append(frame)
+    try:
+        yield
+    finally:
+        for i in range(len(mine) - 1, -1, -1):
+            if mine[i] is frame:
+                del mine[i]
+                break
+        with _HOOKED_LOCK:
+            hooked[1] -= 1
+            if hooked[1] == 0:
+                del _HOOKED[key]
+                if hooked[0] is not None:
+                    setattr(cls, attr, hooked[0])
+                else:
+                    delattr(cls, attr)
 
 
 @contextlib.contextmanager
 def _same_mesh(cls: Any, distributed_config: Any, prepared: tuple) -> Iterator[None]:
-    """While transformers' `from_pretrained` runs on `cls`: its `prepare_distribute_model`
-    for `distributed_config` (no device map) gives `prepared`, the mesh the share was
-    read from, rather than a second mesh with process groups of its own (under gloo, 2
-    threads and a TCP loop per group: ~6 groups at tp_size=2, each with its stacks and
-    buffers, for the process's life). The class attribute is replaced for the duration,
-    as in `_views_for_missing`."""
+    """While transformers' `from_pretrained` runs on `cls` in this thread: its
+    `prepare_distribute_model` for `distributed_config` (no device map) gives `prepared`,
+    the mesh the share was read from, rather than a second mesh with process groups of
+    its own (under gloo, 2 threads and a TCP loop per group: ~6 groups at tp_size=2,
+    each with its stacks and buffers, for the process's life). A hook on the class
+    (`_class_hook`) while any load of it runs."""
     attr = "prepare_distribute_model"
-    original = getattr(cls, attr)  # bound to cls
-    raw = cls.__dict__.get(attr)
 
-    def prepare(_: Any, config: Any, device_map: Any = None) -> Any:
-        if config is distributed_config and device_map is None:
-            return prepared
-        return original(config, device_map=device_map)
+    def install(key: tuple) -> Any:
+        original = getattr(cls, attr)  # bound to cls
 
-    setattr(cls, attr, classmethod(prepare))
-    try:
+        def prepare(_: Any, config: Any, *args: Any, **kw: Any) -> Any:
+            for dc, mesh in reversed(_loads_here(key)):
+                if config is dc and not args and kw.get("device_map") is None:
+                    return mesh
+            return original(config, *args, **kw)
+
+        return classmethod(prepare)
+
+    with _class_hook(cls, attr, install, (distributed_config, prepared)):
         yield
-    finally:
-        if raw is not None:
-            setattr(cls, attr, raw)
-        else:
-            delattr(cls, attr)
 
 
 @contextlib.contextmanager
@@ -207,60 +239,37 @@ def _views_for_missing(cls: Any, sharded: dict, make: Any) -> Iterator[set[str]]
     materialise a missing parameter of `sharded` (`_move_missing_keys_from_meta_to_device`:
     an empty local shard, which `_initialize_missing_keys` then fills at random),
     `make(name, meta DTensor)` is assigned instead, marked initialised. Yields the names
-    assigned.
-
-    The class attribute is replaced while any load of `cls` runs, by a hook that serves
-    the loads of the thread calling it (a thread-local stack) and defers to the original
-    for everything else: two loads of one class in two threads each get their own views,
-    and a load in a third thread that is not ours gets transformers' own behaviour."""
+    assigned. A hook on the class (`_class_hook`) while any load of it runs."""
+    attr = "_move_missing_keys_from_meta_to_device"
     assigned: set[str] = set()
-    if getattr(cls, _MISSING_HOOK, None) is None:
+    if getattr(cls, attr, None) is None:
         # Another transformers: the parameters are replaced afterwards.
         yield assigned
         return
-    with _HOOKED_LOCK:
-        hooked = _HOOKED.get(cls)
-        if hooked is None:
-            own = cls.__dict__.get(_MISSING_HOOK)
-            original = getattr(cls, _MISSING_HOOK)
-            hooked = _HOOKED[cls] = [own, 0]
-            setattr(cls, _MISSING_HOOK, _missing_hook(cls, original))
-        hooked[1] += 1
-    frame = (sharded, make, assigned)
-    mine = _loads_here(cls)
-    mine.append(frame)
-    try:
+
+    def install(key: tuple) -> Any:
+        original = getattr(cls, attr)
+
+        def move(self: Any, missing_keys: Any, *args: Any, **kw: Any) -> Any:
+            mine = _loads_here(key)
+            if not mine:
+                return original(self, missing_keys, *args, **kw)
+            sharded, make, assigned = mine[-1]
+            rest = set()
+            for k in missing_keys:
+                if k not in sharded:
+                    rest.add(k)
+                    continue
+                module_path, _, pname = k.rpartition(".")
+                module = self.get_submodule(module_path)
+                module._parameters[pname] = make(k, module._parameters[pname])
+                assigned.add(k)
+            return original(self, rest, *args, **kw)
+
+        return move
+
+    with _class_hook(cls, attr, install, (sharded, make, assigned)):
         yield assigned
-    finally:
-        mine.remove(frame)
-        with _HOOKED_LOCK:
-            hooked[1] -= 1
-            if hooked[1] == 0:
-                del _HOOKED[cls]
-                if hooked[0] is not None:
-                    setattr(cls, _MISSING_HOOK, hooked[0])
-                else:
-                    delattr(cls, _MISSING_HOOK)
-
-
-def _missing_hook(cls: Any, original: Any) -> Any:
-    def move(self: Any, missing_keys: Any, *args: Any, **kw: Any) -> Any:
-        mine = _loads_here(cls)
-        if not mine:
-            return original(self, missing_keys, *args, **kw)
-        sharded, make, assigned = mine[-1]
-        rest = set()
-        for key in missing_keys:
-            if key not in sharded:
-                rest.add(key)
-                continue
-            module_path, _, pname = key.rpartition(".")
-            module = self.get_submodule(module_path)
-            module._parameters[pname] = make(key, module._parameters[pname])
-            assigned.add(key)
-        return original(self, rest, *args, **kw)
-
-    return move
 
 
 def _sharded_parameters(cls: Any, config: Any, prepared: tuple, dtype: Any) -> dict:

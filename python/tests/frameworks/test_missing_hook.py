@@ -119,3 +119,46 @@ def test_the_hook_comes_off_when_the_load_raises():
         pass
     assert HOOK not in Model.__dict__
     assert td._HOOKED == {}
+
+
+class Meshed:
+    """Stands for a model class: transformers' `prepare_distribute_model` is a classmethod
+    that makes a new mesh on every call."""
+
+    made = 0
+
+    @classmethod
+    def prepare_distribute_model(cls, config, device_map=None):
+        cls.made += 1
+        return ("new mesh", config, device_map)
+
+
+def test_same_mesh_serves_each_threads_own_config_and_no_other():
+    barrier_in, barrier_out = threading.Barrier(2), threading.Barrier(2)
+    seen: dict = {}
+
+    def load(tag):
+        config = object()
+        with td._same_mesh(Meshed, config, (tag, "mesh")):
+            barrier_in.wait()
+            seen[tag] = (
+                Meshed.prepare_distribute_model(config),
+                Meshed.prepare_distribute_model(config, device_map="cpu"),
+                Meshed.prepare_distribute_model(object()),
+            )
+            barrier_out.wait()
+
+    threads = [threading.Thread(target=load, args=(t,)) for t in ("one", "two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tag in ("one", "two"):
+        own, with_map, other = seen[tag]
+        assert own == (tag, "mesh")
+        assert with_map[0] == "new mesh" and with_map[2] == "cpu"
+        assert other[0] == "new mesh"
+    assert Meshed.made == 4
+    assert isinstance(Meshed.__dict__["prepare_distribute_model"], classmethod)
+    assert Meshed.prepare_distribute_model(None)[0] == "new mesh"
+    assert td._HOOKED == {}
