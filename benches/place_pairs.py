@@ -13,7 +13,11 @@ fresh memory varies). Ratios within a round only: the machine may be shared.
 
 DIR: a checkpoint from benches/place_checkpoint.py, or a GGUF file from
 benches/place_gguf.py (a split set: its first part; dd reads every part). NUMAPIN:
-target/release/numapin, or copies built from other commits (A/B)."""
+target/release/numapin, or copies built from other commits (A/B); VAR=VALUE:NUMAPIN runs
+it with that environment variable (NUMAPIN_IO_URING=off:target/release/numapin: direct
+reads on the loaders' read threads, as where seccomp denies io_uring). The first round's
+reads per mechanism (io_uring requests, blocking calls, summed over the classes) are
+printed per contender: they say which path really ran."""
 import glob, json, os, re, statistics, subprocess, sys, time
 
 rounds, mode, root, binaries = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
@@ -30,11 +34,28 @@ def drop():
         f.write("1\n")
 
 
-def timed(argv):
+def contender(spec):
+    """(environment, binary) of a NUMAPIN argument: `VAR=VALUE:BINARY` or `BINARY`."""
+    m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=([^:]*):(.+)$", spec)
+    if not m:
+        return dict(os.environ), spec
+    return dict(os.environ, **{m[1]: m[2]}), m[3]
+
+
+def timed(spec, argv):
+    env, binary = contender(spec)
     drop()
     start = time.monotonic()
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([binary] + argv, check=True, capture_output=True, text=True,
+                         env=env).stdout
     return time.monotonic() - start, out
+
+
+def mechanisms(report):
+    """io_uring requests and blocking calls of the load, summed over the classes."""
+    classes = report.get("classes") or []
+    return (sum(c.get("uring_reads", 0) for c in classes),
+            sum(c.get("blocking_reads", 0) for c in classes))
 
 
 def dd():
@@ -55,9 +76,12 @@ for r in range(rounds):
     order = binaries[r % len(binaries):] + binaries[:r % len(binaries)]
     line = [f"round {r + 1}: dd {base:.2f} s"]
     for b in order:
-        seconds, out = timed([b, "place", "--model", root, "--plan", "default",
-                              "--read", mode, "--json"])
+        seconds, out = timed(b, ["place", "--model", root, "--plan", "default",
+                                 "--read", mode, "--json"])
         report = json.loads(out)
+        if r == 0:
+            ring, blocking = mechanisms(report)
+            print(f"  {b}: {ring} io_uring reads, {blocking} blocking reads", flush=True)
         assert report["verified"], b
         wall[b].append(seconds / base)
         load[b].append(report["load_seconds"] / base)
