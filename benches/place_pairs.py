@@ -17,7 +17,13 @@ target/release/numapin, or copies built from other commits (A/B); VAR=VALUE:NUMA
 it with that environment variable (NUMAPIN_IO_URING=off:target/release/numapin: direct
 reads on the loaders' read threads, as where seccomp denies io_uring). The first round's
 reads per mechanism (io_uring requests, blocking calls, summed over the classes) are
-printed per contender: they say which path really ran."""
+printed per contender: they say which path really ran.
+
+PRIME_MB=N (environment): before every timed run (dd's included), touch N MiB of fresh
+memory in a throwaway process (`dd if=/dev/zero bs=NM count=1`). On this VM a process
+that runs right after another has freed its memory faults its own in much faster (the
+host backs the guest's pages again on first touch), so without it the second contender
+of a round gains from the first; with it every run follows one."""
 import glob, json, os, re, statistics, subprocess, sys, time
 
 rounds, mode, root, binaries = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
@@ -28,7 +34,13 @@ else:
     shards = (sorted(glob.glob(f"{split[1]}-*-of-{split[2]}.gguf")) if split else [root])
 
 
+PRIME_MB = int(os.environ.get("PRIME_MB", "0"))
+
+
 def drop():
+    if PRIME_MB:
+        subprocess.run(["dd", "if=/dev/zero", "of=/dev/null", f"bs={PRIME_MB}M", "count=1"],
+                       check=True, capture_output=True)
     subprocess.run(["sync"], check=True)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("1\n")
@@ -99,3 +111,7 @@ def med(xs):
 for b in binaries:
     print(f"{b}: wall/dd {med(wall[b])}, load/dd {med(load[b])}, dd/load {med([1 / x for x in load[b]])}"
           + (f", verify/load {med(verify[b])}, verify/dd {med(verify_dd[b])}" if verify[b] else ""))
+# Each contender against the first, within each round (the steadier A/B figure).
+for b in binaries[1:]:
+    pairs = [x / y for x, y in zip(load[b], load[binaries[0]])]
+    print(f"{b} / {binaries[0]}: load {med(pairs)}")

@@ -160,7 +160,8 @@ impl fmt::Display for ReadFallback {
 /// How the direct reads of a [`ReadMode::Direct`] load were issued
 /// ([`LayerReport::direct_io`](crate::store::LayerReport::direct_io)).
 ///
-/// `Display` prints `io_uring (depth 32 per loader)` or `threads (up to 8 reads in flight per loader; fallback: …)`.
+/// `Display` prints `io_uring (depth 32 per loader)` or `threads (up to 8 reads in flight
+/// per loader; fallback: …)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(
     feature = "serde",
