@@ -226,14 +226,17 @@ impl<'a> Reader<'a> {
             reader.files.push(Source { file, how });
         }
         if reader.needs_scratch() {
-            reader.io = Some(match uring::probe()? {
-                Ok(()) if pool::turned_off_by_env() => {
-                    DirectIo::Threads(IoUringFallback::Environment)
+            // The environment variable first: what turned io_uring off here, whether or
+            // not this process could have used it.
+            reader.io = Some(if pool::turned_off_by_env() {
+                DirectIo::Threads(IoUringFallback::Environment)
+            } else {
+                match uring::probe()? {
+                    Ok(()) => DirectIo::IoUring {
+                        depth: uring::DEPTH,
+                    },
+                    Err(why) => DirectIo::Threads(why),
                 }
-                Ok(()) => DirectIo::IoUring {
-                    depth: uring::DEPTH,
-                },
-                Err(why) => DirectIo::Threads(why),
             });
         }
         Ok(reader)
