@@ -100,7 +100,9 @@ for r in range(rounds):
         if report.get("verify_seconds") is not None:
             verify[b].append(report["verify_seconds"] / report["load_seconds"])
             verify_dd[b].append(report["verify_seconds"] / base)
-        line.append(f"{b}: wall {seconds / base:.2f}x load {report['load_seconds'] / base:.2f}x")
+        line.append(f"{b}: wall {seconds / base:.2f}x load {report['load_seconds'] / base:.2f}x"
+                    + (f" verify {report['verify_seconds'] / base:.2f}x"
+                       if report.get("verify_seconds") is not None else ""))
     print("; ".join(line), flush=True)
 
 
