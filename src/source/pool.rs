@@ -27,8 +27,9 @@ use crate::error::{Error, Result};
 /// of 4 MiB that is the 32 MiB batch a loader takes ([`URING_BATCH`](super::read::URING_BATCH)).
 pub const POOL_DEPTH: usize = 8;
 
-/// Stack of a helper read thread: it only issues `preadv` calls.
-const POOL_STACK: usize = 64 << 10;
+/// Stack of a helper read thread: it only issues `preadv` calls (room to spare for a
+/// panic message; only the pages it touches are ever backed).
+const POOL_STACK: usize = 256 << 10;
 
 /// Set to `off` (or `0`) to make every direct read of this process use blocking calls
 /// ([`Pool`]) as where `io_uring` is denied: for benchmarks and tests of that path.
