@@ -208,3 +208,86 @@ fn child_loads_with_the_variable() {
     };
     println!("CHILD direct_io={kind} {io}");
 }
+
+/// A map budget with room for a loader's bounce buffer but not for its read threads: the
+/// load reads one blocking call at a time (depth 1) instead of failing, byte-exact. Run as
+/// a child so that no other test's threads change the map count meanwhile.
+#[test]
+fn a_budget_without_room_for_read_threads_reads_one_at_a_time() {
+    let dir = dir("budget");
+    let (_, len) = layout(6);
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = File::open(&path).unwrap();
+    if !has_direct_io(&file) {
+        println!("NOT RUN: the target directory's file system has no direct I/O");
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(me)
+        .args([
+            "--exact",
+            "child_loads_in_a_tight_budget",
+            "--nocapture",
+            "--ignored",
+        ])
+        .env("READ_THREADS_FILE", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("CHILD depth=1"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Run by [`a_budget_without_room_for_read_threads_reads_one_at_a_time`] only.
+#[test]
+#[ignore = "a child of a_budget_without_room_for_read_threads_reads_one_at_a_time"]
+fn child_loads_in_a_tight_budget() {
+    let Some(path) = std::env::var_os("READ_THREADS_FILE") else {
+        return;
+    };
+    let file = File::open(path).unwrap();
+    let reference = std::fs::read(std::env::var_os("READ_THREADS_FILE").unwrap()).unwrap();
+    let (pieces, _) = layout(6);
+    let sources: Vec<ExpertSource<'_>> = pieces
+        .iter()
+        .map(|&[w, s]| ExpertSource::from_file(&file, &[w], &[s]))
+        .collect();
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    // Room for the layer's regions and one bounce buffer, far from the read threads'
+    // (POOL_DEPTH - 1) * LOADER_THREAD_MAPS.
+    let room = 12;
+    assert!(room < (POOL_DEPTH - 1) * numapin::store::LOADER_THREAD_MAPS);
+    let options = StoreOptions::default()
+        .read_mode(ReadMode::Direct)
+        .io_uring(false)
+        .loader_threads(1)
+        .vma_budget(Some(numapin::diag::map_count().unwrap() + room));
+    let store = PinStore::new(Layout::Unplaced, options).unwrap();
+    let report = store.pack_layer(0, &spec, &sources).unwrap();
+    assert_eq!(
+        report.direct_io,
+        Some(DirectIo::Threads(IoUringFallback::Off))
+    );
+    let d = report.direct_reads;
+    assert_eq!(d.uring_reads, 0, "{report:?}");
+    // One blocking call at a time (the six experts are one run of the file: one aligned
+    // window through the bounce buffer may hold them all), every byte once.
+    assert!(d.blocking_reads >= 1, "{report:?}");
+    let total: u64 = pieces.iter().map(|[w, s]| (w.1 + s.1) as u64).sum();
+    assert_eq!(d.in_place_bytes + report.bounced_bytes, total, "{report:?}");
+    for (e, &[w, _]) in pieces.iter().enumerate() {
+        let place = store.slot_map(0).unwrap().pieces(e, Kind::Weights).unwrap()[0];
+        let slot = store.weights(0, e).unwrap();
+        let o = w.0 as usize;
+        assert!(slot[place.offset..place.end()] == reference[o..o + w.1]);
+    }
+    println!("CHILD depth={}", d.blocking_depth);
+}

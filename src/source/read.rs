@@ -325,6 +325,17 @@ impl<'a> Reader<'a> {
         usize::from(self.needs_scratch()) + ring
     }
 
+    /// Mappings of [`Reader::scratch_alone`]: its bounce buffer.
+    pub(crate) fn scratch_maps_alone(&self) -> usize {
+        usize::from(self.needs_scratch())
+    }
+
+    /// A bounce buffer without a ring or read threads: direct reads one blocking call at
+    /// a time, for a loader whose map budget has no room for more ([`Reader::scratch`]).
+    pub(crate) fn scratch_alone(&self) -> Scratch {
+        self.bounce()
+    }
+
     fn bounce(&self) -> Scratch {
         let align = self
             .files
