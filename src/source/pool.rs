@@ -23,16 +23,18 @@ use super::uring::{Request, Ring};
 use crate::error::{Error, Result};
 
 /// Reads in flight per loader thread, at most, when direct reads go through blocking
-/// calls: the calling loader and 7 helpers. With [`CHUNK`](super::uring::CHUNK) requests
-/// of 4 MiB that is the 32 MiB batch a loader takes ([`URING_BATCH`](super::read::URING_BATCH)).
+/// calls: the calling loader and 7 helper threads. With requests of 4 MiB (the most one
+/// ring request reads) that is the 32 MiB batch of slots a loader takes at once.
 pub const POOL_DEPTH: usize = 8;
 
 /// Stack of a helper read thread: it only issues `preadv` calls (room to spare for a
 /// panic message; only the pages it touches are ever backed).
 const POOL_STACK: usize = 256 << 10;
 
-/// Set to `off` (or `0`) to make every direct read of this process use blocking calls
-/// ([`Pool`]) as where `io_uring` is denied: for benchmarks and tests of that path.
+/// Set to `off` (or `0`) to make every direct read of this process use blocking calls on
+/// read threads ([`POOL_DEPTH`] in flight per loader) as where `io_uring` is denied: for
+/// benchmarks and tests of that path. The load report then says
+/// [`IoUringFallback::Environment`](crate::store::IoUringFallback::Environment).
 pub const IO_URING_ENV: &str = "NUMAPIN_IO_URING";
 
 /// Whether [`IO_URING_ENV`] turns `io_uring` off.
