@@ -144,6 +144,7 @@ fn stats_and_report_have_fixed_field_names() {
             uring_reads: 7,
             blocking_reads: 8,
             uring_depth: 9,
+            blocking_depth: 2,
         },
         read_mode: ReadMode::Buffered,
         read_fallback: Some(ReadFallback::NoDirectIoAlignment),
@@ -167,7 +168,7 @@ fn stats_and_report_have_fixed_field_names() {
     };
     assert_eq!(
         json(&report),
-        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"bounced_bytes":5,"direct_reads":{"in_place_bytes":6,"uring_reads":7,"blocking_reads":8,"uring_depth":9},"read_mode":"buffered","read_fallback":"no-direct-io-alignment","direct_io":{"threads":"denied"},"files":[{"path":"/m/a","mode":"direct","residency":{"cached_pages":1,"pages":4,"probe":"cachestat"},"fallback":null}],"policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
+        r#"{"layer":1,"experts":2,"weight_stride":4096,"scale_stride":0,"bytes":3,"regions":1,"mbind_calls":1,"reads":0,"bounced_bytes":5,"direct_reads":{"in_place_bytes":6,"uring_reads":7,"blocking_reads":8,"uring_depth":9,"blocking_depth":2},"read_mode":"buffered","read_fallback":"no-direct-io-alignment","direct_io":{"threads":"denied"},"files":[{"path":"/m/a","mode":"direct","residency":{"cached_pages":1,"pages":4,"probe":"cachestat"},"fallback":null}],"policy":"interleave:0,1","replicas":1,"local_bytes":0,"off_node_loaders":0,"loader_nodes":[0,1],"placement":{"degraded":"unsupported"}}"#
     );
     assert_eq!(back::<LayerReport>(&json(&report)), report);
 }

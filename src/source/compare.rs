@@ -220,13 +220,7 @@ impl Shared {
         let result = reader.scratch().and_then(|mut scratch| {
             let io = (reader, &mut scratch, &mut buffer);
             let result = self.take(io, parts, windows, &mut mine, what);
-            let (in_place, blocking, ring, peak) = scratch.counts();
-            mine.direct = DirectReads {
-                in_place_bytes: in_place,
-                uring_reads: ring,
-                blocking_reads: blocking,
-                uring_depth: peak,
-            };
+            mine.direct = scratch.counts();
             result
         });
         buffers.put(buffer);

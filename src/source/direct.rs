@@ -19,8 +19,9 @@ use std::os::fd::AsRawFd;
 
 use rustix::io::Errno;
 
+use super::pool::Queue;
 use super::segment::{Segment, path_of};
-use super::uring::{CHUNK, Request, Ring};
+use super::uring::{CHUNK, Request};
 use crate::error::{Error, Result};
 
 mod batch;
@@ -94,18 +95,19 @@ impl Direct {
             && dest.len() >= to_boundary.saturating_add(align)
     }
 
-    /// Aligned reads through the loader's ring, several in flight.
+    /// Aligned reads through the loader's ring or read threads, several in flight.
     fn read_ring(
         &self,
-        ring: &mut Ring,
+        ring: &mut Queue,
         requests: Vec<Request<'_>>,
         what: &dyn Fn() -> String,
     ) -> Result<()> {
+        let op = ring.op();
         ring.read_all(
             &self.file,
             requests,
             self.offset_align as u64,
-            &|errno, offset, len| self.failed("io_uring read", errno, offset, len, what),
+            &|errno, offset, len| self.failed(op, errno, offset, len, what),
             &|offset, len| self.eof(offset, len, what),
         )
     }

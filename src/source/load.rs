@@ -136,6 +136,7 @@ struct Fill<'j, 'r, 'a> {
     blocking: AtomicU64,
     ring_reads: AtomicU64,
     peak: AtomicUsize,
+    blocking_peak: AtomicUsize,
     local_bytes: AtomicU64,
     off_node: AtomicUsize,
     loader_nodes: Mutex<BTreeSet<Node>>,
@@ -170,6 +171,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
             blocking: AtomicU64::new(0),
             ring_reads: AtomicU64::new(0),
             peak: AtomicUsize::new(0),
+            blocking_peak: AtomicUsize::new(0),
             local_bytes: AtomicU64::new(0),
             off_node: AtomicUsize::new(0),
             loader_nodes: Mutex::new(BTreeSet::new()),
@@ -230,11 +232,16 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
     fn work(&self, worker: usize, mut scratch: Scratch) {
         self.take_batches(worker, &mut scratch);
         self.bounced.fetch_add(scratch.bounced(), Ordering::Relaxed);
-        let (in_place, blocking, ring, peak) = scratch.counts();
-        self.in_place.fetch_add(in_place, Ordering::Relaxed);
-        self.blocking.fetch_add(blocking, Ordering::Relaxed);
-        self.ring_reads.fetch_add(ring, Ordering::Relaxed);
-        self.peak.fetch_max(peak, Ordering::Relaxed);
+        let counts = scratch.counts();
+        self.in_place
+            .fetch_add(counts.in_place_bytes, Ordering::Relaxed);
+        self.blocking
+            .fetch_add(counts.blocking_reads, Ordering::Relaxed);
+        self.ring_reads
+            .fetch_add(counts.uring_reads, Ordering::Relaxed);
+        self.peak.fetch_max(counts.uring_depth, Ordering::Relaxed);
+        self.blocking_peak
+            .fetch_max(counts.blocking_depth, Ordering::Relaxed);
     }
 
     fn take_batches(&self, worker: usize, scratch: &mut Scratch) {
@@ -365,6 +372,7 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
                 blocking_reads: self.blocking.into_inner(),
                 uring_reads: self.ring_reads.into_inner(),
                 uring_depth: self.peak.into_inner(),
+                blocking_depth: self.blocking_peak.into_inner(),
             },
             local_bytes: self.local_bytes.into_inner(),
             off_node_loaders: self.off_node.into_inner(),

@@ -8,6 +8,7 @@ pub(crate) mod compare;
 pub(crate) mod direct;
 pub(crate) mod load;
 mod mode;
+mod pool;
 pub(crate) mod progress;
 pub(crate) mod read;
 mod resident;
@@ -24,6 +25,7 @@ pub use mode::{
     DirectIo, DirectReads, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency,
     ResidencyProbe,
 };
+pub use pool::{IO_URING_ENV, POOL_DEPTH};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
 pub(crate) use resident::residency;
 

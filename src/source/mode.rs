@@ -160,7 +160,8 @@ impl fmt::Display for ReadFallback {
 /// How the direct reads of a [`ReadMode::Direct`] load were issued
 /// ([`LayerReport::direct_io`](crate::store::LayerReport::direct_io)).
 ///
-/// `Display` prints `io_uring (depth 32 per loader)` or `threads (fallback: …)`.
+/// `Display` prints `io_uring (depth 32 per loader)` or `threads (up to 8 reads in flight
+/// per loader; fallback: …)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(
     feature = "serde",
@@ -175,8 +176,10 @@ pub enum DirectIo {
         /// Reads in flight per loader thread, at most.
         depth: usize,
     },
-    /// One blocking `pread`/`preadv` at a time per loader thread, because `io_uring` could
-    /// not be used: the reason is the value.
+    /// Blocking `pread`/`preadv` calls, because `io_uring` could not be used (the reason
+    /// is the value): each loader thread keeps up to
+    /// [`POOL_DEPTH`](crate::store::POOL_DEPTH) of them in flight with short-lived read
+    /// threads ([`DirectReads::blocking_depth`] says how many it had).
     Threads(IoUringFallback),
 }
 
@@ -191,7 +194,11 @@ impl fmt::Display for DirectIo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DirectIo::IoUring { depth } => write!(f, "io_uring (depth {depth} per loader)"),
-            DirectIo::Threads(why) => write!(f, "threads (fallback: {why})"),
+            DirectIo::Threads(why) => write!(
+                f,
+                "threads (up to {} reads in flight per loader; fallback: {why})",
+                super::pool::POOL_DEPTH
+            ),
         }
     }
 }
@@ -213,6 +220,9 @@ pub enum IoUringFallback {
     Unsupported,
     /// [`StoreOptions::io_uring`](crate::store::StoreOptions::io_uring) turned it off.
     Off,
+    /// The environment variable `NUMAPIN_IO_URING=off` ([`IO_URING_ENV`](crate::store::IO_URING_ENV))
+    /// turned it off.
+    Environment,
 }
 
 impl fmt::Display for IoUringFallback {
@@ -226,6 +236,7 @@ impl fmt::Display for IoUringFallback {
                 "io_uring_setup answered ENOSYS (no io_uring in this kernel)"
             }
             IoUringFallback::Off => "io_uring turned off in the options",
+            IoUringFallback::Environment => "io_uring turned off by NUMAPIN_IO_URING=off",
         })
     }
 }
@@ -244,6 +255,11 @@ pub struct DirectReads {
     pub blocking_reads: u64,
     /// The most requests one loader's ring had in flight at once (0: no ring).
     pub uring_depth: usize,
+    /// The most blocking calls one loader had in flight at once: up to
+    /// [`POOL_DEPTH`](crate::store::POOL_DEPTH) where `io_uring` is not used (the loader
+    /// and its read threads), 1 for calls one at a time, 0 when none was made.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub blocking_depth: usize,
 }
 
 impl DirectReads {
@@ -255,6 +271,7 @@ impl DirectReads {
             uring_reads: self.uring_reads + other.uring_reads,
             blocking_reads: self.blocking_reads + other.blocking_reads,
             uring_depth: self.uring_depth.max(other.uring_depth),
+            blocking_depth: self.blocking_depth.max(other.blocking_depth),
         }
     }
 }

@@ -4,10 +4,9 @@
 //! direct reads of unaligned pieces.
 //!
 //! Direct reads have no readahead, so the loaders take consecutive slots in batches of
-//! up to [`DIRECT_BATCH`] bytes ([`Reader::read_segments`]): a run of pieces that continue
-//! each other is read with one `preadv` straight into the slots when every piece is
-//! aligned, or in aligned windows through the bounce buffer and copied out when not.
-//! A single piece ([`Reader::read`]) goes straight into its slot where its address,
+//! up to [`URING_BATCH`] bytes ([`Reader::read_segments`]), read with several requests in
+//! flight: on the loader's `io_uring`, or where that cannot be used on its short-lived
+//! read threads ([`Pool`]). A single piece ([`Reader::read`]) goes straight into its slot where its address,
 //! offset and length are aligned, and through the bounce buffer elsewhere (only its head,
 //! when the slot is aligned after it).
 
@@ -20,6 +19,7 @@ use super::behind::{self, Advised, DROP_BEHIND_EVERY, Shared, Stream, dont_need}
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
 use super::mode::{DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode};
+use super::pool::{self, Pool, Queue};
 use super::resident::residency;
 pub(crate) use super::segment::Segment;
 use super::segment::path_of;
@@ -29,13 +29,10 @@ use crate::error::{Error, Result};
 /// Drop-behind advice of a file the fill did not announce is rounded out to this.
 const FOLIO_MAX: u64 = behind::FOLIO_MAX;
 
-/// The most file bytes one loader takes at once, as consecutive slots, for direct reads:
-/// large requests are what a device reads fast, and `O_DIRECT` has no readahead to merge
-/// small ones.
-pub(crate) const DIRECT_BATCH: usize = 8 << 20;
-
-/// The most file bytes one loader takes at once when its direct reads go through
-/// `io_uring`: enough slots to keep [`uring::DEPTH`] reads in flight.
+/// The most file bytes one loader takes at once for direct reads (large requests are what
+/// a device reads fast, and `O_DIRECT` has no readahead to merge small ones): enough slots
+/// to keep [`uring::DEPTH`] reads in flight on a ring, [`POOL_DEPTH`](pool::POOL_DEPTH)
+/// of [`CHUNK`](uring::CHUNK) bytes on read threads.
 pub(crate) const URING_BATCH: usize = 32 << 20;
 
 /// How one source file is read.
@@ -229,11 +226,17 @@ impl<'a> Reader<'a> {
             reader.files.push(Source { file, how });
         }
         if reader.needs_scratch() {
-            reader.io = Some(match uring::probe()? {
-                Ok(()) => DirectIo::IoUring {
-                    depth: uring::DEPTH,
-                },
-                Err(why) => DirectIo::Threads(why),
+            // The environment variable first: what turned io_uring off here, whether or
+            // not this process could have used it.
+            reader.io = Some(if pool::turned_off_by_env() {
+                DirectIo::Threads(IoUringFallback::Environment)
+            } else {
+                match uring::probe()? {
+                    Ok(()) => DirectIo::IoUring {
+                        depth: uring::DEPTH,
+                    },
+                    Err(why) => DirectIo::Threads(why),
+                }
             });
         }
         Ok(reader)
@@ -286,36 +289,51 @@ impl<'a> Reader<'a> {
     }
 
     /// A bounce buffer for one loader thread (empty unless a file is read directly), with
-    /// its own ring when direct reads go through `io_uring`.
+    /// its own ring when direct reads go through `io_uring`, its pool of read threads
+    /// ([`Pool`]) when they do not.
     ///
     /// # Errors
     /// `io_uring_setup` failed with an errno other than `EPERM` or `ENOSYS`.
     pub(crate) fn scratch(&self) -> Result<Scratch> {
         let scratch = self.bounce();
-        if !self.io.is_some_and(DirectIo::is_io_uring) {
-            return Ok(scratch);
-        }
-        match Ring::new()? {
-            Ok(ring) => Ok(scratch.with_ring(ring)),
-            Err(why) => {
-                self.late
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert(why);
-                Ok(scratch)
-            }
+        let pool = Queue::Pool(Pool::default());
+        match self.io {
+            None => Ok(scratch),
+            Some(DirectIo::Threads(_)) => Ok(scratch.with_ring(pool)),
+            Some(DirectIo::IoUring { .. }) => match Ring::new()? {
+                Ok(ring) => Ok(scratch.with_ring(Queue::Ring(Box::new(ring)))),
+                Err(why) => {
+                    self.late
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(why);
+                    Ok(scratch.with_ring(pool))
+                }
+            },
         }
     }
 
     /// Mappings one loader thread's [`Reader::scratch`] adds: its bounce buffer and its
-    /// ring.
+    /// ring, or while it reads, its read threads (each a stack and its guard, a signal
+    /// stack and its guard: counted as a loader thread's).
     pub(crate) fn scratch_maps(&self) -> usize {
-        let ring = if self.io.is_some_and(DirectIo::is_io_uring) {
-            uring::RING_MAPS
-        } else {
-            0
+        let ring = match self.io {
+            None => 0,
+            Some(DirectIo::IoUring { .. }) => uring::RING_MAPS,
+            Some(DirectIo::Threads(_)) => (pool::POOL_DEPTH - 1) * super::LOADER_THREAD_MAPS,
         };
         usize::from(self.needs_scratch()) + ring
+    }
+
+    /// Mappings of [`Reader::scratch_alone`]: its bounce buffer.
+    pub(crate) fn scratch_maps_alone(&self) -> usize {
+        usize::from(self.needs_scratch())
+    }
+
+    /// A bounce buffer without a ring or read threads: direct reads one blocking call at
+    /// a time, for a loader whose map budget has no room for more ([`Reader::scratch`]).
+    pub(crate) fn scratch_alone(&self) -> Scratch {
+        self.bounce()
     }
 
     fn bounce(&self) -> Scratch {
@@ -383,21 +401,21 @@ impl<'a> Reader<'a> {
         advise(file, advice)
     }
 
-    /// The most bytes of consecutive slots a loader takes at once: [`URING_BATCH`] or
-    /// [`DIRECT_BATCH`] for direct reads, 0 (one slot at a time) otherwise.
+    /// The most bytes of consecutive slots a loader takes at once: [`URING_BATCH`] for
+    /// direct reads (through `io_uring` or a loader's read threads), 0 (one slot at a
+    /// time) otherwise.
     pub(crate) fn batch_bytes(&self) -> usize {
         match self.io {
             None => 0,
-            Some(io) if io.is_io_uring() => URING_BATCH,
-            Some(_) => DIRECT_BATCH,
+            Some(_) => URING_BATCH,
         }
     }
 
-    /// Whether batches are read with many reads in flight (direct reads through
-    /// `io_uring`): a loader then takes consecutive slots whether or not their pieces
-    /// continue each other in the file.
+    /// Whether batches are read with many reads in flight (direct reads, through
+    /// `io_uring` or a loader's read threads): a loader then takes consecutive slots
+    /// whether or not their pieces continue each other in the file.
     pub(crate) fn queued(&self) -> bool {
-        self.io.is_some_and(DirectIo::is_io_uring)
+        self.io.is_some()
     }
 
     /// Reads every segment; runs of segments that continue each other in one directly

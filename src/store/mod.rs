@@ -26,9 +26,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use crate::source::{
-    DROP_BEHIND_EVERY, DirectIo, DirectReads, ExpertSource, FileRead, IoUringFallback, Kind,
-    LOADER_THREAD_MAPS, MAX_READ, PROGRESS_STEP, Piece, Progress, ProgressHook, ReadFallback,
-    ReadMode, Residency, ResidencyProbe,
+    DROP_BEHIND_EVERY, DirectIo, DirectReads, ExpertSource, FileRead, IO_URING_ENV,
+    IoUringFallback, Kind, LOADER_THREAD_MAPS, MAX_READ, POOL_DEPTH, PROGRESS_STEP, Piece,
+    Progress, ProgressHook, ReadFallback, ReadMode, Residency, ResidencyProbe,
 };
 pub use assign::{ExpertAssignment, Home, HotCopies, NodeShare};
 pub(crate) use assign::{HOT, SlotOrder};

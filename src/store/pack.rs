@@ -425,14 +425,15 @@ impl PinStore {
         // Direct reads give each loader thread a bounce buffer (one more heap mapping) and,
         // with io_uring, a ring (its own mappings).
         let bounce_maps = reader.scratch_maps();
-        let scratch = if bounce_maps > 0 {
-            let _reservation = self.maps.reserve(
-                || format!("layer {layer} direct-I/O bounce buffer and ring"),
-                bounce_maps,
-            )?;
+        let what = || format!("layer {layer} direct-I/O bounce buffer and ring");
+        let scratch = if bounce_maps == 0 {
+            reader.scratch()?
+        } else if let Ok(_reservation) = self.maps.reserve(what, bounce_maps) {
             reader.scratch()?
         } else {
-            reader.scratch()?
+            // No room for the read threads (without io_uring): one read at a time.
+            let _reservation = self.maps.reserve(what, reader.scratch_maps_alone())?;
+            reader.scratch_alone()
         };
         let bytes: u64 = lengths.iter().flatten().map(|&n| n as u64).sum();
         let meter = self

@@ -143,11 +143,12 @@ impl Direct {
                 used += unit;
             }
         }
+        let op = ring.op();
         ring.read_all(
             &self.file,
             requests,
             unit as u64,
-            &|errno, offset, len| self.failed("io_uring read", errno, offset, len, what),
+            &|errno, offset, len| self.failed(op, errno, offset, len, what),
             &|offset, len| self.eof(offset, len, what),
         )?;
         let bounce = &buf[*start..*start + *len];
@@ -238,7 +239,6 @@ mod tests {
             return;
         };
         let unit = direct.offset_align.max(direct.mem_align);
-        let reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
         // Odd offsets and lengths, one aligned, one not congruent (skew 1: through the
         // bounce buffer), one whose last unit runs past the end of the file.
         let pieces = [
@@ -248,28 +248,55 @@ mod tests {
             (400_007, 3 * unit + 5, 1),
             (len as u64 - 100_003, 100_003, 0),
         ];
-        let (result, buf, starts, scratch) = read_batch(&reader, &file, unit, &pieces);
-        result.unwrap();
-        let mut outside = vec![true; buf.len()];
-        for (&(offset, n, _), &at) in pieces.iter().zip(&starts) {
-            let o = offset as usize;
-            assert!(buf[at..at + n] == bytes[o..o + n], "piece at {offset}");
-            outside[at..at + n].iter_mut().for_each(|b| *b = false);
-        }
-        assert!(buf.iter().zip(&outside).all(|(&b, &out)| !out || b == 0xee));
-        let (in_place, _, ring_reads, depth) = scratch.counts();
-        if scratch.has_ring() {
+        // With io_uring where this process may use it, and on read threads (forced).
+        for threads in [false, true] {
+            let mut reader = Reader::new(ReadMode::Direct, [&file]).unwrap();
+            if threads {
+                reader = reader.without_io_uring();
+            }
+            let (result, buf, starts, scratch) = read_batch(&reader, &file, unit, &pieces);
+            result.unwrap();
+            let mut outside = vec![true; buf.len()];
+            for (&(offset, n, _), &at) in pieces.iter().zip(&starts) {
+                let o = offset as usize;
+                assert!(buf[at..at + n] == bytes[o..o + n], "piece at {offset}");
+                outside[at..at + n].iter_mut().for_each(|b| *b = false);
+            }
+            assert!(buf.iter().zip(&outside).all(|(&b, &out)| !out || b == 0xee));
+            assert!(scratch.has_ring(), "several reads in flight either way");
+            let counts = scratch.counts();
             // The four congruent pieces: all but their partial units in place, in one
-            // submission with several reads in flight.
+            // round with several reads in flight.
             let congruent: usize = [0, 1, 2, 4].iter().map(|&i| pieces[i].1).sum();
+            let in_place = counts.in_place_bytes;
             assert!(in_place + 8 * unit as u64 >= congruent as u64, "{in_place}");
-            assert!(ring_reads >= 4 && depth > 1, "{ring_reads} {depth}");
             // The non-congruent piece bounced whole, the others at most a unit at each end.
             let bounced = scratch.bounced();
             assert!(bounced >= pieces[3].1 as u64, "{bounced}");
             assert!(bounced < pieces[3].1 as u64 + 8 * unit as u64, "{bounced}");
-        } else {
-            println!("NOT RUN (ring part): io_uring is not allowed here");
+            // Every byte of the pieces was read in place or bounced, none twice.
+            let total: usize = pieces.iter().map(|p| p.1).sum();
+            assert_eq!(in_place + bounced, total as u64, "{counts:?}");
+            if scratch.has_io_uring() {
+                assert!(!threads);
+                let (reads, depth) = (counts.uring_reads, counts.uring_depth);
+                assert!(reads >= 4 && depth > 1, "{reads} {depth}");
+            } else {
+                // The round's requests (four interiors, their partial units) on the read
+                // threads: how many ran at once depends on the scheduler, at most the
+                // pool's depth; the non-congruent piece one blocking read at a time.
+                assert_eq!(counts.uring_reads, 0, "{counts:?}");
+                // Four interiors and the non-congruent piece's read, at least.
+                assert!(counts.blocking_reads >= 5, "{counts:?}");
+                let depth = counts.blocking_depth;
+                assert!(
+                    (1..=crate::source::POOL_DEPTH).contains(&depth),
+                    "{counts:?}"
+                );
+                if !threads {
+                    println!("NOT RUN (ring part): io_uring is not allowed here");
+                }
+            }
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -1,7 +1,8 @@
 //! A loader thread's bounce buffer for direct reads, its `io_uring`, and the counts of
 //! what its reads did (bytes in place, bytes bounced, calls per mechanism).
 
-use crate::source::uring::Ring;
+use crate::source::mode::DirectReads;
+use crate::source::pool::Queue;
 
 /// The bounce buffer of one loader thread for direct reads (at least two alignment
 /// units): an unaligned 1 MiB expert takes one read, and a batch of small unaligned
@@ -17,7 +18,8 @@ pub(crate) struct Scratch {
     pub(super) start: usize,
     /// Bytes of the buffer (0: none, the thread reads no file directly).
     pub(super) len: usize,
-    pub(super) ring: Option<Ring>,
+    /// Its ring, or its pool of read threads: several reads in flight.
+    pub(super) ring: Option<Queue>,
     /// Slot bytes copied out of `buf` so far (the bytes a direct read did not land in
     /// place).
     pub(super) bounced: u64,
@@ -48,21 +50,45 @@ impl Scratch {
         self.bounced
     }
 
-    /// Whether direct reads go through this thread's `io_uring`.
+    /// Whether direct reads keep several reads in flight (this thread's `io_uring` or
+    /// its pool of read threads).
     pub(crate) fn has_ring(&self) -> bool {
         self.ring.is_some()
     }
 
-    /// What this thread's direct reads did: (bytes in place, blocking calls, ring
-    /// requests, the most ring requests in flight at once).
-    pub(crate) fn counts(&self) -> (u64, u64, u64, usize) {
-        let (submitted, peak) = self.ring.as_ref().map_or((0, 0), |r| (r.submitted, r.peak));
-        (self.in_place, self.blocking, submitted, peak)
+    /// Whether direct reads go through this thread's `io_uring`.
+    #[cfg(test)]
+    pub(crate) fn has_io_uring(&self) -> bool {
+        matches!(self.ring, Some(Queue::Ring(_)))
     }
 
-    /// The same bounce buffer, with aligned reads submitted through `ring`.
-    pub(crate) fn with_ring(mut self, ring: Ring) -> Self {
-        self.ring = Some(ring);
+    /// What this thread's direct reads did: bytes in place, ring requests and the most in
+    /// flight at once, blocking calls (its own and its pool's) and the most in flight at
+    /// once (1 for calls one at a time).
+    pub(crate) fn counts(&self) -> DirectReads {
+        let mut counts = DirectReads {
+            in_place_bytes: self.in_place,
+            blocking_reads: self.blocking,
+            blocking_depth: usize::from(self.blocking > 0),
+            ..DirectReads::default()
+        };
+        match &self.ring {
+            Some(Queue::Ring(ring)) => {
+                counts.uring_reads = ring.submitted;
+                counts.uring_depth = ring.peak;
+            }
+            Some(Queue::Pool(pool)) => {
+                counts.blocking_reads += pool.calls;
+                counts.blocking_depth = counts.blocking_depth.max(pool.peak);
+            }
+            None => {}
+        }
+        counts
+    }
+
+    /// The same bounce buffer, with aligned reads issued through `queue`.
+    pub(crate) fn with_ring(mut self, queue: Queue) -> Self {
+        self.ring = Some(queue);
         self
     }
 

@@ -1,0 +1,293 @@
+//! Direct reads where `io_uring` is not used (denied by seccomp in containers, or turned
+//! off: [`StoreOptions::io_uring`], `NUMAPIN_IO_URING=off`): each loader keeps several
+//! blocking reads in flight on short-lived read threads. The report says the mechanism and
+//! counts what it did; every byte equals the file's, read independently. Nothing here
+//! assumes `io_uring` is available, nor that it is not.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use numapin::store::{
+    DirectIo, ExpertSource, IoUringFallback, Kind, LayerSpec, Layout, POOL_DEPTH, PinStore,
+    ReadMode, StoreOptions,
+};
+
+fn dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("read-threads-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn has_direct_io(file: &File) -> bool {
+    rustix::fs::statx(
+        file,
+        c"",
+        rustix::fs::AtFlags::EMPTY_PATH,
+        rustix::fs::StatxFlags::DIOALIGN,
+    )
+    .is_ok_and(|s| {
+        s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
+    })
+}
+
+/// A piece: file offset and length.
+type Range = (u64, usize);
+
+/// `[weights, scales]` pieces of each expert: safetensors-like odd offsets (a 1 MiB + 37
+/// byte tensor, then a 4096 + 5 byte one), back to back in the file after a 123-byte
+/// header, as a checkpoint's tensors are.
+fn layout(experts: usize) -> (Vec<[Range; 2]>, usize) {
+    let (w, s) = ((1 << 20) + 37, 4096 + 5);
+    let mut at = 123u64;
+    let mut out = Vec::new();
+    for _ in 0..experts {
+        let weights = (at, w);
+        at += w as u64;
+        let scales = (at, s);
+        at += s as u64;
+        out.push([weights, scales]);
+    }
+    (out, at as usize + 77)
+}
+
+#[test]
+fn several_reads_in_flight_without_io_uring_are_counted_and_byte_exact() {
+    let dir = dir("exact");
+    let experts = 24;
+    let (pieces, len) = layout(experts);
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> = (0..len)
+        .map(|i| ((i * 31 + i / 4099) % 251) as u8)
+        .collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = File::open(&path).unwrap();
+    if !has_direct_io(&file) {
+        println!("NOT RUN: the target directory's file system has no direct I/O");
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    }
+    // The reference: the file read back in one buffered read, not through numapin.
+    let reference = std::fs::read(&path).unwrap();
+    assert_eq!(reference, bytes);
+    let sources: Vec<ExpertSource<'_>> = pieces
+        .iter()
+        .map(|&[w, s]| ExpertSource::from_file(&file, &[w], &[s]))
+        .collect();
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    let file_bytes: u64 = pieces.iter().map(|[w, s]| (w.1 + s.1) as u64).sum();
+    for io_uring in [true, false] {
+        for threads in [1, 2] {
+            let options = StoreOptions::default()
+                .read_mode(ReadMode::Direct)
+                .io_uring(io_uring)
+                .loader_threads(threads)
+                .piece_congruence(4096);
+            let store = PinStore::new(Layout::Unplaced, options).unwrap();
+            let report = store.pack_layer(0, &spec, &sources).unwrap();
+            let what = format!("io_uring option {io_uring}, {threads} loaders: {report:?}");
+            assert_eq!(report.read_mode, ReadMode::Direct, "{what}");
+            let d = report.direct_reads;
+            // Every byte read once: in place or through a bounce buffer.
+            assert_eq!(
+                d.in_place_bytes + report.bounced_bytes,
+                file_bytes,
+                "{what}"
+            );
+            // Congruent slots: all but the partial units at the pieces' ends in place.
+            assert!(d.in_place_bytes > file_bytes / 2, "{what}");
+            match report.direct_io {
+                Some(DirectIo::IoUring { depth }) => {
+                    assert!(io_uring, "{what}");
+                    assert!(d.uring_reads > 0 && d.uring_depth <= depth, "{what}");
+                }
+                Some(DirectIo::Threads(why)) => {
+                    if !io_uring {
+                        assert_eq!(why, IoUringFallback::Off, "{what}");
+                    }
+                    // Every read a blocking call, up to POOL_DEPTH of them in flight per
+                    // loader (how many at once is the scheduler's): never the ring.
+                    assert_eq!((d.uring_reads, d.uring_depth), (0, 0), "{what}");
+                    assert!(d.blocking_reads >= experts as u64, "{what}");
+                    assert!((1..=POOL_DEPTH).contains(&d.blocking_depth), "{what}");
+                    assert!(report.direct_io.unwrap().to_string().contains("in flight"));
+                }
+                other => panic!("not a direct load: {other:?}: {what}"),
+            }
+            for (e, &[w, s]) in pieces.iter().enumerate() {
+                let map = store.slot_map(0).unwrap();
+                for (kind, (offset, n)) in [(Kind::Weights, w), (Kind::Scales, s)] {
+                    let place = map.pieces(e, kind).unwrap()[0];
+                    let slot = match kind {
+                        Kind::Weights => store.weights(0, e).unwrap(),
+                        Kind::Scales => store.scales(0, e).unwrap(),
+                    };
+                    assert_eq!(place.len, n);
+                    let o = offset as usize;
+                    assert!(
+                        slot[place.offset..place.end()] == reference[o..o + n],
+                        "{what}: expert {e} {kind:?} differs from the file"
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `NUMAPIN_IO_URING=off` forces the read threads in a process (here: the CLI), and its
+/// report says so. Run as a child so this test binary's environment stays as it is.
+#[test]
+fn the_environment_variable_forces_the_read_threads() {
+    let dir = dir("env");
+    let (_, len) = layout(4);
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 247) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = File::open(&path).unwrap();
+    if !has_direct_io(&file) {
+        println!("NOT RUN: the target directory's file system has no direct I/O");
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    }
+    // The child: this test binary itself, running the one test below with the variable.
+    let me = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(me)
+        .args([
+            "--exact",
+            "child_loads_with_the_variable",
+            "--nocapture",
+            "--ignored",
+        ])
+        .env("NUMAPIN_IO_URING", "off")
+        .env("READ_THREADS_FILE", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("CHILD direct_io=threads"), "{text}");
+    assert!(text.contains("NUMAPIN_IO_URING"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Run by [`the_environment_variable_forces_the_read_threads`] only.
+#[test]
+#[ignore = "a child of the_environment_variable_forces_the_read_threads"]
+fn child_loads_with_the_variable() {
+    let Some(path) = std::env::var_os("READ_THREADS_FILE") else {
+        return;
+    };
+    let file = File::open(path).unwrap();
+    let (pieces, _) = layout(4);
+    let sources: Vec<ExpertSource<'_>> = pieces
+        .iter()
+        .map(|&[w, s]| ExpertSource::from_file(&file, &[w], &[s]))
+        .collect();
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    let options = StoreOptions::default()
+        .read_mode(ReadMode::Direct)
+        .loader_threads(2);
+    let store = PinStore::new(Layout::Unplaced, options).unwrap();
+    let report = store.pack_layer(0, &spec, &sources).unwrap();
+    let Some(io) = report.direct_io else {
+        panic!("no direct reads: {report:?}");
+    };
+    let d = report.direct_reads;
+    assert_eq!(d.uring_reads, 0, "{report:?}");
+    assert!(matches!(
+        io,
+        DirectIo::Threads(IoUringFallback::Environment)
+    ));
+    let kind = match io {
+        DirectIo::Threads(_) => "threads",
+        _ => "io_uring",
+    };
+    println!("CHILD direct_io={kind} {io}");
+}
+
+/// A map budget with room for a loader's bounce buffer but not for its read threads: the
+/// load reads one blocking call at a time (depth 1) instead of failing, byte-exact. Run as
+/// a child so that no other test's threads change the map count meanwhile.
+#[test]
+fn a_budget_without_room_for_read_threads_reads_one_at_a_time() {
+    let dir = dir("budget");
+    let (_, len) = layout(6);
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = File::open(&path).unwrap();
+    if !has_direct_io(&file) {
+        println!("NOT RUN: the target directory's file system has no direct I/O");
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(me)
+        .args([
+            "--exact",
+            "child_loads_in_a_tight_budget",
+            "--nocapture",
+            "--ignored",
+        ])
+        .env("READ_THREADS_FILE", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("CHILD depth=1"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Run by [`a_budget_without_room_for_read_threads_reads_one_at_a_time`] only.
+#[test]
+#[ignore = "a child of a_budget_without_room_for_read_threads_reads_one_at_a_time"]
+fn child_loads_in_a_tight_budget() {
+    let Some(path) = std::env::var_os("READ_THREADS_FILE") else {
+        return;
+    };
+    let file = File::open(path).unwrap();
+    let reference = std::fs::read(std::env::var_os("READ_THREADS_FILE").unwrap()).unwrap();
+    let (pieces, _) = layout(6);
+    let sources: Vec<ExpertSource<'_>> = pieces
+        .iter()
+        .map(|&[w, s]| ExpertSource::from_file(&file, &[w], &[s]))
+        .collect();
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    // Room for the layer's regions and one bounce buffer, far from the read threads'
+    // (POOL_DEPTH - 1) * LOADER_THREAD_MAPS.
+    let room = 12;
+    assert!(room < (POOL_DEPTH - 1) * numapin::store::LOADER_THREAD_MAPS);
+    let options = StoreOptions::default()
+        .read_mode(ReadMode::Direct)
+        .io_uring(false)
+        .loader_threads(1)
+        .vma_budget(Some(numapin::diag::map_count().unwrap() + room));
+    let store = PinStore::new(Layout::Unplaced, options).unwrap();
+    let report = store.pack_layer(0, &spec, &sources).unwrap();
+    assert_eq!(
+        report.direct_io,
+        Some(DirectIo::Threads(IoUringFallback::Off))
+    );
+    let d = report.direct_reads;
+    assert_eq!(d.uring_reads, 0, "{report:?}");
+    // One blocking call at a time (the six experts are one run of the file: one aligned
+    // window through the bounce buffer may hold them all), every byte once.
+    assert!(d.blocking_reads >= 1, "{report:?}");
+    let total: u64 = pieces.iter().map(|[w, s]| (w.1 + s.1) as u64).sum();
+    assert_eq!(d.in_place_bytes + report.bounced_bytes, total, "{report:?}");
+    for (e, &[w, _]) in pieces.iter().enumerate() {
+        let place = store.slot_map(0).unwrap().pieces(e, Kind::Weights).unwrap()[0];
+        let slot = store.weights(0, e).unwrap();
+        let o = w.0 as usize;
+        assert!(slot[place.offset..place.end()] == reference[o..o + w.1]);
+    }
+    println!("CHILD depth={}", d.blocking_depth);
+}
