@@ -18,15 +18,15 @@ use numapin::model::{PlacedModel, TensorClass};
 use numapin::store::{ReadMode, StoreOptions};
 use numapin::{Error, Node, NodeSet};
 
-const ROLES: usize = 3;
+pub(super) const ROLES: usize = 3;
 
-fn options() -> StoreOptions {
+pub(super) fn options() -> StoreOptions {
     super::options().read_mode(ReadMode::Buffered)
 }
 
 /// Every expert tensor of the DBRX fixture's file, read without numapin: name →
 /// (shape, bytes), from the safetensors header (8-byte length, JSON, data).
-fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
+pub(super) fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
     let data = std::fs::read(dir.join("fam-dbrx").join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&data[8..8 + n]).unwrap();
@@ -53,7 +53,7 @@ fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> 
 /// Runs of consecutive slots on one node over a layer of `R × E` role-major slots
 /// (expert `e` of `E` on node `e × n / E`, counted here without numapin): the mappings
 /// of a region where placement works, and its `mbind` calls.
-fn segments(nodes: NodeSet, experts: usize) -> usize {
+pub(super) fn segments(nodes: NodeSet, experts: usize) -> usize {
     let homes: Vec<usize> = (0..ROLES * experts)
         .map(|s| (s % experts) * nodes.len() / experts)
         .collect();
@@ -61,7 +61,7 @@ fn segments(nodes: NodeSet, experts: usize) -> usize {
 }
 
 /// The mappings of this process overlapping `range`.
-fn mappings_over(range: std::ops::Range<usize>) -> usize {
+pub(super) fn mappings_over(range: std::ops::Range<usize>) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     maps.lines()
         .map(|line| {
