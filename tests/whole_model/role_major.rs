@@ -162,8 +162,8 @@ fn dbrx_roles_are_each_one_run_of_the_files_bytes() {
 }
 
 /// Asked of a per-expert naming (Mixtral's `w1/w2/w3`): each role's experts lie back to
-/// back, every tensor as numpy wrote it; a count other than the roles, a share, and a
-/// shared store refused by name before anything is reserved.
+/// back, every tensor as numpy wrote it (in a shared store too); a count other than the
+/// roles refused by name before anything is reserved.
 #[test]
 fn role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name() {
     let Some(dir) = fixtures("role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name")
@@ -212,7 +212,13 @@ fn role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name() {
     };
     refused(options().role_major(2), "2 roles of 3");
     refused(options().role_major(0), "no roles");
-    refused(options().role_major(ROLES).shared(true), "a shared store");
+    // A shared store carries the order in its export (tests/model_export/role_major.rs).
+    let shared = checkpoint.place(&plan(nodes), options().role_major(ROLES).shared(true));
+    let shared = shared.unwrap();
+    for (name, _, bytes) in &numpy {
+        let held = shared.tensor(name).unwrap().bytes().map(<[u8]>::to_vec);
+        assert_eq!(held.as_deref(), Some(&bytes[..]), "shared: {name}");
+    }
 }
 
 /// VM (2+ nodes): under `split:all`, every expert's part of each DBRX role run (one

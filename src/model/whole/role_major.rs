@@ -19,7 +19,9 @@ const OP: &str = "Checkpoint::place";
 /// The role-major runs of the placement's experts: `options.role_major` where asked
 /// (above 1), checked against the plan; otherwise the weight roles of a checkpoint whose
 /// expert tensors are flattened per role (DBRX), where nothing else orders the slots;
-/// 1 (a slot per expert) for everything else.
+/// 1 (a slot per expert) for everything else. A shared store's export carries the
+/// order (the manifest's `roles`, each run's place): an attached model gives the same
+/// runs ([`check_attached`]).
 ///
 /// Under a share that holds its experts whole (`experts_held`, or a tensor-parallel
 /// plan that keeps the routed experts whole): slot `r × E_held + i` holds role `r` of
@@ -28,8 +30,8 @@ const OP: &str = "Checkpoint::place";
 /// cut pieces of a role are no run of the file's tensor.
 ///
 /// # Errors
-/// Role-major asked with a share that cuts an expert role, an expert assignment or a
-/// shared store, a layer with scales, or `R` other than a layer's weight roles
+/// Role-major asked with a share that cuts an expert role, an expert assignment, a
+/// layer with scales, or `R` other than a layer's weight roles
 /// ([`Error::InvalidArgument`] naming `role_major`).
 pub(super) fn roles_for(
     checkpoint: &Checkpoint,
@@ -48,10 +50,7 @@ pub(super) fn roles_for(
     let weights = uniform_roles(experts);
     if asked == 1 {
         let auto = weights.filter(|_| {
-            !cuts(experts)
-                && options.assignment.is_none()
-                && !options.shared
-                && flattened(checkpoint, experts)
+            !cuts(experts) && options.assignment.is_none() && flattened(checkpoint, experts)
         });
         return Ok(auto.unwrap_or(1));
     }
@@ -63,11 +62,9 @@ pub(super) fn roles_for(
                 .into(),
         ));
     }
-    if options.assignment.is_some() || options.shared {
+    if options.assignment.is_some() {
         return Err(bad(
-            "role-major slots with an expert assignment (it orders the slots node by node) \
-             or in a shared store (an export's manifest does not carry them)"
-                .into(),
+            "role-major slots with an expert assignment: it orders the slots node by node".into(),
         ));
     }
     match weights {
@@ -284,6 +281,95 @@ pub(crate) fn role_runs(
                 first: r * experts,
                 count: experts,
             };
+        }
+    }
+    Ok(())
+}
+
+/// An attached placement's role-major order, checked against its manifest's own plan
+/// and store: `roles` at least 1; above 1, the experts' store is role-major with the same
+/// count and every MoE layer has `roles × E` slots (`E` its experts held), each expert
+/// one weight piece per role and no scales; each [`Place::ExpertRun`] is role `r <
+/// roles` of a layer (`first = r × E`, `count = E`), the run's pieces (role `r` of every
+/// expert) that tensor's, back to back, its length theirs. A forged manifest is refused
+/// by name, before any view is made.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `roles` or the tensor.
+pub(crate) fn check_attached(
+    roles: usize,
+    tensors: &[PlacedTensor],
+    plan: Option<&ExpertPlan>,
+    store: Option<&PinStore>,
+) -> Result<()> {
+    const ATTACH: &str = "PlacedModel::attach";
+    let bad = |why: String| Error::bad_value(ATTACH, "roles", roles, why);
+    if roles == 0 {
+        return Err(bad("a slot order needs at least 1 role".into()));
+    }
+    if let Some(store) = store
+        && store.role_major() != roles
+    {
+        return Err(bad(format!(
+            "the experts' store is role-major x{}",
+            store.role_major()
+        )));
+    }
+    if roles > 1 {
+        let (Some(plan), Some(store)) = (plan, store) else {
+            return Err(bad(
+                "role-major slots without an expert plan and store".into()
+            ));
+        };
+        for l in plan.layers() {
+            let slots = store.slot_map(l.layer())?.experts();
+            let uniform = l
+                .experts()
+                .iter()
+                .all(|e| e.weights().len() == roles && e.scales().is_empty());
+            if !uniform || Some(slots) != roles.checked_mul(l.experts().len()) {
+                return Err(bad(format!(
+                    "layer {}: {slots} slots for {} experts, each needing {roles} weight \
+                     pieces and no scales",
+                    l.layer(),
+                    l.experts().len()
+                )));
+            }
+        }
+    }
+    for (index, t) in tensors.iter().enumerate() {
+        let Place::ExpertRun {
+            layer,
+            first,
+            count,
+        } = t.place
+        else {
+            continue;
+        };
+        let l = plan.and_then(|p| p.layer(layer)).filter(|_| roles > 1);
+        let run = l.and_then(|l| {
+            let r = first.checked_div(count)?;
+            let pieces: Vec<_> = l.experts().iter().map(|e| e.weights().get(r)).collect();
+            let pieces: Option<Vec<_>> = pieces.into_iter().collect();
+            let pieces = pieces?;
+            let len: u64 = pieces.iter().map(|p| p.len()).sum();
+            let ok = count == l.experts().len()
+                && first == r * count
+                && r < roles
+                && len == t.len
+                && pieces.iter().all(|p| p.tensor() == index)
+                && pieces
+                    .windows(2)
+                    .all(|w| w[0].offset().checked_add(w[0].len()) == Some(w[1].offset()));
+            ok.then_some(())
+        });
+        if run.is_none() {
+            return Err(Error::bad_value(
+                ATTACH,
+                "a role-major run",
+                format!("{} (layer {layer}, slots {first}+{count})", t.name),
+                format!("not one role of the layer's experts under role_major({roles})"),
+            ));
         }
     }
     Ok(())
