@@ -187,11 +187,18 @@ fn a_cut_share_stays_expert_major_and_hostile_counts_are_refused() {
     assert_eq!(run.as_deref(), Some(&bytes[..bytes.len() / 2]));
     // A rank holding none of a layer's experts: an error naming the share, no panic.
     for roles in [1, ROLES] {
-        let empty = held(nodes, ExpertShare::list([EXPERTS + 3]).unwrap());
-        let e = checkpoint
-            .place(&empty, options().role_major(roles))
-            .unwrap_err();
-        assert!(e.to_string().contains("expert"), "{e}");
+        for share in [
+            ExpertShare::list([EXPERTS + 3]).unwrap(),
+            ExpertShare::part(5, 8).unwrap(), // 8 ranks over 4 experts: rank 5 has none
+        ] {
+            let empty = held(nodes, share);
+            let e = checkpoint
+                .place(&empty, options().role_major(roles))
+                .unwrap_err();
+            assert!(e.to_string().contains("expert"), "{e}");
+            let cost = checkpoint.placement_cost(&empty, &options().role_major(roles));
+            assert!(cost.is_err(), "the dry run refuses it too");
+        }
     }
 }
 
