@@ -203,10 +203,17 @@ fn role_major_refuses_what_it_cannot_keep_by_name() {
         PinStore::new(split, options().assignment(Some(assigned))),
         "with an assignment",
     );
-    invalid(
-        PinStore::new(split, options().shared(true)),
-        "in a shared store",
-    );
+    // A shared store takes it: its export carries the order (StorePart::role_major,
+    // tests/model_export/role_major.rs).
+    let shared = PinStore::new(split, options().shared(true)).unwrap();
+    let data = model();
+    shared
+        .pack_layer(0, &spec(data.len()), &memory_sources(&data))
+        .unwrap();
+    for (s, (bytes, _)) in data.iter().enumerate() {
+        assert_eq!(shared.weights(0, s).unwrap(), &bytes[..], "shared slot {s}");
+    }
+    drop(shared);
     // Slots that do not divide into the runs: refused before anything is mapped, and
     // the store stays usable.
     let store = PinStore::new(split, options()).unwrap();

@@ -193,6 +193,7 @@ class Checkpoint:
         progress: ProgressCallback | Literal[False] | None = None,
         writable: bool = False,
         serve_as: str | None = None,
+        role_major: bool | int | Literal["auto"] | None = None,
         **classes: str,
     ) -> WholeModel:
         """Places every tensor (GIL released): routed experts under `experts`
@@ -239,7 +240,16 @@ class Checkpoint:
 
         `serve_as=name` places memfd-backed stores and serves the model under `name`
         (an abstract Unix socket, this uid only) as long as the returned WholeModel
-        lives: numapin.attach(name) in another process maps the same pages."""
+        lives: numapin.attach(name) in another process maps the same pages.
+
+        `role_major`: None or "auto" (default) gives role-major expert slots where a
+        layer's experts are one tensor per role (DBRX's w1/v1/w2 [E*I, H]): each is
+        one view, under an expert share the held experts' rows (consecutive ids); a
+        tensor-parallel share that cuts the roles stays a slot per expert. True asks it
+        of any naming (each role's experts back to back), an int R asks it with R the
+        weight roles; False, 0, a wrong R, a negative or too large int, another string
+        raise InvalidArgument naming role_major (a float or list TypeError), as does
+        asking it under a cutting share, an assignment or serve_as."""
 
 class PlacedModel:
     """A checkpoint's experts placed in a store."""

@@ -204,7 +204,9 @@ impl Checkpoint {
     /// `writable=True` keeps it writable. `serve_as=name` places memfd-backed stores and
     /// serves the model under `name` as long as the returned `WholeModel` lives: other
     /// processes of this uid `numapin.attach(name)` it with no copy. Returns a
-    /// `WholeModel`.
+    /// `WholeModel`. `role_major`: `True` asks role-major expert slots (each role of a
+    /// layer's experts back to back; DBRX gets them without asking, docs/whole-model.md),
+    /// an int the weight roles it expects; refused by name where they cannot be kept.
     #[pyo3(signature = (experts = "split:all", dense = "replicate:all", *, plan = None,
                         experts_held = None, expert_slice = None, dense_slice = None,
                         whole = None, tensor_parallel = None, slice_class = None,
@@ -212,7 +214,7 @@ impl Checkpoint {
                         convert_class = None, convert_pattern = None,
                         huge_pages = true, populate = true,
                         loader_threads = None, read_mode = "auto", progress = None,
-                        writable = false, serve_as = None, **classes))]
+                        writable = false, serve_as = None, role_major = None, **classes))]
     #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
@@ -238,8 +240,10 @@ impl Checkpoint {
         progress: Option<Bound<'_, PyAny>>,
         writable: bool,
         serve_as: Option<&str>,
+        role_major: Option<Bound<'_, PyAny>>,
         classes: Option<Bound<'_, PyDict>>,
     ) -> PyResult<crate::whole::WholeModel> {
+        let roles = crate::role_major::roles(&self.inner, role_major.as_ref())?;
         let mut overrides = Vec::new();
         if let Some(classes) = classes {
             for (k, v) in classes.iter() {
@@ -283,7 +287,8 @@ impl Checkpoint {
             read_mode: read_mode.to_owned(),
             writable,
         };
-        crate::whole::place(py, &self.inner, plan, &options, progress, serve_as)
+        let served = (serve_as, roles);
+        crate::whole::place(py, &self.inner, plan, &options, progress, served)
     }
 
     fn __repr__(&self) -> String {

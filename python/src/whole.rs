@@ -290,17 +290,18 @@ pub fn view_of(
     unsafe { View::contiguous(bytes.as_ptr() as usize, elem, &shape, keep.clone()) }
 }
 
-/// Places `checkpoint` whole under `plan`; the progress callback as in `Checkpoint.pack`.
+/// Places `checkpoint` whole under `plan` (`roles`: `StoreOptions::role_major`); the
+/// progress callback as in `Checkpoint.pack`.
 pub fn place(
     py: Python<'_>,
     checkpoint: &Arc<numapin::model::Checkpoint>,
     plan: PlacementPlan,
     options: &Options,
     progress: Option<Bound<'_, PyAny>>,
-    serve_as: Option<&str>,
+    (serve_as, roles): (Option<&str>, usize),
 ) -> PyResult<WholeModel> {
     let callbacks = Callbacks::default();
-    let mut store_options: StoreOptions = options.build(&callbacks)?;
+    let mut store_options: StoreOptions = options.build(&callbacks)?.role_major(roles);
     if serve_as.is_some() {
         // Serving exports the stores: they must be memfd-backed.
         store_options = store_options.shared(true);

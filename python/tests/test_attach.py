@@ -95,3 +95,49 @@ def test_attach_an_unserved_name_is_a_named_error():
         numapin.attach(name, timeout=1.0)
     with pytest.raises(numapin.InvalidArgument, match="timeout"):
         numapin.attach(name, timeout=-1.0)
+
+
+DBRX_CHILD = r"""
+import json, sys
+from pathlib import Path
+import numpy as np
+import numapin
+
+name, root, ids = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+want = {t["name"]: (t["shape"], (root / "tensors" / t["file"]).read_bytes())
+        for t in json.loads((root / "tensors.json").read_text())}
+model = numapin.attach(name, timeout=20.0)
+runs = 0
+for tensor, (shape, data) in want.items():
+    if ".ffn.experts.mlp." not in tensor:
+        continue
+    whole = np.frombuffer(data, dtype=np.float16).reshape(shape)
+    rows = shape[0] // 4
+    rows_held = whole[ids[0] * rows:(ids[-1] + 1) * rows]
+    v = np.asarray(model.tensor(tensor))  # one run, attached
+    assert v.shape == rows_held.shape, (tensor, v.shape)
+    assert v.tobytes() == rows_held.tobytes(), tensor
+    layer, _, role = model.locate(tensor)
+    assert model.expert_ids(layer) == ids
+    for i, e in enumerate(ids):
+        piece = np.asarray(model.expert(layer, e)[model.role_names(layer)[role]])
+        at = v.__array_interface__["data"][0] + i * piece.nbytes
+        assert piece.__array_interface__["data"][0] == at, (tensor, e)
+    runs += 1
+print(json.dumps({"runs": runs}))
+"""
+
+
+@pytest.mark.parametrize("held,ids", [(None, [0, 1, 2, 3]), ("1/2", [2, 3])])
+def test_an_attached_dbrx_role_tensor_is_one_view_of_numpys_rows(fixture, held, ids):
+    """DBRX placed shared is role-major: in the attaching process each of w1/v1/w2 is
+    one view (the held experts' rows under experts_held), numpy's bytes."""
+    fx = fixture("fam-dbrx")
+    serve_name = f"pytest-{os.getpid()}-dbrx-{len(ids)}"
+    model = numapin.Checkpoint(fx.path).place("split:all", "replicate:all", progress=False,
+                                              experts_held=held, serve_as=serve_name)
+    out = subprocess.run([sys.executable, "-c", DBRX_CHILD, serve_name, str(fx.root),
+                          json.dumps(ids)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"runs": 6}
+    assert model.verify()["verified"]

@@ -52,15 +52,83 @@ def test_a_tensor_of_every_expert_is_one_view_with_the_files_bytes(fixture, name
     assert a.__array_interface__ == b.__array_interface__
 
 
-def test_dbrx_flattened_tensor_is_refused_under_a_share(fixture):
-    """Under an expert share DBRX's slots stay a slot per expert (w1, v1, w2 of one
-    expert back to back): `w1` [E·I, H] is no single view there."""
+DBRX_ROLES = ["transformer.blocks.1.ffn.experts.mlp." + r for r in ("w1", "v1", "w2")]
+
+
+@pytest.mark.parametrize("held,ids", [("0/2", [0, 1]), ("1/2", [2, 3]), ("3/4", [3]),
+                                      ("1-2", [1, 2])])
+def test_dbrx_held_experts_are_one_view_of_the_files_rows(fixture, held, ids):
+    """Under an expert share DBRX's slots are role-major over the held experts: each of
+    w1, v1, w2 is one view of the held experts' rows of the file's [E·I, H] (numpy)."""
     fx = fixture("fam-dbrx")
-    model = place(fx, experts_held="0/2")
-    name = "transformer.blocks.1.ffn.experts.mlp.w1"
-    assert model.locate(name) == (1, None, "gate")
+    model = place(fx, experts_held=held)
+    assert model.expert_ids(1) == ids
+    for name in DBRX_ROLES:
+        shape, data = numpy_tensors(fx.root)[name]
+        whole = np.frombuffer(data, dtype=np.float16).reshape(shape)
+        rows = shape[0] // 4
+        want = whole[ids[0] * rows:(ids[-1] + 1) * rows]
+        view = np.asarray(model.tensor(name))
+        assert view.shape == want.shape, name
+        assert view.tobytes() == want.tobytes(), name
+        role = model.locate(name)[2]
+        for i, e in enumerate(ids):
+            piece = np.asarray(model.expert(1, e)[model.role_names(1)[role]])
+            assert piece.tobytes() == whole[e * rows:(e + 1) * rows].tobytes()
+            at = view.__array_interface__["data"][0] + i * piece.nbytes
+            assert piece.__array_interface__["data"][0] == at, (name, e)
+
+
+def test_dbrx_held_ids_with_a_gap_are_no_one_view(fixture):
+    fx = fixture("fam-dbrx")
+    model = place(fx, experts_held="0,2")
     with pytest.raises(numapin.InvalidArgument):
-        model.tensor(name)
+        model.tensor(DBRX_ROLES[0])
+
+
+def test_dbrx_under_tensor_parallel_stays_a_slot_per_expert(fixture):
+    fx = fixture("fam-dbrx")
+    model = place(fx, tensor_parallel="0/2")
+    with pytest.raises(numapin.InvalidArgument):
+        model.tensor(DBRX_ROLES[0])
+    with pytest.raises(numapin.InvalidArgument, match="role_major"):
+        place(fx, tensor_parallel="0/2", role_major=True)
+
+
+def test_role_major_keyword_asks_it_of_a_per_expert_naming(fixture):
+    """role_major=True on Mixtral's per-expert w1/w2/w3: each role's experts back to
+    back (one stride per role), every tensor numpy's bytes; the same as role_major=3."""
+    fx = fixture("st-mixtral")
+    numpy = numpy_tensors(fx.root)
+    for value in (True, 3):
+        model = place(fx, role_major=value)
+        for name, (shape, data) in numpy.items():
+            assert np.asarray(model.tensor(name)).tobytes() == data, name
+        ids = model.expert_ids(1)
+        for role in model.roles(1):
+            starts = [np.asarray(model.expert(1, e)[model.role_names(1)[role]])
+                      for e in ids]
+            size = starts[0].nbytes
+            base = starts[0].__array_interface__["data"][0]
+            assert [a.__array_interface__["data"][0] for a in starts] == \
+                [base + i * size for i in range(len(ids))], role
+        assert model.verify()["verified"]
+    # Default and "auto": Mixtral stays a slot per expert (roles interleaved).
+    model = place(fx, role_major="auto")
+    a, b = (np.asarray(model.expert(1, e)[model.role_names(1)["gate"]]) for e in (0, 1))
+    assert b.__array_interface__["data"][0] - a.__array_interface__["data"][0] > a.nbytes
+
+
+@pytest.mark.parametrize("value,error", [
+    (0, numapin.InvalidArgument), (2, numapin.InvalidArgument),
+    (-1, numapin.InvalidArgument), (2**64, numapin.InvalidArgument),
+    (2**64 - 1, numapin.InvalidArgument), (False, numapin.InvalidArgument),
+    ("yes", numapin.InvalidArgument), (3.0, TypeError), ([3], TypeError),
+])
+def test_role_major_bad_values_are_refused_by_name(fixture, value, error):
+    fx = fixture("st-mixtral")
+    with pytest.raises(error, match="role_major"):
+        place(fx, role_major=value)
 
 
 def test_a_share_keeps_the_tensor_of_every_expert_unviewable(fixture):

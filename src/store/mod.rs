@@ -272,8 +272,8 @@ fn broken(op: &'static str) -> Error {
     }
 }
 
-/// [`StoreOptions::role_major`]: at least 1, and alone (an assignment orders the slots
-/// node by node, and an export's manifest does not carry the runs).
+/// [`StoreOptions::role_major`]: at least 1, and without an assignment (it orders the
+/// slots node by node). A shared store's export carries it (`StorePart::role_major`).
 fn check_role_major(options: &StoreOptions) -> Result<()> {
     let roles = options.role_major;
     let bad = |why: &str| {
@@ -291,11 +291,6 @@ fn check_role_major(options: &StoreOptions) -> Result<()> {
         return Err(bad(
             "role-major slots with an expert assignment: the assignment orders the slots \
              node by node",
-        ));
-    }
-    if roles > 1 && options.shared {
-        return Err(bad(
-            "role-major slots in a shared store: an export's manifest does not carry them",
         ));
     }
     Ok(())

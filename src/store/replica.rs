@@ -438,6 +438,11 @@ impl PinStore {
         Ok(arena.and_then(|a| a.run(first, count)))
     }
 
+    /// The store's [`StoreOptions::role_major`](super::StoreOptions::role_major).
+    pub(crate) fn role_major(&self) -> usize {
+        self.options.role_major
+    }
+
     /// [`PinStore::run_near`] on the calling thread's node.
     ///
     /// # Errors

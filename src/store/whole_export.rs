@@ -33,7 +33,14 @@ pub(crate) struct StorePart {
     pub(crate) assignment: Option<AssignmentPart>,
     pub(crate) piece_align: usize,
     pub(crate) piece_congruence: usize,
+    /// [`StoreOptions::role_major`]; absent (1) in a manifest written before it.
+    #[serde(default = "one_role")]
+    pub(crate) role_major: usize,
     pub(crate) layers: Vec<LayerPart>,
+}
+
+fn one_role() -> usize {
+    1
 }
 
 /// An [`ExpertAssignment`]: per layer, each expert's home node (`None`: hot).
@@ -125,6 +132,7 @@ impl PinStore {
             assignment: self.options.assignment.as_ref().map(assignment_part),
             piece_align: self.options.piece_align,
             piece_congruence: self.options.piece_congruence,
+            role_major: self.options.role_major,
             layers,
         })
     }
@@ -178,6 +186,8 @@ impl PinStore {
             assignment,
             piece_align: part.piece_align,
             piece_congruence: part.piece_congruence,
+            // Checked by PinStore::new (0, or with an assignment: refused by name).
+            role_major: part.role_major,
             ..StoreOptions::default()
         };
         let mut store = PinStore::new(layout, options)?;

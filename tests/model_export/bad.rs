@@ -10,7 +10,7 @@ use numapin::{Error, Invalid};
 use super::common::{fixtures, open_fixture};
 
 /// Mappings of numapin's memfds in this process.
-fn memfd_mappings() -> usize {
+pub(super) fn memfd_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
         .lines()
@@ -18,12 +18,12 @@ fn memfd_mappings() -> usize {
         .count()
 }
 
-fn dup(files: &[File]) -> Vec<File> {
+pub(super) fn dup(files: &[File]) -> Vec<File> {
     files.iter().map(|f| f.try_clone().unwrap()).collect()
 }
 
 /// The manifest's JSON body, edited by `edit`, back to bytes.
-fn edited(bytes: &[u8], edit: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
+pub(super) fn edited(bytes: &[u8], edit: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
     let n = bytes.iter().position(|&b| b == b'\n').unwrap();
     let mut body: serde_json::Value = serde_json::from_slice(&bytes[n + 1..]).unwrap();
     edit(&mut body);
@@ -33,7 +33,7 @@ fn edited(bytes: &[u8], edit: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
 }
 
 /// Experts split and dense tensors replicated over the test's nodes.
-fn split_replicated() -> PlacementPlan {
+pub(super) fn split_replicated() -> PlacementPlan {
     let nodes = super::common::nodes();
     PlacementPlan::new(
         Layout::SplitExperts(nodes),

@@ -13,6 +13,7 @@ mod bad;
 mod child;
 #[path = "../common/mod.rs"]
 mod common;
+mod role_major;
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};

@@ -14,6 +14,7 @@ mod dry_run;
 mod figures;
 mod one_range;
 mod role_major;
+mod role_major_share;
 mod verify_mode;
 
 use common::{fixtures, numpy_tensors, open_fixture, pages_of_bytes};

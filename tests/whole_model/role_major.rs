@@ -18,15 +18,15 @@ use numapin::model::{PlacedModel, TensorClass};
 use numapin::store::{ReadMode, StoreOptions};
 use numapin::{Error, Node, NodeSet};
 
-const ROLES: usize = 3;
+pub(super) const ROLES: usize = 3;
 
-fn options() -> StoreOptions {
+pub(super) fn options() -> StoreOptions {
     super::options().read_mode(ReadMode::Buffered)
 }
 
 /// Every expert tensor of the DBRX fixture's file, read without numapin: name →
 /// (shape, bytes), from the safetensors header (8-byte length, JSON, data).
-fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
+pub(super) fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
     let data = std::fs::read(dir.join("fam-dbrx").join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&data[8..8 + n]).unwrap();
@@ -53,7 +53,7 @@ fn file_experts(dir: &std::path::Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> 
 /// Runs of consecutive slots on one node over a layer of `R × E` role-major slots
 /// (expert `e` of `E` on node `e × n / E`, counted here without numapin): the mappings
 /// of a region where placement works, and its `mbind` calls.
-fn segments(nodes: NodeSet, experts: usize) -> usize {
+pub(super) fn segments(nodes: NodeSet, experts: usize) -> usize {
     let homes: Vec<usize> = (0..ROLES * experts)
         .map(|s| (s % experts) * nodes.len() / experts)
         .collect();
@@ -61,7 +61,7 @@ fn segments(nodes: NodeSet, experts: usize) -> usize {
 }
 
 /// The mappings of this process overlapping `range`.
-fn mappings_over(range: std::ops::Range<usize>) -> usize {
+pub(super) fn mappings_over(range: std::ops::Range<usize>) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     maps.lines()
         .map(|line| {
@@ -162,8 +162,8 @@ fn dbrx_roles_are_each_one_run_of_the_files_bytes() {
 }
 
 /// Asked of a per-expert naming (Mixtral's `w1/w2/w3`): each role's experts lie back to
-/// back, every tensor as numpy wrote it; a count other than the roles, a share, and a
-/// shared store refused by name before anything is reserved.
+/// back, every tensor as numpy wrote it (in a shared store too); a count other than the
+/// roles refused by name before anything is reserved.
 #[test]
 fn role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name() {
     let Some(dir) = fixtures("role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name")
@@ -212,7 +212,13 @@ fn role_major_where_asked_keeps_numpys_bytes_and_refuses_by_name() {
     };
     refused(options().role_major(2), "2 roles of 3");
     refused(options().role_major(0), "no roles");
-    refused(options().role_major(ROLES).shared(true), "a shared store");
+    // A shared store carries the order in its export (tests/model_export/role_major.rs).
+    let shared = checkpoint.place(&plan(nodes), options().role_major(ROLES).shared(true));
+    let shared = shared.unwrap();
+    for (name, _, bytes) in &numpy {
+        let held = shared.tensor(name).unwrap().bytes().map(<[u8]>::to_vec);
+        assert_eq!(held.as_deref(), Some(&bytes[..]), "shared: {name}");
+    }
 }
 
 /// VM (2+ nodes): under `split:all`, every expert's part of each DBRX role run (one

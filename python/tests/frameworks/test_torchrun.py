@@ -37,10 +37,12 @@ FAMILIES = ["qwen3_moe", "qwen3_moe_tied", "mixtral", "deepseek_v3", "qwen2_moe"
 # n = 4: the fixtures with 4 KV heads (one per rank under TP).
 FAMILIES4 = ["qwen3_moe_kv4", "mixtral_kv4"]
 FULL = os.environ.get("NUMAPIN_TORCHRUN_FULL") == "1"
+# Families whose model class has no `ep_plan` (transformers itself refuses `ep_size=n`:
+# "DbrxForCausalLM has no ep_plan"): tp only. DBRX under tp: transformers cuts lm_head and
+# holds the experts whole; numapin's w1/v1/w2 are each one view of the role-major run.
+NO_EP_PLAN = {"dbrx"}
 if FULL:
-    # dbrx: one process only (under a share its experts stay a slot per expert, so its
-    # flattened w1/v1/w2 are no one view: issue 33 item 5 covers whole placements).
-    FAMILIES = [f for f in families() if f not in ("qwen3_moe_kv1", "dbrx")]
+    FAMILIES = [f for f in families() if f != "qwen3_moe_kv1"]
     FAMILIES4 = FAMILIES
 # Refused by numapin by name: fewer KV heads than ranks (1 on 2, 2 on 4).
 REFUSED = {2: ("qwen3_moe_kv1", "tp"), 4: ("qwen3_moe", "tp")}
@@ -49,7 +51,8 @@ REFUSED = {2: ("qwen3_moe_kv1", "tp"), 4: ("qwen3_moe", "tp")}
 def kv_heads(family: str) -> int:
     root = fixtures_dir()
     config = json.loads((root / family / "config.json").read_text()) if root else {}
-    return config.get("num_key_value_heads") or config.get("num_attention_heads") or 0
+    return (config.get("num_key_value_heads") or config.get("num_attention_heads")
+            or (config.get("attn_config") or {}).get("kv_n_heads") or 0)
 
 
 def cases_at(n: int) -> list[tuple[str, str]]:
@@ -58,7 +61,7 @@ def cases_at(n: int) -> list[tuple[str, str]]:
     otherwise, and numapin refuses: the REFUSED case)."""
     families_n = FAMILIES if n == 2 else FAMILIES4
     cases = [(f, m) for f in families_n for m in MODES
-             if m == "ep" or kv_heads(f) >= n]
+             if (m == "ep" or kv_heads(f) >= n) and not (f in NO_EP_PLAN and m != "tp")]
     if n == 2 and not FULL:
         # The file's own fused experts (Granite `input_linear`): held whole per rank (ep,
         # eptp), or cut rows k/n of each packed half (tp).

@@ -43,10 +43,14 @@ pub(crate) fn expert_tensors(
         };
         let map = store.slot_map(r.layer)?;
         if roles > 1 {
+            // Role-major slots count the held experts: the held one's index.
+            let local = layer
+                .share()
+                .map_or(Some(expert), |s| s.expert_ids().binary_search(&expert).ok());
             let experts = (roles, layer.experts().len());
-            if let Some(place) =
-                role_major_piece(map, (r.layer, expert, kind), experts, list, index)
-            {
+            if let Some(place) = local.and_then(|local| {
+                role_major_piece(map, (r.layer, local, kind), experts, list, index)
+            }) {
                 t.place = place;
             }
             continue;
@@ -98,8 +102,8 @@ pub(crate) fn expert_tensors(
     Ok(())
 }
 
-/// Role-major: a per-expert tensor's piece is slot `r × E + e` alone (no share, no
-/// slice); `None` where the tensor is not among the expert's pieces or the slot has none.
+/// Role-major: a per-expert tensor's piece is slot `r × E + e` alone (`e` the held
+/// expert's index under a share; no slice); `None` where the tensor is not among the expert's pieces or the slot has none.
 fn role_major_piece(
     map: &SlotMap,
     (layer, expert, kind): (usize, usize, Kind),

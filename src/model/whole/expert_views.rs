@@ -60,9 +60,15 @@ impl PlacedModel {
         let mut out = Vec::new();
         if self.roles > 1 {
             // Role-major slots: weight piece r of this expert is slot r × E + e alone.
+            // Under a share: E the experts held, e the held one's index.
+            let (held, local) = match plan.share() {
+                Some(s) => (plan.experts().len(), s.expert_ids().binary_search(&expert)),
+                None => (experts, Ok(expert)),
+            };
+            let local = local.unwrap_or(usize::MAX);
             let names = roles.iter().filter(|(r, _)| *r == PieceRole::Weight);
             for (r, (p, (_, (name, canonical)))) in pieces.weights().iter().zip(names).enumerate() {
-                let (s, _) = super::role_major::slot_of(self.roles, experts, expert, r);
+                let (s, _) = super::role_major::slot_of(self.roles, held, local, r);
                 let slot = store.weights_local(layer, s)?;
                 let Some(sp) = map.pieces(s, Kind::Weights).and_then(<[_]>::first) else {
                     continue;

@@ -59,10 +59,18 @@ struct Body {
     /// Per dense store: its class's name and the store.
     dense: Vec<(String, StorePart)>,
     experts: Option<StorePart>,
+    /// [`StoreOptions::role_major`](crate::store::StoreOptions::role_major) of the
+    /// experts' slots; absent (1) in a manifest written before role-major exports.
+    #[serde(default = "one_role")]
+    roles: usize,
     /// The expert naming's name where it is a preset ([`Naming::PRESETS`]); `None`
     /// without experts or for a custom naming (its rules are code: they cannot cross
     /// processes).
     naming: Option<String>,
+}
+
+fn one_role() -> usize {
+    1
 }
 
 /// The preset called `name`.
@@ -268,6 +276,7 @@ impl PlacedModel {
                 .as_ref()
                 .filter(|n| !matches!(n, Naming::Custom(_)))
                 .map(|n| n.name().to_owned()),
+            roles: self.roles,
         };
         Ok(ModelExport {
             manifest: ModelManifest { body },
@@ -341,6 +350,12 @@ impl PlacedModel {
                 "no region of the manifest names it",
             ));
         }
+        super::role_major::check_attached(
+            body.roles,
+            &tensors,
+            expert_plan.as_ref(),
+            experts.as_ref(),
+        )?;
         let by_name: HashMap<String, usize> = tensors
             .iter()
             .enumerate()
@@ -355,7 +370,7 @@ impl PlacedModel {
             expert_files: Vec::new(),
             expert_reads: crate::source::DirectReads::default(),
             expert_plan,
-            roles: 1, // a shared store is never role-major
+            roles: body.roles,
             naming: body.naming.as_deref().and_then(preset),
             report: None,
             identity: Some(body.identity.clone()),

@@ -67,8 +67,11 @@ impl Checkpoint {
     ///
     /// Role-major expert slots ([`StoreOptions::role_major`]): a checkpoint whose expert
     /// tensors are flattened per role (DBRX's `w1`/`v1`/`w2`, `[E·I, H]`) gets them
-    /// without asking, where no share, expert assignment or shared store orders the
-    /// slots; a caller may ask for `role_major(R)`, `R` the layers' weight roles (one
+    /// without asking, where no expert assignment or shared store orders the slots and
+    /// no share cuts an expert role (a share holding whole experts, `experts_held`, is
+    /// role-major over its held experts: a role's tensor is the held experts' rows, one
+    /// run, where their ids are consecutive; a tensor-parallel cut stays a slot per
+    /// expert); a caller may ask for `role_major(R)`, `R` the layers' weight roles (one
     /// piece each, no scale slot). Slot `r × E + e` then holds role `r` of expert `e`,
     /// on `e`'s node under a split: [`PlacedModel::tensor`] of a role's tensor is one run
     /// of bytes in the file's layout, [`PlacedModel::expert`] is unchanged; the cost is
@@ -193,7 +196,11 @@ impl Checkpoint {
                         budget_checked = true;
                     }
                     let started = std::time::Instant::now();
-                    let report = pack_planned(store, &layers[i], &expert_plan.layers()[i])?;
+                    // Role-major slots are the store's own (a share's ids not given).
+                    let report = match assigned.roles {
+                        1 => pack_planned(store, &layers[i], &expert_plan.layers()[i])?,
+                        _ => store.pack_layer(layers[i].0, &layers[i].1, &layers[i].2)?,
+                    };
                     expert_load_nanos += nanos_since(started);
                     layer_reports[i] = Some(report);
                 }

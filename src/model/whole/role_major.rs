@@ -19,12 +19,20 @@ const OP: &str = "Checkpoint::place";
 /// The role-major runs of the placement's experts: `options.role_major` where asked
 /// (above 1), checked against the plan; otherwise the weight roles of a checkpoint whose
 /// expert tensors are flattened per role (DBRX), where nothing else orders the slots;
-/// 1 (a slot per expert) for everything else.
+/// 1 (a slot per expert) for everything else. A shared store's export carries the
+/// order (the manifest's `roles`, each run's place): an attached model gives the same
+/// runs ([`check_attached`]).
+///
+/// Under a share that holds its experts whole (`experts_held`, or a tensor-parallel
+/// plan that keeps the routed experts whole): slot `r × E_held + i` holds role `r` of
+/// the `i`-th held expert, so each role of the held experts is one run. A share that
+/// cuts an expert role (tensor-parallel rows or columns) stays a slot per expert: its
+/// cut pieces of a role are no run of the file's tensor.
 ///
 /// # Errors
-/// Role-major asked with a share (its held experts and cut rows are not runs), an expert
-/// assignment or a shared store, a layer with scales, or `R` other than a layer's weight
-/// roles ([`Error::InvalidArgument`] naming `role_major`).
+/// Role-major asked with a share that cuts an expert role, an expert assignment, a
+/// layer with scales, or `R` other than a layer's weight roles
+/// ([`Error::InvalidArgument`] naming `role_major`).
 pub(super) fn roles_for(
     checkpoint: &Checkpoint,
     assigned: &Assigned,
@@ -42,25 +50,21 @@ pub(super) fn roles_for(
     let weights = uniform_roles(experts);
     if asked == 1 {
         let auto = weights.filter(|_| {
-            plan.share.is_none()
-                && options.assignment.is_none()
-                && !options.shared
-                && flattened(checkpoint, experts)
+            !cuts(experts) && options.assignment.is_none() && flattened(checkpoint, experts)
         });
         return Ok(auto.unwrap_or(1));
     }
-    if plan.share.is_some() {
+    if plan.share.is_some() && cuts(experts) {
         return Err(bad(
-            "role-major slots under a share: its held experts and cut rows are placed a \
-             slot per expert"
+            "role-major slots under a share that cuts the experts' roles (tensor \
+             parallel): the cut pieces of a role are no run of the file's tensor; a share \
+             holding whole experts (experts_held) takes role-major slots"
                 .into(),
         ));
     }
-    if options.assignment.is_some() || options.shared {
+    if options.assignment.is_some() {
         return Err(bad(
-            "role-major slots with an expert assignment (it orders the slots node by node) \
-             or in a shared store (an export's manifest does not carry them)"
-                .into(),
+            "role-major slots with an expert assignment: it orders the slots node by node".into(),
         ));
     }
     match weights {
@@ -77,13 +81,27 @@ pub(super) fn roles_for(
     }
 }
 
+/// Whether a share cuts some expert role of some layer (a tensor-parallel slice that is
+/// not whole).
+fn cuts(plan: &ExpertPlan) -> bool {
+    plan.layers()
+        .iter()
+        .filter_map(|l| l.share())
+        .any(|s| s.slices().iter().any(|c| !c.whole))
+}
+
 /// The weight roles every layer has, where every expert has one piece per role and no
-/// scales (what a role-major slot holds); `None` otherwise.
+/// scales (what a role-major slot holds); `None` otherwise (and where no layer holds an
+/// expert: a rank given none has no run to order).
 fn uniform_roles(plan: &ExpertPlan) -> Option<usize> {
-    let first = plan.layers().first()?.experts().first()?.weights().len();
+    let first = plan
+        .layers()
+        .iter()
+        .find_map(|l| l.experts().first())?
+        .weights()
+        .len();
     let uniform = plan.layers().iter().all(|l| {
-        l.share().is_none()
-            && l.scale_bytes() == 0
+        l.scale_bytes() == 0
             && l.experts()
                 .iter()
                 .all(|e| e.weights().len() == first && e.scales().is_empty())
@@ -96,7 +114,8 @@ fn uniform_roles(plan: &ExpertPlan) -> Option<usize> {
 /// `E` (`[E, I, H]`, GGUF's `ffn_*_exps`, a view of slots already).
 fn flattened(checkpoint: &Checkpoint, plan: &ExpertPlan) -> bool {
     plan.layers().iter().any(|l| {
-        let experts = l.experts().len() as u64;
+        // Under a share, the checkpoint's experts (the tensor holds every one).
+        let experts = l.share().map_or(l.experts().len(), |s| s.of()) as u64;
         l.experts().first().is_some_and(|e| {
             e.weights().iter().any(|p| {
                 let t = &checkpoint.tensors()[p.tensor()];
@@ -113,6 +132,9 @@ fn flattened(checkpoint: &Checkpoint, plan: &ExpertPlan) -> bool {
 
 /// `plan` in role-major slot order: each layer's `R × E` slots, slot `r × E + e` holding
 /// weight piece `r` of expert `e` alone (what the store packs and verify compares).
+/// Under a share, `E` is the experts held and `e` the held one's index: the slots are
+/// the store's own, without the share's global ids (a role-major store is looked up by
+/// slot).
 pub(crate) fn role_major_plan(plan: &ExpertPlan, roles: usize) -> ExpertPlan {
     if roles <= 1 {
         return plan.clone();
@@ -128,6 +150,7 @@ pub(crate) fn role_major_plan(plan: &ExpertPlan, roles: usize) -> ExpertPlan {
 
 fn role_major_layer(l: &LayerPlan, roles: usize) -> LayerPlan {
     let mut out = l.clone();
+    out.share = None;
     out.experts = (0..roles)
         .flat_map(|r| {
             l.experts().iter().map(move |e| ExpertPieces {
@@ -168,7 +191,7 @@ pub(crate) fn expert_of_slots(
         }
         let (r, e) = (m.expert / experts, m.expert % experts);
         m.reason = format!("role {r} (role-major slot {}): {}", m.expert, m.reason);
-        m.expert = e;
+        m.expert = l.expert_id(e); // under a share, the held expert's global id
     }
 }
 
@@ -185,7 +208,12 @@ pub(crate) fn slot_of(roles: usize, experts: usize, expert: usize, piece: usize)
 
 /// Under role-major slots, each tensor holding every expert of a layer whose role's run
 /// is back to back in the slots (each slot exactly its piece, in the file's order):
-/// [`Place::ExpertRun`], one run of bytes with the file's layout.
+/// [`Place::ExpertRun`], one run of bytes with the file's layout. Under a share holding
+/// experts `a..a + n` of `E` (consecutive ids), the run is the tensor's rows
+/// `a × rows / E` for `n × rows / E` (its [`DenseSlice`], shape and file range say so);
+/// held ids with a gap are no rows of the tensor, and it stays [`Place::Experts`].
+///
+/// [`DenseSlice`]: super::shape::DenseSlice
 pub(crate) fn role_runs(
     store: &PinStore,
     plan: &ExpertPlan,
@@ -200,34 +228,148 @@ pub(crate) fn role_runs(
         let Some(first) = l.experts().first() else {
             continue;
         };
+        let ids: Vec<usize> = (0..experts).map(|i| l.expert_id(i)).collect();
+        let consecutive = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
         let map = store.slot_map(l.layer())?;
         for (r, p) in first.weights().iter().enumerate() {
             let t = p.tensor();
-            // Every expert's piece r of the same tensor, in expert order, back to back in
-            // the file and in their slots (each at offset 0, its whole length).
-            let in_order = l.experts().iter().enumerate().all(|(e, x)| {
-                let (slot, _) = slot_of(roles, experts, e, r);
-                let piece = x.weights().get(r);
-                let placed = map.pieces(slot, Kind::Weights).unwrap_or_default();
-                piece.is_some_and(|q| {
-                    q.tensor() == t
-                        && q.offset() == p.offset().saturating_add(q.len() * e as u64)
-                        && placed.len() == 1
-                        && placed[0].offset == 0
-                        && placed[0].len as u64 == q.len()
-                })
-            });
+            // Every held expert's piece r of the same tensor, in expert order, back to
+            // back in the file and in their slots (each at offset 0, its whole length).
+            let in_order = consecutive
+                && l.experts().iter().enumerate().all(|(e, x)| {
+                    let (slot, _) = slot_of(roles, experts, e, r);
+                    let piece = x.weights().get(r);
+                    let placed = map.pieces(slot, Kind::Weights).unwrap_or_default();
+                    piece.is_some_and(|q| {
+                        q.tensor() == t
+                            && q.offset() == p.offset().saturating_add(q.len() * e as u64)
+                            && placed.len() == 1
+                            && placed[0].offset == 0
+                            && placed[0].len as u64 == q.len()
+                    })
+                });
             let Some(placed) = tensors.get_mut(t) else {
                 continue;
             };
-            let total = p.len().saturating_mul(experts as u64);
-            if in_order && placed.len == total && placed.place == Place::Experts {
-                placed.place = Place::ExpertRun {
-                    layer: l.layer(),
-                    first: r * experts,
-                    count: experts,
-                };
+            if !in_order || placed.place != Place::Experts {
+                continue;
             }
+            let of = l.share().map_or(experts, |s| s.of()) as u64;
+            let held = p.len().saturating_mul(experts as u64);
+            if placed.len != p.len().saturating_mul(of) {
+                continue;
+            }
+            if held != placed.len {
+                // A share's held experts: rows of the tensor.
+                let Some(&rows) = placed.shape.first() else {
+                    continue;
+                };
+                let (per, a) = (rows / of.max(1), ids[0] as u64);
+                placed.slice = Some(super::shape::DenseSlice {
+                    axis: crate::model::SliceAxis::Rows,
+                    start: a * per,
+                    len: experts as u64 * per,
+                    extent: rows,
+                });
+                placed.shape[0] = experts as u64 * per;
+                placed.offset = p.offset();
+                placed.len = held;
+                placed.rows = (1, 0);
+            }
+            placed.place = Place::ExpertRun {
+                layer: l.layer(),
+                first: r * experts,
+                count: experts,
+            };
+        }
+    }
+    Ok(())
+}
+
+/// An attached placement's role-major order, checked against its manifest's own plan
+/// and store: `roles` at least 1; above 1, the experts' store is role-major with the same
+/// count and every MoE layer has `roles × E` slots (`E` its experts held), each expert
+/// one weight piece per role and no scales; each [`Place::ExpertRun`] is role `r <
+/// roles` of a layer (`first = r × E`, `count = E`), the run's pieces (role `r` of every
+/// expert) that tensor's, back to back, its length theirs. A forged manifest is refused
+/// by name, before any view is made.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `roles` or the tensor.
+pub(crate) fn check_attached(
+    roles: usize,
+    tensors: &[PlacedTensor],
+    plan: Option<&ExpertPlan>,
+    store: Option<&PinStore>,
+) -> Result<()> {
+    const ATTACH: &str = "PlacedModel::attach";
+    let bad = |why: String| Error::bad_value(ATTACH, "roles", roles, why);
+    if roles == 0 {
+        return Err(bad("a slot order needs at least 1 role".into()));
+    }
+    if let Some(store) = store
+        && store.role_major() != roles
+    {
+        return Err(bad(format!(
+            "the experts' store is role-major x{}",
+            store.role_major()
+        )));
+    }
+    if roles > 1 {
+        let (Some(plan), Some(store)) = (plan, store) else {
+            return Err(bad(
+                "role-major slots without an expert plan and store".into()
+            ));
+        };
+        for l in plan.layers() {
+            let slots = store.slot_map(l.layer())?.experts();
+            let uniform = l
+                .experts()
+                .iter()
+                .all(|e| e.weights().len() == roles && e.scales().is_empty());
+            if !uniform || Some(slots) != roles.checked_mul(l.experts().len()) {
+                return Err(bad(format!(
+                    "layer {}: {slots} slots for {} experts, each needing {roles} weight \
+                     pieces and no scales",
+                    l.layer(),
+                    l.experts().len()
+                )));
+            }
+        }
+    }
+    for (index, t) in tensors.iter().enumerate() {
+        let Place::ExpertRun {
+            layer,
+            first,
+            count,
+        } = t.place
+        else {
+            continue;
+        };
+        let l = plan.and_then(|p| p.layer(layer)).filter(|_| roles > 1);
+        let run = l.and_then(|l| {
+            let r = first.checked_div(count)?;
+            let pieces: Vec<_> = l.experts().iter().map(|e| e.weights().get(r)).collect();
+            let pieces: Option<Vec<_>> = pieces.into_iter().collect();
+            let pieces = pieces?;
+            let len: u64 = pieces.iter().map(|p| p.len()).sum();
+            let ok = count == l.experts().len()
+                && first == r * count
+                && r < roles
+                && len == t.len
+                && pieces.iter().all(|p| p.tensor() == index)
+                && pieces
+                    .windows(2)
+                    .all(|w| w[0].offset().checked_add(w[0].len()) == Some(w[1].offset()));
+            ok.then_some(())
+        });
+        if run.is_none() {
+            return Err(Error::bad_value(
+                ATTACH,
+                "a role-major run",
+                format!("{} (layer {layer}, slots {first}+{count})", t.name),
+                format!("not one role of the layer's experts under role_major({roles})"),
+            ));
         }
     }
     Ok(())

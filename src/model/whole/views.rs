@@ -293,7 +293,9 @@ impl PlacedModel {
                 count,
             } => self
                 .expert_store()?
-                .run_local(layer, (first, count), Kind::Weights)?,
+                .run_local(layer, (first, count), Kind::Weights)?
+                // An attached run is the tensor's length (a forged region is not).
+                .filter(|b| b.len() as u64 == t.len),
             Place::Experts | Place::NotHeld { .. } | Place::Padded { .. } => None,
             Place::Empty => Some(&[][..]),
         };
@@ -421,7 +423,10 @@ impl PlacedModel {
             } => {
                 let store = self.expert_store()?;
                 let nodes = store.replica_nodes(layer)?;
-                let run = |node| store.run_near(node, layer, (first, count), Kind::Weights);
+                let run = |node| {
+                    let run = store.run_near(node, layer, (first, count), Kind::Weights)?;
+                    Ok::<_, Error>(run.filter(|b| b.len() as u64 == t.len))
+                };
                 if nodes.is_empty() {
                     let node = crate::topology::current_node()?;
                     return Ok(run(node)?.map(|b| (None, b)).into_iter().collect());

@@ -57,6 +57,12 @@ enum PlacePart {
         len: usize,
     },
     Experts,
+    /// [`Place::ExpertRun`]: role-major weight slots `first..first + count`.
+    ExpertRun {
+        layer: usize,
+        first: usize,
+        count: usize,
+    },
     NotHeld {
         layer: usize,
         expert: usize,
@@ -205,8 +211,16 @@ pub(super) fn tensor_part(t: &PlacedTensor) -> TensorPart {
             offset,
             len,
         },
-        // A shared store is never role-major (roles_for): a run is never exported.
-        Place::Experts | Place::ExpertRun { .. } => PlacePart::Experts,
+        Place::Experts => PlacePart::Experts,
+        Place::ExpertRun {
+            layer,
+            first,
+            count,
+        } => PlacePart::ExpertRun {
+            layer,
+            first,
+            count,
+        },
         Place::NotHeld { layer, expert } => PlacePart::NotHeld { layer, expert },
         Place::Padded { layer, expert } => PlacePart::Padded { layer, expert },
         Place::Empty => PlacePart::Empty,
@@ -269,6 +283,16 @@ pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTenso
             len,
         },
         PlacePart::Experts => Place::Experts,
+        // Checked against the plan and the roles once both are read (check_attached).
+        PlacePart::ExpertRun {
+            layer,
+            first,
+            count,
+        } => Place::ExpertRun {
+            layer,
+            first,
+            count,
+        },
         PlacePart::NotHeld { layer, expert } => Place::NotHeld { layer, expert },
         PlacePart::Padded { layer, expert } => Place::Padded { layer, expert },
         PlacePart::Empty => Place::Empty,
