@@ -5,18 +5,39 @@
 //! assumes `io_uring` is available, nor that it is not.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use numapin_testkit::scratch::ScratchDir;
 
 use numapin::store::{
     DirectIo, ExpertSource, IoUringFallback, Kind, LayerSpec, Layout, POOL_DEPTH, PinStore,
     ReadMode, StoreOptions,
 };
 
-fn dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("read-threads-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The test's directory, removed when it ends (passed or panicked).
+fn dir(name: &str) -> ScratchDir {
+    ScratchDir::new(
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        &format!("read-threads-{name}"),
+    )
+}
+
+/// Runs this test binary's ignored test `test` alone with `READ_THREADS_FILE=path` and
+/// `env`; returns its stdout after checking it passed.
+fn run_child(test: &str, path: &Path, env: &[(&str, &str)]) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--ignored"])
+        .env("READ_THREADS_FILE", path)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
 }
 
 fn has_direct_io(file: &File) -> bool {
@@ -64,7 +85,6 @@ fn several_reads_in_flight_without_io_uring_are_counted_and_byte_exact() {
     let file = File::open(&path).unwrap();
     if !has_direct_io(&file) {
         println!("NOT RUN: the target directory's file system has no direct I/O");
-        std::fs::remove_dir_all(&dir).unwrap();
         return;
     }
     // The reference: the file read back in one buffered read, not through numapin.
@@ -132,7 +152,6 @@ fn several_reads_in_flight_without_io_uring_are_counted_and_byte_exact() {
             }
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `NUMAPIN_IO_URING=off` forces the read threads in a process (here: the CLI), and its
@@ -147,31 +166,16 @@ fn the_environment_variable_forces_the_read_threads() {
     let file = File::open(&path).unwrap();
     if !has_direct_io(&file) {
         println!("NOT RUN: the target directory's file system has no direct I/O");
-        std::fs::remove_dir_all(&dir).unwrap();
         return;
     }
     // The child: this test binary itself, running the one test below with the variable.
-    let me = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(me)
-        .args([
-            "--exact",
-            "child_loads_with_the_variable",
-            "--nocapture",
-            "--ignored",
-        ])
-        .env("NUMAPIN_IO_URING", "off")
-        .env("READ_THREADS_FILE", &path)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = run_child(
+        "child_loads_with_the_variable",
+        &path,
+        &[("NUMAPIN_IO_URING", "off")],
     );
     assert!(text.contains("CHILD direct_io=threads"), "{text}");
     assert!(text.contains("NUMAPIN_IO_URING"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Run by [`the_environment_variable_forces_the_read_threads`] only.
@@ -222,28 +226,10 @@ fn a_budget_without_room_for_read_threads_reads_one_at_a_time() {
     let file = File::open(&path).unwrap();
     if !has_direct_io(&file) {
         println!("NOT RUN: the target directory's file system has no direct I/O");
-        std::fs::remove_dir_all(&dir).unwrap();
         return;
     }
-    let me = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(me)
-        .args([
-            "--exact",
-            "child_loads_in_a_tight_budget",
-            "--nocapture",
-            "--ignored",
-        ])
-        .env("READ_THREADS_FILE", &path)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_child("child_loads_in_a_tight_budget", &path, &[]);
     assert!(text.contains("CHILD depth=1"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Run by [`a_budget_without_room_for_read_threads_reads_one_at_a_time`] only.
