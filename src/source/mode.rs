@@ -157,6 +157,11 @@ impl fmt::Display for ReadFallback {
     }
 }
 
+/// Reads in flight per loader thread, at most, when direct reads go through blocking
+/// calls (`source::pool`): the calling loader and 7 helper threads. With requests of 4 MiB (the most one
+/// ring request reads) that is the 32 MiB batch of slots a loader takes at once.
+pub const POOL_DEPTH: usize = 8;
+
 /// How the direct reads of a [`ReadMode::Direct`] load were issued
 /// ([`LayerReport::direct_io`](crate::store::LayerReport::direct_io)).
 ///
@@ -197,7 +202,7 @@ impl fmt::Display for DirectIo {
             DirectIo::Threads(why) => write!(
                 f,
                 "threads (up to {} reads in flight per loader; fallback: {why})",
-                super::pool::POOL_DEPTH
+                POOL_DEPTH
             ),
         }
     }

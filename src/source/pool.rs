@@ -19,13 +19,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use rustix::io::Errno;
 
+pub use super::mode::POOL_DEPTH;
 use super::uring::{Request, Ring};
 use crate::error::{Error, Result};
-
-/// Reads in flight per loader thread, at most, when direct reads go through blocking
-/// calls: the calling loader and 7 helper threads. With requests of 4 MiB (the most one
-/// ring request reads) that is the 32 MiB batch of slots a loader takes at once.
-pub const POOL_DEPTH: usize = 8;
 
 /// Stack of a helper read thread: it only issues `preadv` calls (room to spare for a
 /// panic message; only the pages it touches are ever backed).
