@@ -438,3 +438,55 @@ fn stat_of_bad_pids_is_a_named_error() {
     assert!(stderr.contains("--slice needs --model"), "{stderr}");
     assert!(stderr.contains("Usage: numapin place"), "{stderr}");
 }
+
+/// `place --plan default --read direct` with `NUMAPIN_IO_URING=off`: each class's JSON
+/// says its direct reads went out as blocking calls, none through a ring, and the most a
+/// loader had in flight at once (1 to `POOL_DEPTH`); the text prints the same figure.
+#[test]
+fn place_says_how_many_blocking_reads_were_in_flight() {
+    let dir = TempDir::new("blocking-depth");
+    let path = checkpoint(&dir.0);
+    let run = |json: bool| {
+        let mut cmd = Command::new(binary());
+        cmd.args(["place", "--model"]).arg(&path);
+        cmd.args(["--plan", "default", "--read", "direct", "--no-progress"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.env("NUMAPIN_IO_URING", "off").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json: Value = serde_json::from_str(&run(true)).unwrap();
+    let classes = json["classes"].as_array().unwrap();
+    let direct: Vec<&Value> = classes
+        .iter()
+        .filter(|c| {
+            c["in_place_bytes"].as_u64().unwrap() + c["bounced_bytes"].as_u64().unwrap() > 0
+        })
+        .collect();
+    if direct.is_empty() {
+        println!(
+            "NOT RUN: no direct reads here (the temp dir's file system has no direct I/O): {json}"
+        );
+        return;
+    }
+    for c in classes {
+        assert_eq!(c["uring_reads"], 0, "{c}");
+    }
+    let max = numapin::store::POOL_DEPTH as u64;
+    for c in &direct {
+        assert!(c["blocking_reads"].as_u64().unwrap() > 0, "{c}");
+        let depth = c["blocking_depth"].as_u64().unwrap();
+        assert!((1..=max).contains(&depth), "{c}");
+    }
+    let text = run(false);
+    let depths: Vec<u64> = text
+        .split("blocking (up to ")
+        .skip(1)
+        .map(|rest| rest.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(!depths.is_empty(), "{text}");
+    assert!(depths.iter().all(|d| (1..=max).contains(d)), "{text}");
+}

@@ -52,11 +52,13 @@ pub struct ClassJson {
     /// buffers.
     pub in_place_bytes: u64,
     pub bounced_bytes: u64,
-    /// Reads its loads issued through `io_uring` and as blocking calls, and the most one
-    /// ring had in flight at once.
+    /// Reads its loads issued through `io_uring` and as blocking calls, the most one
+    /// ring had in flight at once, and the most blocking calls one loader had in flight
+    /// at once (its read threads, where `io_uring` was not used).
     pub uring_reads: u64,
     pub blocking_reads: u64,
     pub uring_depth: usize,
+    pub blocking_depth: usize,
     /// How its loads read each file and why (`PATH: direct (auto: 0 of N pages cached,
     /// by cachestat)`).
     pub files: Vec<String>,
@@ -158,6 +160,7 @@ impl WholeJson {
                     uring_reads: m.map_or(0, |m| m.direct_reads.uring_reads),
                     blocking_reads: m.map_or(0, |m| m.direct_reads.blocking_reads),
                     uring_depth: m.map_or(0, |m| m.direct_reads.uring_depth),
+                    blocking_depth: m.map_or(0, |m| m.direct_reads.blocking_depth),
                     files: m.map_or(Vec::new(), |m| {
                         m.files.iter().map(ToString::to_string).collect()
                     }),
@@ -289,12 +292,13 @@ pub fn run_whole(args: &PinModelArgs, path: &Path, text: &str) -> Result<(), Str
         );
         if c.in_place_bytes + c.bounced_bytes > 0 {
             outln!(
-                "      direct: {} bytes in place, {} bounced; {} io_uring reads (depth {}), {} blocking",
+                "      direct: {} bytes in place, {} bounced; {} io_uring reads (depth {}), {} blocking (up to {} in flight)",
                 c.in_place_bytes,
                 c.bounced_bytes,
                 c.uring_reads,
                 c.uring_depth,
-                c.blocking_reads
+                c.blocking_reads,
+                c.blocking_depth
             );
         }
         for file in &c.files {
