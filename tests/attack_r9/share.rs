@@ -1,0 +1,304 @@
+//! Role-major slots under an expert share, attacked: held ids with gaps, one expert,
+//! all, the last, ids past the layer, more ranks than experts, `role_major(R)` with every
+//! R, DBRX-like files whose roles differ in shape or dtype, do not divide by the experts,
+//! or hold 0 bytes, and pieces that are not a page (the slots then have padding between
+//! them). Every role tensor's bytes are compared with the rows cut here from the file.
+
+use super::{ROLES, base, dbrx, file_tensor, options, role, scratch};
+
+use std::path::Path;
+
+use numapin::model::{Checkpoint, ExpertShare, Share};
+
+const E: usize = 4;
+
+/// The held ids a share should give of `E` experts, by integer arithmetic; `None` where
+/// a rank holds none (the place must then fail).
+fn reference_ids(share: &Held) -> Option<Vec<usize>> {
+    let ids: Vec<usize> = match share {
+        Held::List(ids) => {
+            let mut v: Vec<usize> = ids.iter().copied().filter(|&i| i < E).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        }
+        Held::Part(k, n) => ((k * E).div_ceil(*n)..((k + 1) * E).div_ceil(*n)).collect(),
+    };
+    (!ids.is_empty()).then_some(ids)
+}
+
+#[derive(Debug, Clone)]
+enum Held {
+    List(Vec<usize>),
+    Part(usize, usize),
+}
+
+fn shares() -> Vec<Held> {
+    let mut v = vec![
+        Held::List(vec![0]),
+        Held::List(vec![3]),
+        Held::List(vec![0, 1, 2, 3]),
+        Held::List(vec![1, 3]),
+        Held::List(vec![0, 3]),
+        Held::List(vec![2, 1]),
+        Held::List(vec![3, E + 1]),
+        Held::List(vec![E]),
+    ];
+    for n in [3, 4, 5, 7] {
+        for k in 0..n {
+            v.push(Held::Part(k, n));
+        }
+    }
+    v
+}
+
+/// Places every share of `path` with role_major unasked, `R` = the roles and others,
+/// comparing each role tensor with the file's rows of the held experts (one run where
+/// the ids are consecutive and the rows divide) and each held expert's piece with its
+/// own rows.
+fn attack(path: &Path, what: &str) {
+    let checkpoint = match Checkpoint::open(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{what}: refused at open: {e}");
+            return;
+        }
+    };
+    for held in shares() {
+        let share = match &held {
+            Held::List(ids) => ExpertShare::list(ids.iter().copied()),
+            Held::Part(k, n) => ExpertShare::part(*k, *n),
+        };
+        let Ok(share) = share else {
+            continue;
+        };
+        let plan = base().share(Share::default().experts(share));
+        for roles in [None, Some(1), Some(2), Some(3), Some(4), Some(usize::MAX)] {
+            let opts = roles.map_or(options(), |r| options().role_major(r));
+            let case = format!("{what} {held:?} role_major {roles:?}");
+            let want_ids = reference_ids(&held);
+            let cost = checkpoint.placement_cost(&plan, &opts);
+            let model = match checkpoint.place(&plan, opts) {
+                Ok(m) => m,
+                Err(e) => {
+                    let text = e.to_string();
+                    eprintln!("{case}: refused: {text}");
+                    assert!(
+                        text.contains("role_major") || text.contains("expert"),
+                        "{case}: {text}"
+                    );
+                    continue;
+                }
+            };
+            assert!(cost.is_ok(), "{case}: placed but the dry run refuses");
+            let want_ids = want_ids.unwrap_or_else(|| panic!("{case}: a rank of none placed"));
+            assert!(
+                roles.is_none_or(|r| r == 1 || r == 3),
+                "{case}: R other than the roles taken"
+            );
+            for l in 0..2u64 {
+                if let Ok(ids) = model.expert_ids(l as usize) {
+                    assert_eq!(ids, want_ids, "{case} L{l}");
+                }
+                for r in ROLES {
+                    check_role(&model, path, l, r, &want_ids, &case);
+                }
+            }
+            let v = model.verify(&checkpoint).unwrap();
+            assert!(v.verified(), "{case}: {v:?}");
+        }
+    }
+}
+
+fn check_role(
+    model: &numapin::model::PlacedModel,
+    path: &Path,
+    l: u64,
+    r: &str,
+    ids: &[usize],
+    case: &str,
+) {
+    let name = role(l, r);
+    let (shape, bytes) = file_tensor(path, &name);
+    let divides = shape[0] > 0 && shape[0] % E as u64 == 0;
+    let rows = shape[0] / E as u64;
+    let per = bytes.len() / E;
+    let consecutive = ids.windows(2).all(|w| w[1] == w[0] + 1);
+    let view = match model.tensor(&name) {
+        Ok(v) => v,
+        Err(e) => panic!("{case} {name}: {e}"),
+    };
+    if let Some(run) = view.bytes() {
+        let (a, n) = (ids[0], ids.len());
+        let want: &[u8] = if n == E || !divides {
+            &bytes
+        } else {
+            assert!(consecutive, "{case} {name}: a run of ids with a gap");
+            &bytes[a * per..(a + n) * per]
+        };
+        assert!(run == want, "{case} {name}: run is not the file's rows");
+        let got_rows = view.shape()[0];
+        assert_eq!(&view.shape()[1..], &shape[1..], "{case} {name}: shape");
+        if let Some(s) = view.slice() {
+            assert!(divides, "{case} {name}: a slice of indivisible rows");
+            assert_eq!(
+                (s.start, s.len, s.extent),
+                (a as u64 * rows, n as u64 * rows, shape[0]),
+                "{case} {name}: slice"
+            );
+            assert_eq!(got_rows, n as u64 * rows, "{case} {name}: rows");
+        } else {
+            assert_eq!(got_rows, shape[0], "{case} {name}: whole shape");
+            assert_eq!(run.len(), bytes.len(), "{case} {name}: whole, no slice");
+        }
+    }
+    for e in 0..E {
+        let Ok(pieces) = model.expert(l as usize, e) else {
+            assert!(
+                !ids.contains(&e) || !divides,
+                "{case} {name}: E{e} held, no view"
+            );
+            continue;
+        };
+        assert!(ids.contains(&e), "{case}: E{e} not held, a view given");
+        if let Some(p) = pieces.iter().find(|p| p.tensor == name) {
+            assert!(
+                divides,
+                "{case} {name}: an expert piece of indivisible rows"
+            );
+            assert!(
+                p.bytes == &bytes[e * per..(e + 1) * per],
+                "{case} {name} E{e}: not the expert's rows"
+            );
+        }
+    }
+}
+
+#[test]
+fn held_experts_of_a_page_sized_piece_are_the_files_rows_or_refused() {
+    let dir = scratch("share_page");
+    let role = ("BF16", vec![E as u64 * 256, 8]);
+    let path = dbrx(&dir, E as u64, [role.clone(), role.clone(), role]);
+    attack(&path, "page pieces");
+}
+
+#[test]
+fn held_experts_of_odd_sized_pieces_are_the_files_rows_or_refused() {
+    let dir = scratch("share_odd");
+    let role = ("BF16", vec![E as u64 * 5, 3]);
+    let path = dbrx(&dir, E as u64, [role.clone(), role.clone(), role]);
+    attack(&path, "30-byte pieces");
+}
+
+#[test]
+fn roles_differing_in_shape_dtype_divisibility_or_empty_are_refused_or_exact() {
+    let e = E as u64;
+    for (case, roles) in [
+        (
+            "w2_wider",
+            [
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 256, 16]),
+            ],
+        ),
+        (
+            "w2_f32",
+            [
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 256, 8]),
+                ("F32", vec![e * 256, 8]),
+            ],
+        ),
+        (
+            "v1_more_rows",
+            [
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 512, 8]),
+                ("BF16", vec![e * 256, 8]),
+            ],
+        ),
+        (
+            "indivisible",
+            [
+                ("BF16", vec![e * 256 + 1, 8]),
+                ("BF16", vec![e * 256 + 1, 8]),
+                ("BF16", vec![e * 256 + 1, 8]),
+            ],
+        ),
+        (
+            "one_indivisible",
+            [
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 256 + 2, 8]),
+                ("BF16", vec![e * 256, 8]),
+            ],
+        ),
+        (
+            "zero_rows",
+            [
+                ("BF16", vec![0, 8]),
+                ("BF16", vec![0, 8]),
+                ("BF16", vec![0, 8]),
+            ],
+        ),
+        (
+            "zero_cols",
+            [
+                ("BF16", vec![e * 256, 0]),
+                ("BF16", vec![e * 256, 0]),
+                ("BF16", vec![e * 256, 0]),
+            ],
+        ),
+        (
+            "one_empty",
+            [
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![e * 256, 8]),
+                ("BF16", vec![0, 8]),
+            ],
+        ),
+        (
+            "u8_1d",
+            [
+                ("U8", vec![e * 3]),
+                ("U8", vec![e * 3]),
+                ("U8", vec![e * 3]),
+            ],
+        ),
+    ] {
+        let dir = scratch(case);
+        let path = dbrx(&dir, e, roles);
+        attack(&path, case);
+    }
+}
+
+/// A tensor-parallel share cuts DBRX's roles: `role_major(3)` refused by name, and the
+/// default gives each expert's piece as rows of that expert's own rows (compared here
+/// with the file), never a run of the tensor that is not its rows.
+#[test]
+fn a_tp_share_of_dbrx_is_refused_role_major_and_no_run_lies() {
+    let dir = scratch("share_tp");
+    let r = ("BF16", vec![E as u64 * 256, 8]);
+    let path = dbrx(&dir, E as u64, [r.clone(), r.clone(), r]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    for (k, n) in [(0, 2), (1, 2), (3, 4), (0, 1)] {
+        let plan = base().tensor_parallel(k, n).unwrap();
+        let e = checkpoint.place(&plan, options().role_major(3));
+        if n > 1 {
+            let e = e.err().expect("tp role_major(3) placed");
+            assert!(e.to_string().contains("role_major"), "{e}");
+        }
+        let model = checkpoint.place(&plan, options()).unwrap();
+        for l in 0..2 {
+            for x in ROLES {
+                let name = role(l, x);
+                let (_, bytes) = file_tensor(&path, &name);
+                if let Some(run) = model.tensor(&name).unwrap().bytes() {
+                    assert!(run == &bytes[..], "tp {k}/{n} {name}: a run not the file's");
+                }
+            }
+        }
+        assert!(model.verify(&checkpoint).unwrap().verified(), "tp {k}/{n}");
+    }
+}
