@@ -38,6 +38,19 @@ fn index(body: &Value, name: &str) -> usize {
 /// Every role tensor of `m` that gives bytes gives the file's rows its slice names, as
 /// many as its shape says (BF16); each held expert's piece its own rows.
 fn consistent(m: &PlacedModel, path: &Path, what: &str) {
+    // Every view given (dense ones too): as many BF16 elements as its shape says.
+    for v in m.tensors().flatten() {
+        if let Some(b) = v.bytes() {
+            let elems: u64 = v.shape().iter().product();
+            assert_eq!(
+                (v.dtype().to_string(), elems * 2),
+                ("BF16".to_owned(), b.len() as u64),
+                "{what} {}: shape {:?} is not the bytes given",
+                v.name(),
+                v.shape()
+            );
+        }
+    }
     for l in 0..2u64 {
         for r in ROLES {
             let name = role(l, r);
@@ -93,8 +106,15 @@ fn forged_run_metadata_is_refused_or_the_views_are_the_files_rows() {
     let r = ("BF16", vec![E * I, H]);
     let path = dbrx(&dir, E, [r.clone(), r.clone(), r]);
     let checkpoint = Checkpoint::open(&path).unwrap();
-    for k in [0, 1] {
-        let plan = base().share(Share::default().experts(ExpertShare::part(k, 2).unwrap()));
+    let shares = [
+        ExpertShare::part(0, 2),
+        ExpertShare::part(1, 2),
+        ExpertShare::list([0, 2]),
+        ExpertShare::list([3]),
+        ExpertShare::list([0, 1, 2, 3]),
+    ];
+    for (k, share) in shares.into_iter().enumerate() {
+        let plan = base().share(Share::default().experts(share.unwrap()));
         let mut model = checkpoint.place(&plan, options().shared(true)).unwrap();
         consistent(&model, &path, "placed");
         let export = model.export().unwrap();
@@ -106,7 +126,12 @@ fn forged_run_metadata_is_refused_or_the_views_are_the_files_rows() {
         let router = index(&b, "transformer.blocks.0.ffn.router.layer.weight");
         let norm = index(&b, "transformer.blocks.0.norm_attn_norm.norm_1.weight");
         let w1_l1 = index(&b, &role(1, "w1"));
-        let run = b["tensors"][w1]["place"].clone();
+        let mut run = b["tensors"][w1]["place"].clone();
+        if k == 2 {
+            // Held ids with a gap: no run; forge one over the layer's slots.
+            assert!(run.get("ExpertRun").is_none(), "a gap made a run: {run}");
+            run = json!({"ExpertRun": {"layer": 0, "first": 0, "count": 2}});
+        }
         assert!(run.get("ExpertRun").is_some(), "{run}");
         let shape = b["tensors"][w1]["shape"].clone();
         let rows = shape[0].as_u64().unwrap();
@@ -144,6 +169,9 @@ fn forged_run_metadata_is_refused_or_the_views_are_the_files_rows() {
                 })
             }),
             ("class dense", t(w1, "class", json!("Dense"))),
+            ("norm shape x2", t(norm, "shape", json!([2 * H]))),
+            ("router shape x2", t(router, "shape", json!([2 * E, H]))),
+            ("norm dtype F32", t(norm, "dtype", json!("st:F32"))),
         ];
         if slice.is_array() {
             let s = slice.as_array().unwrap().clone();
@@ -171,7 +199,7 @@ fn forged_run_metadata_is_refused_or_the_views_are_the_files_rows() {
             ));
         }
         for (what, edit) in &forged {
-            let what = format!("share {k}/2: {what}");
+            let what = format!("share #{k}: {what}");
             let text = edited(&bytes, edit.as_ref());
             let manifest = match ModelManifest::parse(&text) {
                 Ok(m) => m,

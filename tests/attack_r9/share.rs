@@ -9,6 +9,7 @@ use super::{ROLES, base, dbrx, file_tensor, options, role, scratch};
 use std::path::Path;
 
 use numapin::model::{Checkpoint, ExpertShare, Share};
+use numapin::store::{ReadMode, StoreOptions};
 
 const E: usize = 4;
 
@@ -57,6 +58,10 @@ fn shares() -> Vec<Held> {
 /// the ids are consecutive and the rows divide) and each held expert's piece with its
 /// own rows.
 fn attack(path: &Path, what: &str) {
+    attack_with(path, what, options());
+}
+
+fn attack_with(path: &Path, what: &str, options: StoreOptions) {
     let checkpoint = match Checkpoint::open(path) {
         Ok(c) => c,
         Err(e) => {
@@ -74,7 +79,7 @@ fn attack(path: &Path, what: &str) {
         };
         let plan = base().share(Share::default().experts(share));
         for roles in [None, Some(1), Some(2), Some(3), Some(4), Some(usize::MAX)] {
-            let opts = roles.map_or(options(), |r| options().role_major(r));
+            let opts = roles.map_or(options.clone(), |r| options.clone().role_major(r));
             let case = format!("{what} {held:?} role_major {roles:?}");
             let want_ids = reference_ids(&held);
             let cost = checkpoint.placement_cost(&plan, &opts);
@@ -180,6 +185,12 @@ fn held_experts_of_a_page_sized_piece_are_the_files_rows_or_refused() {
     let role = ("BF16", vec![E as u64 * 256, 8]);
     let path = dbrx(&dir, E as u64, [role.clone(), role.clone(), role]);
     attack(&path, "page pieces");
+    // Direct reads by the read threads (no io_uring), 2 loaders: the same bytes.
+    let direct = options()
+        .read_mode(ReadMode::Direct)
+        .io_uring(false)
+        .loader_threads(2);
+    attack_with(&path, "page pieces, direct", direct);
 }
 
 #[test]
@@ -188,6 +199,11 @@ fn held_experts_of_odd_sized_pieces_are_the_files_rows_or_refused() {
     let role = ("BF16", vec![E as u64 * 5, 3]);
     let path = dbrx(&dir, E as u64, [role.clone(), role.clone(), role]);
     attack(&path, "30-byte pieces");
+    let direct = options()
+        .read_mode(ReadMode::Direct)
+        .io_uring(false)
+        .loader_threads(2);
+    attack_with(&path, "30-byte pieces, direct", direct);
 }
 
 #[test]

@@ -359,7 +359,7 @@ pub(crate) fn check_attached(
                 && first == r * count
                 && r < roles
                 && len == t.len
-                && shape_bytes(t) == Some(t.len)
+                && super::shape::shape_bytes(t.dtype, &t.shape) == Some(t.len)
                 && run_slice_agrees(t, l)
                 && pieces.iter().all(|p| p.tensor() == index)
                 && pieces
@@ -409,16 +409,4 @@ fn run_slice_agrees(t: &PlacedTensor, l: &crate::model::LayerPlan) -> bool {
         && slice.axis == crate::model::SliceAxis::Rows
         && want == Some((slice.start, slice.len))
         && t.shape.first() == Some(&slice.len)
-}
-
-/// The bytes `t.shape` holds of `t.dtype` (whole blocks); `None` past u64 or where the
-/// elements are no whole blocks. A run's view is made with its shape: a forged shape
-/// must not describe more (or fewer) bytes than the run gives.
-fn shape_bytes(t: &PlacedTensor) -> Option<u64> {
-    let elements = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
-    let block = super::shape::Block::of(t.dtype);
-    if block.elements == 0 || elements % block.elements != 0 {
-        return None;
-    }
-    (elements / block.elements).checked_mul(block.bytes)
 }
