@@ -48,7 +48,7 @@ fn cli_share_slices_say_their_parts_or_bad_k_n_are_refused() {
             assert_eq!(out.status.code(), Some(1).or(out.status.code()), "{err}");
             assert_ne!(out.status.code(), Some(101), "tp:{k}/{n} panicked: {err}");
             // Refused only where the packed halves do not divide by n.
-            assert!(!(I % n == 0), "tp:{k}/{n} refused: {err}");
+            assert!(!I.is_multiple_of(n), "tp:{k}/{n} refused: {err}");
             continue;
         }
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -102,5 +102,44 @@ fn cli_share_slices_say_their_parts_or_bad_k_n_are_refused() {
         assert_ne!(out.status.code(), Some(101), "{bad}: panicked: {err}");
         assert!(!err.trim().is_empty(), "{bad}: no message");
         assert!(!err.contains("panicked"), "{bad}: {err}");
+    }
+}
+
+/// `tp:k/n` of a DBRX-like file (roles flattened `[E·I, H]`): each role slice is one
+/// part, `k/n` of its axis by integer arithmetic; refused where it does not divide.
+#[test]
+fn cli_tp_slices_of_dbrx_roles_are_k_of_n() {
+    let dir = scratch("cli_dbrx");
+    let r = ("BF16", vec![4 * 8, 8]);
+    super::dbrx(&dir, 4, [r.clone(), r.clone(), r]);
+    for (k, n) in [(0u64, 2u64), (1, 2), (3, 4), (0, 8), (2, 3)] {
+        let out = run(&dir, &format!("tp:{k}/{n}"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(101), "tp:{k}/{n} panicked: {err}");
+        if !out.status.success() {
+            eprintln!("tp:{k}/{n}: refused: {err}");
+            assert!(!8u64.is_multiple_of(n), "tp:{k}/{n} refused: {err}");
+            continue;
+        }
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let slices = &json["model"]["share"]["slices"];
+        let mut seen = 0;
+        for l in ["0", "1"] {
+            let Some(roles) = slices[l].as_array() else {
+                continue;
+            };
+            for r in roles {
+                seen += 1;
+                let (start, len, extent) = (
+                    r["start"].as_u64().unwrap(),
+                    r["len"].as_u64().unwrap(),
+                    r["extent"].as_u64().unwrap(),
+                );
+                assert_eq!(r["parts"], 1, "tp:{k}/{n}: {r}");
+                assert_eq!(len * n, extent, "tp:{k}/{n}: {r}");
+                assert_eq!(start, k * len, "tp:{k}/{n}: {r}");
+            }
+        }
+        eprintln!("tp:{k}/{n}: {seen} role slices: {slices}");
     }
 }

@@ -87,7 +87,7 @@ fn consistent(m: &PlacedModel, path: &Path, what: &str) {
                 continue;
             };
             for p in pieces {
-                let (_, file) = file_tensor(path, &p.tensor);
+                let (_, file) = file_tensor(path, p.tensor);
                 if ROLES.iter().any(|r| p.tensor == role(l, r)) {
                     assert!(
                         p.bytes == &file[e * per..(e + 1) * per],

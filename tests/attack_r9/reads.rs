@@ -271,7 +271,7 @@ fn a_checkpoint_truncated_during_a_direct_place_is_exact_or_an_error() {
                             let per = bytes.len() / 4;
                             for e in 0..4 {
                                 let pieces = m.expert(layer, e).unwrap();
-                                let p = pieces.iter().find(|p| &p.tensor == name).unwrap();
+                                let p = pieces.iter().find(|p| p.tensor == name).unwrap();
                                 assert!(p.bytes == &bytes[e * per..(e + 1) * per], "{w2}");
                             }
                         }

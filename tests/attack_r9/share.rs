@@ -302,8 +302,10 @@ fn a_tp_share_of_dbrx_is_refused_role_major_and_no_run_lies() {
         let plan = base().tensor_parallel(k, n).unwrap();
         let e = checkpoint.place(&plan, options().role_major(3));
         if n > 1 {
-            let e = e.err().expect("tp role_major(3) placed");
-            assert!(e.to_string().contains("role_major"), "{e}");
+            match e {
+                Err(e) => assert!(e.to_string().contains("role_major"), "{e}"),
+                Ok(_) => panic!("tp {k}/{n}: role_major(3) placed"),
+            }
         }
         let model = checkpoint.place(&plan, options()).unwrap();
         for l in 0..2 {
@@ -316,5 +318,45 @@ fn a_tp_share_of_dbrx_is_refused_role_major_and_no_run_lies() {
             }
         }
         assert!(model.verify(&checkpoint).unwrap().verified(), "tp {k}/{n}");
+    }
+}
+
+/// A share that differs per layer (an EPLB placement): layer 0 one run of its held
+/// experts, layer 1 a gap, one expert, or every expert. Each layer's role tensors are
+/// its own held rows (or no run), never another layer's order.
+#[test]
+fn a_per_layer_share_gives_each_layer_its_own_rows() {
+    let dir = scratch("share_per_layer");
+    let r = ("BF16", vec![E as u64 * 256, 8]);
+    let path = dbrx(&dir, E as u64, [r.clone(), r.clone(), r]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let cases: [[Vec<usize>; 2]; 5] = [
+        [vec![0, 1], vec![1, 3]],
+        [vec![1, 3], vec![2, 3]],
+        [vec![3], vec![0, 1, 2, 3]],
+        [vec![0, 1, 2, 3], vec![0]],
+        [vec![1, 2], vec![2, 3]],
+    ];
+    for ids in cases {
+        let by_layer = ids.clone();
+        let share = ExpertShare::per_layer(move |layer, _| {
+            ExpertShare::list(by_layer[layer.min(1)].iter().copied())
+        });
+        let plan = base().share(Share::default().experts(share));
+        for opts in [options(), options().role_major(3)] {
+            let case = format!("per layer {ids:?}");
+            let model = match checkpoint.place(&plan, opts) {
+                Ok(m) => m,
+                Err(e) => panic!("{case}: {e}"),
+            };
+            for l in 0..2u64 {
+                let want = &ids[l as usize];
+                assert_eq!(&model.expert_ids(l as usize).unwrap(), want, "{case} L{l}");
+                for r in ROLES {
+                    check_role(&model, &path, l, r, want, &case);
+                }
+            }
+            assert!(model.verify(&checkpoint).unwrap().verified(), "{case}");
+        }
     }
 }
