@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use numapin::model::Checkpoint;
 use numapin::store::{
-    DirectIo, ExpertSource, Kind, LayerSpec, Layout, PinStore, ReadMode, StoreOptions,
+    DirectIo, ExpertSource, Kind, LayerSpec, Layout, POOL_DEPTH, PinStore, ReadMode, StoreOptions,
 };
 
 /// A piece: file offset and length.
@@ -83,8 +83,14 @@ fn pack(
             want,
             "counts: {report:?}"
         );
-        if let Some(DirectIo::Threads(_)) = report.direct_io {
-            assert_eq!((d.uring_reads, d.uring_depth), (0, 0), "{report:?}");
+        // io_uring(false): every read a blocking call on the read threads, never the ring.
+        match report.direct_io {
+            Some(DirectIo::Threads(_)) => {
+                assert_eq!((d.uring_reads, d.uring_depth), (0, 0), "{report:?}");
+                assert!(d.blocking_reads >= 1, "{report:?}");
+                assert!((1..=POOL_DEPTH).contains(&d.blocking_depth), "{report:?}");
+            }
+            other => panic!("io_uring(false) read with {other:?}: {report:?}"),
         }
     }
     let map = store.slot_map(0).unwrap();

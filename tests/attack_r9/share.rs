@@ -360,3 +360,64 @@ fn a_per_layer_share_gives_each_layer_its_own_rows() {
         }
     }
 }
+
+/// A share slice `rows:k/n` of every expert role (alone, and with held experts): the
+/// roles are cut, so `role_major(3)` is refused by name and no role tensor gives a run
+/// other than the file's; each held expert's piece of each role is rows `k·I/n` for
+/// `I/n` of that expert's own `I` rows, cut here from the file.
+#[test]
+fn a_sliced_share_of_dbrx_gives_each_experts_rows_k_of_n() {
+    use numapin::model::TensorSlice;
+    const I: usize = 256;
+    let dir = scratch("share_slice");
+    let r = ("BF16", vec![(E * I) as u64, 8]);
+    let path = dbrx(&dir, E as u64, [r.clone(), r.clone(), r]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let row = 8 * 2;
+    for (k, n) in [(0usize, 2usize), (1, 2), (3, 4), (0, 1)] {
+        let slice = TensorSlice::parse(&format!("rows:{k}/{n}")).unwrap();
+        for held in [None, Some(vec![1, 2]), Some(vec![0, 3])] {
+            let mut share = Share::default().slice(slice);
+            if let Some(ids) = &held {
+                share = share.experts(ExpertShare::list(ids.iter().copied()).unwrap());
+            }
+            let case = format!("rows:{k}/{n} held {held:?}");
+            let plan = base().share(share);
+            if n > 1 {
+                match checkpoint.place(&plan, options().role_major(3)) {
+                    Err(e) => assert!(e.to_string().contains("role_major"), "{case}: {e}"),
+                    Ok(_) => panic!("{case}: role_major(3) placed over cut roles"),
+                }
+            }
+            let model = checkpoint
+                .place(&plan, options())
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            let ids = held.clone().unwrap_or_else(|| (0..E).collect());
+            for l in 0..2u64 {
+                for x in ROLES {
+                    let name = role(l, x);
+                    let (_, bytes) = file_tensor(&path, &name);
+                    if let Some(run) = model.tensor(&name).unwrap().bytes() {
+                        // Only an uncut share of consecutive ids is a run: their rows.
+                        let per = I * row;
+                        let (a, b) = (ids[0] * per, (ids[ids.len() - 1] + 1) * per);
+                        assert!(n == 1 && run == &bytes[a..b], "{case} {name}: a run");
+                    }
+                    for e in 0..E {
+                        let got = model.expert(l as usize, e);
+                        if !ids.contains(&e) {
+                            assert!(got.is_err(), "{case} E{e} not held");
+                            continue;
+                        }
+                        let pieces = got.unwrap();
+                        let p = pieces.iter().find(|p| p.tensor == name).unwrap();
+                        let a = (e * I + k * I / n) * row;
+                        let want = &bytes[a..a + I / n * row];
+                        assert!(p.bytes == want, "{case} {name} E{e}: not rows {k}/{n}");
+                    }
+                }
+            }
+            assert!(model.verify(&checkpoint).unwrap().verified(), "{case}");
+        }
+    }
+}
