@@ -13,17 +13,17 @@ use numapin::store::{ReadMode, StoreOptions};
 
 const E: usize = 4;
 
-/// The held ids a share should give of `E` experts, by integer arithmetic; `None` where
+/// The held ids a share should give of `count` experts, by integer arithmetic; `None` where
 /// a rank holds none (the place must then fail).
-fn reference_ids(share: &Held) -> Option<Vec<usize>> {
+fn reference_ids(share: &Held, count: usize) -> Option<Vec<usize>> {
     let ids: Vec<usize> = match share {
         Held::List(ids) => {
-            let mut v: Vec<usize> = ids.iter().copied().filter(|&i| i < E).collect();
+            let mut v: Vec<usize> = ids.iter().copied().filter(|&i| i < count).collect();
             v.sort_unstable();
             v.dedup();
             v
         }
-        Held::Part(k, n) => ((k * E).div_ceil(*n)..((k + 1) * E).div_ceil(*n)).collect(),
+        Held::Part(k, n) => ((k * count).div_ceil(*n)..((k + 1) * count).div_ceil(*n)).collect(),
     };
     (!ids.is_empty()).then_some(ids)
 }
@@ -34,7 +34,7 @@ enum Held {
     Part(usize, usize),
 }
 
-fn shares() -> Vec<Held> {
+fn shares(count: usize) -> Vec<Held> {
     let mut v = vec![
         Held::List(vec![0]),
         Held::List(vec![3]),
@@ -42,8 +42,13 @@ fn shares() -> Vec<Held> {
         Held::List(vec![1, 3]),
         Held::List(vec![0, 3]),
         Held::List(vec![2, 1]),
-        Held::List(vec![3, E + 1]),
-        Held::List(vec![E]),
+        Held::List(vec![1, 1, 2]),
+        Held::List(vec![2, 2]),
+        Held::List(vec![3, count + 1]),
+        Held::List(vec![count]),
+        Held::List(vec![count - 1]),
+        Held::List((0..count).collect()),
+        Held::List((1..count).collect()),
     ];
     for n in [3, 4, 5, 7] {
         for k in 0..n {
@@ -58,10 +63,10 @@ fn shares() -> Vec<Held> {
 /// the ids are consecutive and the rows divide) and each held expert's piece with its
 /// own rows.
 fn attack(path: &Path, what: &str) {
-    attack_with(path, what, options());
+    attack_with(path, what, options(), E);
 }
 
-fn attack_with(path: &Path, what: &str, options: StoreOptions) {
+fn attack_with(path: &Path, what: &str, options: StoreOptions, count: usize) {
     let checkpoint = match Checkpoint::open(path) {
         Ok(c) => c,
         Err(e) => {
@@ -69,7 +74,7 @@ fn attack_with(path: &Path, what: &str, options: StoreOptions) {
             return;
         }
     };
-    for held in shares() {
+    for held in shares(count) {
         let share = match &held {
             Held::List(ids) => ExpertShare::list(ids.iter().copied()),
             Held::Part(k, n) => ExpertShare::part(*k, *n),
@@ -81,7 +86,7 @@ fn attack_with(path: &Path, what: &str, options: StoreOptions) {
         for roles in [None, Some(1), Some(2), Some(3), Some(4), Some(usize::MAX)] {
             let opts = roles.map_or(options.clone(), |r| options.clone().role_major(r));
             let case = format!("{what} {held:?} role_major {roles:?}");
-            let want_ids = reference_ids(&held);
+            let want_ids = reference_ids(&held, count);
             let cost = checkpoint.placement_cost(&plan, &opts);
             let model = match checkpoint.place(&plan, opts) {
                 Ok(m) => m,
@@ -106,7 +111,7 @@ fn attack_with(path: &Path, what: &str, options: StoreOptions) {
                     assert_eq!(ids, want_ids, "{case} L{l}");
                 }
                 for r in ROLES {
-                    check_role(&model, path, l, r, &want_ids, &case);
+                    check_role(&model, path, l, r, &want_ids, count, &case);
                 }
             }
             let v = model.verify(&checkpoint).unwrap();
@@ -121,13 +126,14 @@ fn check_role(
     l: u64,
     r: &str,
     ids: &[usize],
+    count: usize,
     case: &str,
 ) {
     let name = role(l, r);
     let (shape, bytes) = file_tensor(path, &name);
-    let divides = shape[0] > 0 && shape[0] % E as u64 == 0;
-    let rows = shape[0] / E as u64;
-    let per = bytes.len() / E;
+    let divides = shape[0] > 0 && shape[0] % count as u64 == 0;
+    let rows = shape[0] / count as u64;
+    let per = bytes.len() / count;
     let consecutive = ids.windows(2).all(|w| w[1] == w[0] + 1);
     let view = match model.tensor(&name) {
         Ok(v) => v,
@@ -135,7 +141,7 @@ fn check_role(
     };
     if let Some(run) = view.bytes() {
         let (a, n) = (ids[0], ids.len());
-        let want: &[u8] = if n == E || !divides {
+        let want: &[u8] = if n == count || !divides {
             &bytes
         } else {
             assert!(consecutive, "{case} {name}: a run of ids with a gap");
@@ -157,7 +163,7 @@ fn check_role(
             assert_eq!(run.len(), bytes.len(), "{case} {name}: whole, no slice");
         }
     }
-    for e in 0..E {
+    for e in 0..count {
         let Ok(pieces) = model.expert(l as usize, e) else {
             assert!(
                 !ids.contains(&e) || !divides,
@@ -190,7 +196,7 @@ fn held_experts_of_a_page_sized_piece_are_the_files_rows_or_refused() {
         .read_mode(ReadMode::Direct)
         .io_uring(false)
         .loader_threads(2);
-    attack_with(&path, "page pieces, direct", direct);
+    attack_with(&path, "page pieces, direct", direct, E);
 }
 
 #[test]
@@ -203,7 +209,7 @@ fn held_experts_of_odd_sized_pieces_are_the_files_rows_or_refused() {
         .read_mode(ReadMode::Direct)
         .io_uring(false)
         .loader_threads(2);
-    attack_with(&path, "30-byte pieces, direct", direct);
+    attack_with(&path, "30-byte pieces, direct", direct, E);
 }
 
 #[test]
@@ -353,7 +359,7 @@ fn a_per_layer_share_gives_each_layer_its_own_rows() {
                 let want = &ids[l as usize];
                 assert_eq!(&model.expert_ids(l as usize).unwrap(), want, "{case} L{l}");
                 for r in ROLES {
-                    check_role(&model, &path, l, r, want, &case);
+                    check_role(&model, &path, l, r, want, E, &case);
                 }
             }
             assert!(model.verify(&checkpoint).unwrap().verified(), "{case}");
@@ -419,5 +425,17 @@ fn a_sliced_share_of_dbrx_gives_each_experts_rows_k_of_n() {
             }
             assert!(model.verify(&checkpoint).unwrap().verified(), "{case}");
         }
+    }
+}
+
+/// Files of 1, 2, 3 and 8 experts per layer (DBRX-like, 1 KiB pieces): every share above
+/// of that many, the same comparisons.
+#[test]
+fn other_expert_counts_are_the_files_rows_or_refused() {
+    for count in [1usize, 2, 3, 8] {
+        let dir = scratch(&format!("share_count_{count}"));
+        let r = ("BF16", vec![count as u64 * 64, 8]);
+        let path = dbrx(&dir, count as u64, [r.clone(), r.clone(), r]);
+        attack_with(&path, &format!("{count} experts"), options(), count);
     }
 }
