@@ -288,3 +288,29 @@ fn a_checkpoint_truncated_during_a_direct_place_is_exact_or_an_error() {
         cut.join().unwrap();
     }
 }
+
+/// On tmpfs (`/dev/shm`: no `O_DIRECT`), direct reads asked without `io_uring`: the
+/// load falls back as the report says and every piece, tiny or large, is the file's.
+#[test]
+fn direct_reads_without_io_uring_on_tmpfs_are_exact() {
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("NOT RUN: no /dev/shm");
+        return;
+    }
+    let dir = numapin_testkit::scratch::ScratchDir::new(shm, "attack_r9-reads_tmpfs");
+    let path = dir.join("model.bin");
+    let len = (3 << 20) + 77;
+    let bytes = write(&path, len);
+    let pieces: Vec<Range> = (0..40)
+        .map(|i| ((i * 77_777 + i % 5) as u64, 1 + (i * 3001) % 70_000))
+        .chain([(0, 1 << 20), ((len - 1) as u64, 1)])
+        .collect();
+    for loaders in [1, 3] {
+        let (p, b, pc) = (path.clone(), bytes.clone(), pieces.clone());
+        let what = format!("tmpfs, {loaders} loaders");
+        if let Err(e) = in_time(&what, move || pack(&p, &b, &pc, loaders, None)) {
+            panic!("{what}: {e}");
+        }
+    }
+}

@@ -281,6 +281,30 @@ fn roles_differing_in_shape_dtype_divisibility_or_empty_are_refused_or_exact() {
             ],
         ),
         (
+            "three_d",
+            [
+                ("BF16", vec![e * 2, 128, 8]),
+                ("BF16", vec![e * 2, 128, 8]),
+                ("BF16", vec![e * 2, 128, 8]),
+            ],
+        ),
+        (
+            "outer_one",
+            [
+                ("BF16", vec![1, e * 256, 8]),
+                ("BF16", vec![1, e * 256, 8]),
+                ("BF16", vec![1, e * 256, 8]),
+            ],
+        ),
+        (
+            "flat_1d",
+            [
+                ("BF16", vec![e * 2048]),
+                ("BF16", vec![e * 2048]),
+                ("BF16", vec![e * 2048]),
+            ],
+        ),
+        (
             "u8_1d",
             [
                 ("U8", vec![e * 3]),
