@@ -218,3 +218,58 @@ fn forged_run_metadata_is_refused_or_the_views_are_the_files_rows() {
         }
     }
 }
+
+/// Exported under a share that differs per layer (layer 0 holds 1-2, a run; layer 1
+/// holds 0 and 3, a gap; then the reverse; then one expert and all): the attached model
+/// gives each layer's role tensors as the file's rows of its own held experts (or no
+/// run), each held expert's pieces its own rows.
+#[test]
+fn a_per_layer_share_exports_and_attaches_with_each_layers_rows() {
+    let dir = scratch("export_per_layer");
+    let r = ("BF16", vec![E * I, H]);
+    let path = dbrx(&dir, E, [r.clone(), r.clone(), r]);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let cases: [[Vec<usize>; 2]; 3] = [
+        [vec![1, 2], vec![0, 3]],
+        [vec![0, 3], vec![2, 3]],
+        [vec![3], vec![0, 1, 2, 3]],
+    ];
+    for ids in cases {
+        let by_layer = ids.clone();
+        let share = ExpertShare::per_layer(move |layer, _| {
+            ExpertShare::list(by_layer[layer.min(1)].iter().copied())
+        });
+        let plan = base().share(Share::default().experts(share));
+        let mut model = checkpoint.place(&plan, options().shared(true)).unwrap();
+        let export = model.export().unwrap();
+        let what = format!("per layer {ids:?}");
+        let m = PlacedModel::attach_checked(&export.manifest, dup(&export.files), &checkpoint)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        consistent(&m, &path, &what);
+        for (l, held) in ids.iter().enumerate() {
+            assert_eq!(&m.expert_ids(l).unwrap(), held, "{what} L{l}");
+            let consecutive = held.windows(2).all(|w| w[1] == w[0] + 1);
+            for r in ROLES {
+                let name = role(l as u64, r);
+                let (_, file) = file_tensor(&path, &name);
+                let per = file.len() / E as usize;
+                let run = m.tensor(&name).unwrap().bytes();
+                if consecutive {
+                    let (a, b) = (held[0] * per, (held[held.len() - 1] + 1) * per);
+                    assert!(run == Some(&file[a..b]), "{what} {name}: the held rows");
+                } else {
+                    assert!(run.is_none(), "{what} {name}: a run over a gap");
+                }
+                for &e in held {
+                    let pieces = m.expert(l, e).unwrap();
+                    let p = pieces.iter().find(|p| p.tensor == name).unwrap();
+                    assert!(
+                        p.bytes == &file[e * per..(e + 1) * per],
+                        "{what} {name} E{e}"
+                    );
+                }
+            }
+        }
+        assert!(m.verify(&checkpoint).unwrap().verified(), "{what}");
+    }
+}
