@@ -352,11 +352,15 @@ pub(crate) fn check_attached(
             let pieces: Vec<_> = l.experts().iter().map(|e| e.weights().get(r)).collect();
             let pieces: Option<Vec<_>> = pieces.into_iter().collect();
             let pieces = pieces?;
-            let len: u64 = pieces.iter().map(|p| p.len()).sum();
+            let len = pieces
+                .iter()
+                .try_fold(0u64, |a, p| a.checked_add(p.len()))?;
             let ok = count == l.experts().len()
                 && first == r * count
                 && r < roles
                 && len == t.len
+                && super::shape::shape_bytes(t.dtype, &t.shape) == Some(t.len)
+                && run_slice_agrees(t, l)
                 && pieces.iter().all(|p| p.tensor() == index)
                 && pieces
                     .windows(2)
@@ -368,9 +372,41 @@ pub(crate) fn check_attached(
                 ATTACH,
                 "a role-major run",
                 format!("{} (layer {layer}, slots {first}+{count})", t.name),
-                format!("not one role of the layer's experts under role_major({roles})"),
+                format!(
+                    "not one role of the layer's experts under role_major({roles}), its \
+                     shape {:?} of {} its {} bytes",
+                    t.shape, t.dtype, t.len
+                ),
             ));
         }
     }
     Ok(())
+}
+
+/// Whether a run's slice says which rows of the tensor it holds, as [`role_runs`] made
+/// it: none where the run holds every expert of the layer; under a share, rows
+/// `a × rows / E` for `n × rows / E` of the tensor's `rows` (held ids `a..a + n`,
+/// consecutive), its shape's outermost axis that many. A forged slice (or one dropped)
+/// would name other rows than the run gives.
+fn run_slice_agrees(t: &PlacedTensor, l: &crate::model::LayerPlan) -> bool {
+    let n = l.experts().len();
+    let of = l.share().map_or(n, |s| s.of());
+    let Some(slice) = t.slice else {
+        return n == of;
+    };
+    let ids: Vec<usize> = (0..n).map(|i| l.expert_id(i)).collect();
+    let consecutive = ids.windows(2).all(|w| Some(w[1]) == w[0].checked_add(1));
+    let (Some(&a), Ok(of)) = (ids.first(), u64::try_from(of)) else {
+        return false;
+    };
+    let per = slice
+        .extent
+        .checked_div(of)
+        .filter(|_| slice.extent % of == 0);
+    let want = per.and_then(|per| Some((per.checked_mul(a as u64)?, per.checked_mul(n as u64)?)));
+    consecutive
+        && l.share().is_some_and(|s| n < s.of())
+        && slice.axis == crate::model::SliceAxis::Rows
+        && want == Some((slice.start, slice.len))
+        && t.shape.first() == Some(&slice.len)
 }

@@ -51,6 +51,18 @@ impl Block {
     }
 }
 
+/// The bytes `shape` holds of `dtype` (whole blocks); `None` past u64 or where the
+/// elements are no whole blocks. An attached view is made with its shape: a forged
+/// manifest's shape must not describe more (or fewer) bytes than the view gives.
+pub(crate) fn shape_bytes(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    let elements = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+    let block = Block::of(dtype);
+    if block.elements == 0 || elements % block.elements != 0 {
+        return None;
+    }
+    (elements / block.elements).checked_mul(block.bytes)
+}
+
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }

@@ -297,11 +297,12 @@ pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTenso
         PlacePart::Padded { layer, expert } => Place::Padded { layer, expert },
         PlacePart::Empty => Place::Empty,
     };
-    Ok(PlacedTensor {
+    let dtype = dtype_of(&p.dtype)?;
+    let tensor = PlacedTensor {
         name: p.name.clone(),
         class,
         layer: p.layer,
-        dtype: dtype_of(&p.dtype)?,
+        dtype,
         shape: p.shape.clone(),
         file: p.file,
         offset: p.offset,
@@ -318,7 +319,25 @@ pub(super) fn placed_tensor(p: &TensorPart, stores: usize) -> Result<PlacedTenso
             Some(from) => Some(conversion(p, dtype_of(from)?, dtype_of(&p.dtype)?)?),
             None => None,
         },
-    })
+    };
+    // After the conversion's check (a forged dtype is named as that first). A view is made with the tensor's shape over the bytes its place gives: a shape
+    // (or dtype) describing other than those bytes is refused (a reader would index
+    // past them).
+    if let PlacePart::Dense { len, .. } | PlacePart::ExpertPiece { len, .. } = p.place
+        && super::shape::shape_bytes(dtype, &p.shape) != Some(len as u64)
+    {
+        return Err(bad(
+            "tensor shape",
+            format!(
+                "{} {:?} of {}",
+                crate::error::quote(&p.name),
+                p.shape,
+                p.dtype
+            ),
+            &format!("its place gives {len} bytes"),
+        ));
+    }
+    Ok(tensor)
 }
 
 /// The conversion a tensor's `converted_from` and `dtype` name, where this crate makes
