@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 /// panic message; only the pages it touches are ever backed).
 const POOL_STACK: usize = 256 << 10;
 
-/// Set to `off` (or `0`) to make every direct read of this process use blocking calls on
+/// Set to `off` (or `0`, `false`, `no`, in any case) to make every direct read of this process use blocking calls on
 /// read threads ([`POOL_DEPTH`] in flight per loader) as where `io_uring` is denied: for
 /// benchmarks and tests of that path. The load report then says
 /// [`IoUringFallback::Environment`](crate::store::IoUringFallback::Environment).
@@ -35,7 +35,17 @@ pub const IO_URING_ENV: &str = "NUMAPIN_IO_URING";
 
 /// Whether [`IO_URING_ENV`] turns `io_uring` off.
 pub(crate) fn turned_off_by_env() -> bool {
-    std::env::var_os(IO_URING_ENV).is_some_and(|v| v == "off" || v == "0")
+    std::env::var_os(IO_URING_ENV).is_some_and(|v| means_off(&v))
+}
+
+/// `off`, `0`, `false` or `no`, in any case, around blanks.
+fn means_off(value: &std::ffi::OsStr) -> bool {
+    value.to_str().is_some_and(|v| {
+        let v = v.trim();
+        ["off", "0", "false", "no"]
+            .iter()
+            .any(|off| v.eq_ignore_ascii_case(off))
+    })
 }
 
 /// A loader thread's way of keeping several direct reads in flight.
@@ -222,6 +232,16 @@ impl Shared<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_variable_means_off_in_any_case_and_nothing_else_does() {
+        for v in ["off", "OFF", "Off", "0", "false", "FALSE", "no", " off\n"] {
+            assert!(means_off(std::ffi::OsStr::new(v)), "{v:?}");
+        }
+        for v in ["", "on", "1", "true", "yes", "of", "offf", "disable"] {
+            assert!(!means_off(std::ffi::OsStr::new(v)), "{v:?}");
+        }
+    }
 
     fn file_of(name: &str, len: usize) -> (std::path::PathBuf, File, Vec<u8>) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
