@@ -26,7 +26,10 @@ fn granite(dir: &std::path::Path) {
 }
 
 fn run(dir: &std::path::Path, slice: &str) -> std::process::Output {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_numapin"));
+    // `NUMAPIN_BIN` where the test runs away from the build (the VM's initramfs).
+    let bin =
+        std::env::var_os("NUMAPIN_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_numapin").into());
+    let mut cmd = std::process::Command::new(bin);
     cmd.args(["place", "--model"]).arg(dir);
     cmd.args(["--slice", slice, "--json"]);
     cmd.output().unwrap()
