@@ -6,6 +6,9 @@
 //! signals arriving while the loader waits, end in an error naming the file and the
 //! offset, or in a complete load: never a `SIGBUS` or a hang.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,16 +30,9 @@ fn dir(name: &str) -> PathBuf {
 }
 
 /// Whether the file system under `file` does direct I/O (statx reports an alignment).
+/// Whether `file`'s file system takes direct reads (`statx` says its alignments).
 fn has_direct_io(file: &File) -> bool {
-    rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .is_ok_and(|s| {
-        s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
-    })
+    common::dio_align(file).is_some()
 }
 
 /// What `io_uring_setup` answers this test, asked directly (not through numapin): `Ok` or

@@ -4,6 +4,9 @@
 //! counts what it did; every byte equals the file's, read independently. Nothing here
 //! assumes `io_uring` is available, nor that it is not.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::fs::File;
 use std::path::Path;
 
@@ -40,16 +43,9 @@ fn run_child(test: &str, path: &Path, env: &[(&str, &str)]) -> String {
     text
 }
 
+/// Whether `file`'s file system takes direct reads (`statx` says its alignments).
 fn has_direct_io(file: &File) -> bool {
-    rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .is_ok_and(|s| {
-        s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
-    })
+    common::dio_align(file).is_some()
 }
 
 /// A piece: file offset and length.

@@ -6,6 +6,9 @@
 //! refused by name or gives exactly the file's bytes, never a panic or wrong bytes.
 #![cfg(feature = "model")]
 
+#[path = "../common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use numapin::NodeSet;

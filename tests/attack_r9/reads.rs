@@ -18,16 +18,9 @@ use numapin::store::{
 /// A piece: file offset and length.
 type Range = (u64, usize);
 
+/// Whether `file`'s file system takes direct reads (`statx` says its alignments).
 fn has_direct_io(file: &File) -> bool {
-    rustix::fs::statx(
-        file,
-        c"",
-        rustix::fs::AtFlags::EMPTY_PATH,
-        rustix::fs::StatxFlags::DIOALIGN,
-    )
-    .is_ok_and(|s| {
-        s.stx_mask & rustix::fs::StatxFlags::DIOALIGN.bits() != 0 && s.stx_dio_offset_align > 0
-    })
+    crate::common::dio_align(file).is_some()
 }
 
 fn threads_options(loaders: usize) -> StoreOptions {
