@@ -445,6 +445,12 @@ fn replicate_domains_makes_a_copy_per_domain_and_local_reads_find_it() {
     let leads: NodeSet = domains.iter().filter_map(|d| d.nth(0)).collect();
     let expected_leads = if bound_here() { leads } else { NodeSet::new() };
     assert_eq!(store.replica_nodes(0).unwrap(), expected_leads);
+    // The thread stays on the CPU it runs on now: the domain it reads locally is the one
+    // sampled here (unpinned, it migrated between the two on the VM's four nodes).
+    let before = rustix::thread::sched_getaffinity(None).unwrap();
+    let mut one = rustix::thread::CpuSet::new();
+    one.set(numapin::topology::current_cpu());
+    rustix::thread::sched_setaffinity(None, &one).unwrap();
     let here = numapin::topology::current_domain().unwrap();
     for (e, (w, s)) in data.iter().enumerate() {
         assert_eq!(store.weights_local(0, e).unwrap(), &w[..]);
@@ -467,6 +473,7 @@ fn replicate_domains_makes_a_copy_per_domain_and_local_reads_find_it() {
             assert_eq!(store.weights_local(0, 3).unwrap().as_ptr(), first);
         }
     }
+    rustix::thread::sched_setaffinity(None, &before).unwrap();
     let stats = store.stats().unwrap();
     assert_eq!(stats.bytes, model_bytes() * copies as u64);
     // Each copy's bytes split evenly over its domain's nodes (the remainder on the
