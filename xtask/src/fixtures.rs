@@ -48,7 +48,10 @@ pub fn venv() -> PathBuf {
     target_dir().join("fixtures-venv")
 }
 
-/// `python -m pip install --quiet PACKAGES` (from PyPI).
+/// `python -m pip install --quiet --no-cache-dir PACKAGES` (from PyPI). No cache: the
+/// venv is made once per target directory, and torch's CUDA wheels would keep ~3.5 GB of
+/// downloads in `~/.cache/pip` beside the ~5.6 GB they install (a CI machine ran out of
+/// disk there).
 pub fn pip_install(python: &std::path::Path, packages: &[&str]) -> Result<(), String> {
     run(Command::new(python)
         .args([
@@ -57,6 +60,7 @@ pub fn pip_install(python: &std::path::Path, packages: &[&str]) -> Result<(), St
             "install",
             "--quiet",
             "--disable-pip-version-check",
+            "--no-cache-dir",
         ])
         .args(packages))
     .map_err(|e| format!("{e}\ninstalling {packages:?} from PyPI failed"))

@@ -28,6 +28,41 @@ const PACKAGES: &[&str] = &[
     "maturin>=1.9,<2",
 ];
 
+/// Disk the install needs at its peak, measured: torch 2.15's wheels (~3.5 GB downloaded
+/// into pip's temporary directory) and the venv they make (~5.6 GB).
+const NEEDED_GB: u64 = 10;
+
+/// Free space where the install writes (the venv's file system and the temporary
+/// directory pip downloads into), for the stage's messages.
+fn free_space() -> String {
+    let tmp = std::env::temp_dir();
+    [target_dir(), tmp]
+        .iter()
+        .map(|dir| match free_bytes(dir) {
+            Some(bytes) => format!("{:.1} GB in {}", bytes as f64 / 1e9, dir.display()),
+            None => format!("unknown in {}", dir.display()),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `statvfs(dir)`'s space available to an unprivileged writer, or `None` when the call
+/// fails (the directory does not exist yet).
+fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a NUL-terminated string that outlives the call and `stat` points
+    // to writable memory of the struct's size; on success the kernel has filled it.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it initialised the struct.
+    let stat = unsafe { stat.assume_init() };
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -59,8 +94,15 @@ pub fn run_tests() -> Result<(), String> {
         })?;
     }
     let step = Instant::now();
-    pip_install(&python, PACKAGES)
-        .map_err(|e| format!("{e}: the frameworks stage needs the registry"))?;
+    let before = free_space();
+    eprintln!("xtask: test-frameworks: free before installing torch: {before}");
+    pip_install(&python, PACKAGES).map_err(|e| {
+        format!(
+            "{e}\nthe frameworks stage needs PyPI and about {NEEDED_GB} GB of disk (torch's CUDA \
+             wheels, downloaded then installed); free before: {before}; free now: {}",
+            free_space()
+        )
+    })?;
     eprintln!(
         "xtask: test-frameworks: torch, transformers, accelerate installed in {:.0} s",
         step.elapsed().as_secs_f64()
