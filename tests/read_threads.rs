@@ -273,3 +273,135 @@ fn child_loads_in_a_tight_budget() {
     }
     println!("CHILD depth={}", d.blocking_depth);
 }
+
+/// Two packs at once on one store whose map budget has room for one loader's read
+/// threads, not two: the first claims the room under the store's map lock when its
+/// loader's pool is made, and keeps it until the loader is done; the second, checking
+/// while the first is mid-fill (the first's progress hook holds it there until the second
+/// has returned), is refused the read threads and reads one call at a time (depth 1)
+/// instead of counting the same free slots as its own. Both byte-exact, neither fails.
+/// Run as a child so that no other test's threads change the map count meanwhile.
+#[test]
+fn two_packs_at_once_do_not_both_take_the_room_for_read_threads() {
+    let dir = dir("two-packs");
+    let (_, len) = layout(24);
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> = (0..len).map(|i| ((i * 13 + i / 977) % 239) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = File::open(&path).unwrap();
+    if !has_direct_io(&file) {
+        println!("NOT RUN: the target directory's file system has no direct I/O");
+        return;
+    }
+    let text = run_child("child_two_packs_in_one_room", &path, &[]);
+    assert!(text.contains("CHILD second=1 "), "{text}");
+}
+
+/// Run by [`two_packs_at_once_do_not_both_take_the_room_for_read_threads`] only.
+#[test]
+#[ignore = "a child of two_packs_at_once_do_not_both_take_the_room_for_read_threads"]
+fn child_two_packs_in_one_room() {
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::Duration;
+
+    let Some(path) = std::env::var_os("READ_THREADS_FILE") else {
+        return;
+    };
+    let file = File::open(&path).unwrap();
+    // The reference: the file read back in one buffered read, not through numapin.
+    let reference = std::fs::read(&path).unwrap();
+    // 24 MiB and more: the first progress report (every PROGRESS_STEP = 16 MiB) comes
+    // mid-fill, while the loader and its pool are alive.
+    let (pieces, _) = layout(24);
+    assert!(pieces.len() << 20 > numapin::store::PROGRESS_STEP as usize);
+    let sources: Vec<ExpertSource<'_>> = pieces
+        .iter()
+        .map(|&[w, s]| ExpertSource::from_file(&file, &[w], &[s]))
+        .collect();
+    let spec = LayerSpec::fitting(&sources).unwrap();
+    // 0: start; 1: layer 0 is mid-fill; 2: layer 1's pack has returned.
+    let stage = Arc::new((Mutex::new(0u8), Condvar::new()));
+    let seen = Arc::clone(&stage);
+    let hook = numapin::store::ProgressHook::new(move |p| {
+        if p.layer != 0 {
+            return;
+        }
+        let (lock, changed) = &*seen;
+        let mut now = lock.lock().unwrap();
+        if *now == 0 {
+            *now = 1;
+            changed.notify_all();
+            // Held mid-fill until the other pack is done (bounded: never a hang).
+            let _ = changed
+                .wait_timeout_while(now, Duration::from_secs(300), |s| *s < 2)
+                .unwrap();
+        }
+    });
+    // Room for the layers' regions, the loaders' bounce buffers, the first loader's
+    // read threads (POOL_DEPTH - 1 of LOADER_THREAD_MAPS each) and what the first
+    // thread and its joined read threads leave mapped (stack caches, arenas); not for a
+    // second set of read threads on top of the first's claim.
+    let pool_maps = (POOL_DEPTH - 1) * numapin::store::LOADER_THREAD_MAPS;
+    let room = 2 * pool_maps + 16;
+    let options = StoreOptions::default()
+        .read_mode(ReadMode::Direct)
+        .io_uring(false)
+        .loader_threads(1)
+        .piece_congruence(4096)
+        .progress(Some(hook))
+        .vma_budget(Some(numapin::diag::map_count().unwrap() + room));
+    let store = PinStore::new(Layout::Unplaced, options).unwrap();
+    let (first, second) = std::thread::scope(|scope| {
+        let first = scope.spawn(|| store.pack_layer(0, &spec, &sources));
+        let (lock, changed) = &*stage;
+        let now = lock.lock().unwrap();
+        let now = changed
+            .wait_timeout_while(now, Duration::from_secs(300), |s| *s == 0)
+            .unwrap()
+            .0;
+        assert_eq!(*now, 1, "layer 0 never reported mid-fill");
+        drop(now);
+        let second = store.pack_layer(1, &spec, &sources);
+        *lock.lock().unwrap() = 2;
+        changed.notify_all();
+        (first.join().unwrap(), second)
+    });
+    let (first, second) = (first.unwrap(), second.unwrap());
+    let total: u64 = pieces.iter().map(|[w, s]| (w.1 + s.1) as u64).sum();
+    for (layer, report) in [(0, &first), (1, &second)] {
+        assert_eq!(
+            report.direct_io,
+            Some(DirectIo::Threads(IoUringFallback::Off)),
+            "{report:?}"
+        );
+        let d = report.direct_reads;
+        assert_eq!((d.uring_reads, d.uring_depth), (0, 0), "{report:?}");
+        assert!(d.blocking_reads >= 1, "{report:?}");
+        assert_eq!(d.in_place_bytes + report.bounced_bytes, total, "{report:?}");
+        let map = store.slot_map(layer).unwrap();
+        for (e, &[w, s]) in pieces.iter().enumerate() {
+            for (kind, (offset, n)) in [(Kind::Weights, w), (Kind::Scales, s)] {
+                let place = map.pieces(e, kind).unwrap()[0];
+                let slot = match kind {
+                    Kind::Weights => store.weights(layer, e).unwrap(),
+                    Kind::Scales => store.scales(layer, e).unwrap(),
+                };
+                let o = offset as usize;
+                assert!(
+                    slot[place.offset..place.end()] == reference[o..o + n],
+                    "layer {layer} expert {e} {kind:?} differs from the file"
+                );
+            }
+        }
+    }
+    // The first had the read threads (how many ran at once is the scheduler's); the
+    // second, refused them, one call at a time.
+    assert!((1..=POOL_DEPTH).contains(&first.direct_reads.blocking_depth));
+    println!(
+        "CHILD second={} first={} (blocking calls {} and {})",
+        second.direct_reads.blocking_depth,
+        first.direct_reads.blocking_depth,
+        second.direct_reads.blocking_reads,
+        first.direct_reads.blocking_reads
+    );
+}

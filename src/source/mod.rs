@@ -25,6 +25,7 @@ pub use mode::{
     DirectIo, DirectReads, FileRead, IoUringFallback, ReadFallback, ReadMode, Residency,
     ResidencyProbe,
 };
+pub(crate) use pool::ThreadRoom;
 pub use pool::{IO_URING_ENV, POOL_DEPTH};
 pub use progress::{PROGRESS_STEP, Progress, ProgressHook};
 pub(crate) use resident::residency;

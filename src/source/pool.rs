@@ -14,8 +14,8 @@
 
 use std::fs::File;
 use std::io::IoSliceMut;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use rustix::io::Errno;
 
@@ -46,6 +46,55 @@ fn means_off(value: &std::ffi::OsStr) -> bool {
             .iter()
             .any(|off| v.eq_ignore_ascii_case(off))
     })
+}
+
+/// Mappings a [`Pool`]'s read threads may add while they run: [`POOL_DEPTH`]` - 1`
+/// threads, each counted as a loader thread (stack and guard, signal stack and guard,
+/// malloc arena).
+pub(crate) const POOL_MAPS: usize = (POOL_DEPTH - 1) * super::LOADER_THREAD_MAPS;
+
+/// Map slots set aside for read threads that loaders may spawn at any moment of their
+/// fill (each [`Pool::read_all`] spawns and joins its own), shared by a store's map
+/// budget and its readers. The budget takes the set-aside slots as used
+/// (`store::budget`), so that a check made while another load's read threads may run
+/// does not count their room as free. A claim is taken under the store's map lock, right
+/// after the check that there is room for it, and given back when the pool holding it
+/// drops (its loader has finished and joined its threads): check and claim are one step.
+///
+/// While the read threads run, their mappings are in the process's map count as well as
+/// set aside: counted twice, the budget errs on the side of refusing read threads (a
+/// load then reads one call at a time), never of crossing the limit.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ThreadRoom(Arc<AtomicUsize>);
+
+impl ThreadRoom {
+    /// Map slots set aside now.
+    pub(crate) fn held(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Sets `maps` slots aside until the claim drops. The caller holds the store's map
+    /// lock and has checked that they fit.
+    pub(crate) fn claim(&self, maps: usize) -> Claim {
+        self.0.fetch_add(maps, Ordering::AcqRel);
+        Claim {
+            room: Arc::clone(&self.0),
+            maps,
+        }
+    }
+}
+
+/// Map slots set aside in a [`ThreadRoom`]; given back on drop.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    room: Arc<AtomicUsize>,
+    maps: usize,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.room.fetch_sub(self.maps, Ordering::AcqRel);
+    }
 }
 
 /// A loader thread's way of keeping several direct reads in flight.
@@ -91,6 +140,9 @@ pub(crate) struct Pool {
     pub(crate) calls: u64,
     /// The most calls in flight at once so far.
     pub(crate) peak: usize,
+    /// The map slots its read threads were given, when the store counts them
+    /// ([`ThreadRoom`]); held as long as the pool may spawn them.
+    pub(crate) _claim: Option<Claim>,
 }
 
 /// Why a request could not be read in full, kept as plain data by the helpers (an
@@ -241,6 +293,24 @@ mod tests {
         for v in ["", "on", "1", "true", "yes", "of", "offf", "disable"] {
             assert!(!means_off(std::ffi::OsStr::new(v)), "{v:?}");
         }
+    }
+
+    #[test]
+    fn a_claim_is_set_aside_until_it_drops_and_clones_share_it() {
+        let room = ThreadRoom::default();
+        let seen = room.clone();
+        let a = room.claim(POOL_MAPS);
+        let b = seen.claim(5);
+        assert_eq!((room.held(), seen.held()), (POOL_MAPS + 5, POOL_MAPS + 5));
+        drop(a);
+        assert_eq!(seen.held(), 5);
+        let pool = Pool {
+            _claim: Some(b),
+            ..Pool::default()
+        };
+        assert_eq!(room.held(), 5);
+        drop(pool);
+        assert_eq!(room.held(), 0);
     }
 
     fn file_of(name: &str, len: usize) -> (std::path::PathBuf, File, Vec<u8>) {

@@ -19,7 +19,7 @@ use super::behind::{self, Advised, DROP_BEHIND_EVERY, Shared, Stream, dont_need}
 pub(crate) use super::direct::Scratch;
 use super::direct::{Direct, open_direct, readable};
 use super::mode::{DirectIo, FileRead, IoUringFallback, ReadFallback, ReadMode};
-use super::pool::{self, Pool, Queue};
+use super::pool::{self, POOL_MAPS, Pool, Queue, ThreadRoom};
 use super::resident::residency;
 pub(crate) use super::segment::Segment;
 use super::segment::path_of;
@@ -79,6 +79,8 @@ pub(crate) struct Reader<'a> {
     shared: Option<Arc<Shared>>,
     /// How each file is read and why, in first-use order, for the report.
     reads: Vec<FileRead>,
+    /// Where the store sets map slots aside for read threads ([`Reader::room`]).
+    room: Option<ThreadRoom>,
 }
 
 fn key(file: &File) -> usize {
@@ -99,6 +101,7 @@ impl<'a> Reader<'a> {
             advised: None,
             shared: None,
             reads: Vec::new(),
+            room: None,
         }
     }
 
@@ -242,6 +245,14 @@ impl<'a> Reader<'a> {
         Ok(reader)
     }
 
+    /// Each pool of read threads [`Reader::scratch`] makes claims [`POOL_MAPS`] slots of
+    /// `room` (the store's map budget) until it drops: call `scratch` under the store's
+    /// map lock, after checking that [`Reader::scratch_maps`] fit.
+    pub(crate) fn room(mut self, room: ThreadRoom) -> Self {
+        self.room = Some(room);
+        self
+    }
+
     /// Direct reads with blocking calls on the loader threads, `io_uring` or not.
     pub(crate) fn without_io_uring(mut self) -> Self {
         if self.io.is_some() {
@@ -296,10 +307,15 @@ impl<'a> Reader<'a> {
     /// `io_uring_setup` failed with an errno other than `EPERM` or `ENOSYS`.
     pub(crate) fn scratch(&self) -> Result<Scratch> {
         let scratch = self.bounce();
-        let pool = Queue::Pool(Pool::default());
+        let pool = || {
+            Queue::Pool(Pool {
+                _claim: self.room.as_ref().map(|room| room.claim(POOL_MAPS)),
+                ..Pool::default()
+            })
+        };
         match self.io {
             None => Ok(scratch),
-            Some(DirectIo::Threads(_)) => Ok(scratch.with_ring(pool)),
+            Some(DirectIo::Threads(_)) => Ok(scratch.with_ring(pool())),
             Some(DirectIo::IoUring { .. }) => match Ring::new()? {
                 Ok(ring) => Ok(scratch.with_ring(Queue::Ring(Box::new(ring)))),
                 Err(why) => {
@@ -307,7 +323,7 @@ impl<'a> Reader<'a> {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .get_or_insert(why);
-                    Ok(scratch.with_ring(pool))
+                    Ok(scratch.with_ring(pool()))
                 }
             },
         }
@@ -320,7 +336,7 @@ impl<'a> Reader<'a> {
         let ring = match self.io {
             None => 0,
             Some(DirectIo::IoUring { .. }) => uring::RING_MAPS,
-            Some(DirectIo::Threads(_)) => (pool::POOL_DEPTH - 1) * super::LOADER_THREAD_MAPS,
+            Some(DirectIo::Threads(_)) => POOL_MAPS,
         };
         usize::from(self.needs_scratch()) + ring
     }

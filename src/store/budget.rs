@@ -18,6 +18,12 @@
 //! `'static` jobs (today's jobs borrow the caller's sources and the arena's slots), and
 //! would still need this check for the regions.
 //!
+//! A loader that reads directly without `io_uring` spawns up to
+//! [`POOL_DEPTH`](crate::store::POOL_DEPTH)` - 1` read threads for each batch it reads,
+//! outside the lock: their room is claimed when its pool is made, under the lock, and
+//! stays claimed until the pool drops (`source::pool::ThreadRoom`), so that two packs
+//! near the limit cannot both count the same free slots as their read threads'.
+//!
 //! # The race that remains
 //!
 //! The lock is the store's, not the process's: another thread of the process (another
@@ -30,6 +36,7 @@ use std::sync::{Mutex, MutexGuard};
 use super::{LayerSpec, PinStore};
 use crate::diag;
 use crate::error::{Error, Result};
+use crate::source::ThreadRoom;
 
 /// Mappings kept free beyond what a reservation needs: the heap allocations a pack makes
 /// between two reservations (the slot tables and the job list, which glibc serves with
@@ -42,6 +49,11 @@ pub(crate) struct MapGate {
     lock: Mutex<()>,
     /// [`super::StoreOptions::vma_budget`].
     budget: Option<usize>,
+    /// Slots set aside for the read threads of the loaders that read directly without
+    /// `io_uring`: they spawn them at any moment of their fill, outside the lock, so the
+    /// room is claimed under the lock when a loader's pool is made, and counted as used
+    /// until the pool drops.
+    room: ThreadRoom,
 }
 
 /// Held while the reserved mappings are being made.
@@ -52,7 +64,15 @@ impl MapGate {
         MapGate {
             lock: Mutex::new(()),
             budget,
+            room: ThreadRoom::default(),
         }
+    }
+
+    /// Where loaders claim room for their read threads ([`crate::source::load::Reader`]'s
+    /// `room`): under this gate's lock, each pool of read threads made then counts as
+    /// used by every later check until it drops.
+    pub(crate) fn room(&self) -> ThreadRoom {
+        self.room.clone()
     }
 
     /// Takes the store's map lock and checks that `needed` mappings plus [`HEAP_MARGIN`]
@@ -83,7 +103,8 @@ impl MapGate {
             Some(budget) => budget,
             None => diag::max_map_count()?,
         };
-        let current = diag::map_count()?;
+        // What the process has, and what loaders have set aside for their read threads.
+        let current = diag::map_count()?.saturating_add(self.room.held());
         let available = limit.saturating_sub(current);
         if needed > available {
             return Err(Error::MapBudget {

@@ -374,7 +374,8 @@ impl PinStore {
                 .flatten()
                 .map(|p| (p.file, p.offset, p.len)),
         )
-        .advised(&self.advised);
+        .advised(&self.advised)
+        .room(self.maps.room());
         Ok(if self.options.io_uring {
             reader
         } else {
