@@ -11,6 +11,7 @@ mod convert;
 mod errors;
 mod experts_view;
 mod progress;
+mod reads;
 mod role_major;
 mod served;
 mod store;

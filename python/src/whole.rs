@@ -18,7 +18,7 @@ use pyo3::types::PyDict;
 
 use crate::errors::{IntoPy, InvalidArgument, clip};
 use crate::progress::Callbacks;
-use crate::store::{Options, to_dict};
+use crate::store::Options;
 use crate::view::{View, tensor_layout};
 
 /// The plan from the keywords, built with the typed API: `experts` and `dense` first,
@@ -515,8 +515,13 @@ impl WholeModel {
     }
 
     /// The report as a dict.
+    /// Each measured class also has the direct-read counts under the CLI JSON's names
+    /// (`in_place_bytes`, `bounced_bytes`, `uring_reads`, `blocking_reads`,
+    /// `uring_depth`, `blocking_depth`), and the dict `direct_io` (`crate::reads`).
     fn report_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        to_dict(py, &self.inner.report())
+        let value = crate::reads::report_value(self.inner.report())
+            .map_err(|e| crate::errors::NumapinError::new_err(format!("report as JSON: {e}")))?;
+        crate::store::json_to_py(py, &value)
     }
 
     /// Statistics of every store: `{"experts": {...} or None, "dense": [{"class": ...,
