@@ -306,9 +306,18 @@ impl Checkpoint {
             })?;
             Ok(Piece::new(file.file(), p.offset(), len))
         };
+        // Exact capacities: a column cut has a piece per row (collecting through
+        // `Result` would grow each list by doubling, up to twice its size).
+        let pieces = |list: &[super::TensorPiece]| -> Result<Vec<Piece<'_>>> {
+            let mut out = Vec::with_capacity(list.len());
+            for p in list {
+                out.push(piece(p)?);
+            }
+            Ok(out)
+        };
         Ok(ExpertSource::File {
-            weights: expert.weights().iter().map(piece).collect::<Result<_>>()?,
-            scales: expert.scales().iter().map(piece).collect::<Result<_>>()?,
+            weights: pieces(expert.weights())?,
+            scales: pieces(expert.scales())?,
         })
     }
 }

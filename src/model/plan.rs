@@ -86,14 +86,9 @@ impl Plan<'_> {
         Error::checkpoint(self.file_of(t), None, CheckpointFault::Missing, why)
     }
 
-    fn piece(&self, index: usize) -> TensorPiece {
+    fn piece(&self, index: usize) -> Result<TensorPiece> {
         let t = self.tensor(index);
-        TensorPiece {
-            tensor: index,
-            file: t.file(),
-            offset: t.offset(),
-            len: t.len(),
-        }
+        TensorPiece::new(index, t.file(), t.offset(), t.len())
     }
 }
 
@@ -249,18 +244,19 @@ fn group(plan: &Plan<'_>) -> Result<(BTreeMap<usize, LayerTensors>, usize, u64)>
     Ok((layers, engine_tensors, engine_bytes))
 }
 
-fn split_roles(pieces: impl Iterator<Item = (Role, TensorPiece)>) -> ExpertPieces {
+fn split_roles(pieces: impl Iterator<Item = (Role, Result<TensorPiece>)>) -> Result<ExpertPieces> {
     let mut weights = Vec::new();
     let mut scales = Vec::new();
     // BTreeMap order: (false, piece) before (true, piece), each by piece.
     for ((scale, _), p) in pieces {
+        let p = p?;
         if scale {
             scales.push(p)
         } else {
             weights.push(p)
         }
     }
-    ExpertPieces { weights, scales }
+    Ok(ExpertPieces { weights, scales })
 }
 
 fn per_expert_layer(
@@ -312,7 +308,7 @@ fn per_expert_layer(
         }
         out.push(split_roles(
             pieces.iter().map(|(&k, &i)| (k, plan.piece(i))),
-        ));
+        )?);
     }
     Ok((out, required))
 }
@@ -393,16 +389,8 @@ fn merged_layer(
         out.push(split_roles(merged.iter().map(|(&k, &i)| {
             let t = plan.tensor(i);
             let per = t.len() / n;
-            (
-                k,
-                TensorPiece {
-                    tensor: i,
-                    file: t.file(),
-                    offset: t.offset() + e * per,
-                    len: per,
-                },
-            )
-        })));
+            (k, TensorPiece::new(i, t.file(), t.offset() + e * per, per))
+        }))?);
     }
     Ok((out, required))
 }

@@ -37,24 +37,49 @@ impl GateUpLayout {
 
 /// One range of a checkpoint file holding part of a tensor: what a role of an expert
 /// reads into its slot (the plan's view; the store reads it as a [`crate::store::Piece`]).
+///
+/// 24 bytes: a column cut has one per sliced row of each expert (8 layers × 32 experts ×
+/// 1024 rows of `down_proj` are 262,144 of them, kept for the views, the verification and
+/// the export), so the indices are `u32` ([`TensorPiece::new`] refuses larger ones).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorPiece {
-    pub(crate) tensor: usize,
-    pub(crate) file: usize,
     pub(crate) offset: u64,
     pub(crate) len: u64,
+    pub(crate) tensor: u32,
+    pub(crate) file: u32,
 }
 
 impl TensorPiece {
+    /// The piece of tensor `tensor` in file `file` at `offset`, `len` bytes.
+    ///
+    /// # Errors
+    /// An index above `u32::MAX` (no checkpoint has that many tensors or files).
+    pub(crate) fn new(tensor: usize, file: usize, offset: u64, len: u64) -> crate::Result<Self> {
+        let index = |what: &str, i: usize| {
+            u32::try_from(i).map_err(|_| {
+                crate::Error::overflow(
+                    "TensorPiece::new",
+                    format!("{what} index {i} of a piece at offset {offset} as a u32"),
+                )
+            })
+        };
+        Ok(TensorPiece {
+            offset,
+            len,
+            tensor: index("tensor", tensor)?,
+            file: index("file", file)?,
+        })
+    }
+
     /// Index of the tensor it comes from in
     /// [`Checkpoint::tensors`](crate::model::Checkpoint::tensors).
     pub fn tensor(&self) -> usize {
-        self.tensor
+        self.tensor as usize
     }
 
     /// Index of its file in [`Checkpoint::files`](crate::model::Checkpoint::files).
     pub fn file(&self) -> usize {
-        self.file
+        self.file as usize
     }
 
     /// Absolute offset in that file.
@@ -246,5 +271,30 @@ impl ExpertPlan {
     /// every layer has every role of the naming.
     pub fn is_complete(&self) -> bool {
         !self.layers.is_empty() && self.layers.iter().all(LayerPlan::is_complete)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_piece_is_24_bytes_and_refuses_indices_above_u32() {
+        assert_eq!(std::mem::size_of::<TensorPiece>(), 24);
+        let p = TensorPiece::new(7, 3, 1 << 40, 5 << 33).unwrap();
+        assert_eq!(
+            (p.tensor(), p.file(), p.offset(), p.len()),
+            (7, 3, 1 << 40, 5 << 33)
+        );
+        let top = u32::MAX as usize;
+        let p = TensorPiece::new(top, top, 0, 1).unwrap();
+        assert_eq!((p.tensor(), p.file()), (top, top));
+        let e = TensorPiece::new(top + 1, 0, 0, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("TensorPiece::new") && e.contains("tensor index 4294967296"),
+            "{e}"
+        );
+        let e = TensorPiece::new(0, top + 1, 0, 1).unwrap_err().to_string();
+        assert!(e.contains("file index 4294967296"), "{e}");
     }
 }

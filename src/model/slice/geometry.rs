@@ -49,9 +49,9 @@ impl Run {
 
 /// The geometry of expert piece `piece` (a merged tensor's experts axis removed).
 pub(crate) fn geometry(checkpoint: &Checkpoint, piece: &TensorPiece) -> Result<Geometry> {
-    let t: &TensorInfo = checkpoint.tensors().get(piece.tensor).ok_or_else(|| {
+    let t: &TensorInfo = checkpoint.tensors().get(piece.tensor()).ok_or_else(|| {
         let why = format!("the checkpoint has {} tensors", checkpoint.tensors().len());
-        Error::bad_value(OP, "a piece's tensor", piece.tensor, why)
+        Error::bad_value(OP, "a piece's tensor", piece.tensor(), why)
     })?;
     tensor_geometry(t, piece.len)
 }

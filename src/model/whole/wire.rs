@@ -355,7 +355,7 @@ fn conversion(p: &TensorPart, from: Dtype, to: Dtype) -> Result<super::convert::
 }
 
 fn piece_part(p: &TensorPiece) -> PiecePart {
-    (p.tensor, p.file, p.offset, p.len)
+    (p.tensor(), p.file(), p.offset, p.len)
 }
 
 pub(super) fn plan_part(plan: &ExpertPlan) -> PlanPart {
@@ -447,12 +447,7 @@ fn layer_plan(l: &LayerPlanPart, tensors: usize) -> Result<LayerPlan> {
                 len: tensors,
             });
         }
-        Ok(TensorPiece {
-            tensor,
-            file,
-            offset,
-            len,
-        })
+        TensorPiece::new(tensor, file, offset, len)
     };
     let mut experts = Vec::with_capacity(l.experts.len());
     for (w, s) in &l.experts {

@@ -1,6 +1,7 @@
 //! A loader thread's bounce buffer for direct reads, its `io_uring`, and the counts of
 //! what its reads did (bytes in place, bytes bounced, calls per mechanism).
 
+use crate::region::Region;
 use crate::source::mode::DirectReads;
 use crate::source::pool::Queue;
 
@@ -13,7 +14,7 @@ const BOUNCE: usize = 8 << 20;
 /// its `io_uring`, when direct reads go through one.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    pub(super) buf: Vec<u8>,
+    pub(super) buf: Bounce,
     /// Where the aligned buffer starts in `buf`.
     pub(super) start: usize,
     /// Bytes of the buffer (0: none, the thread reads no file directly).
@@ -32,7 +33,7 @@ pub(crate) struct Scratch {
 impl Scratch {
     pub(crate) fn new(mem_align: usize, offset_align: usize) -> Self {
         let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
-        let buf = vec![0u8; len + mem_align];
+        let buf = Bounce::new(len + mem_align);
         let start = buf.as_ptr().align_offset(mem_align);
         Scratch {
             buf,
@@ -95,5 +96,93 @@ impl Scratch {
     /// The aligned buffer.
     pub(super) fn get(&mut self) -> &mut [u8] {
         &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// A bounce buffer's memory: a private anonymous mapping of its own ([`Region`]),
+/// unmapped when the loader drops it (a heap allocation where the mapping is refused).
+/// Not malloc's: once a process has freed a large mapped block, glibc raises its mmap
+/// threshold above 8 MiB and serves such a buffer from the loader thread's arena, whose
+/// freed top then stays resident after the load (docs/benchmarks.md, "Per-rank memory
+/// under torchrun"). Either way one mapping, as the store's map budget counts it.
+#[derive(Default)]
+pub(crate) enum Bounce {
+    /// No buffer (the thread reads no file directly).
+    #[default]
+    None,
+    /// Its own mapping.
+    Mapped(Region),
+    /// On the heap: the mapping was refused.
+    Heap(Vec<u8>),
+}
+
+impl Bounce {
+    /// `len` zeroed bytes (`len` > 0).
+    fn new(len: usize) -> Self {
+        match Region::anonymous(len) {
+            Ok(region) => Bounce::Mapped(region),
+            Err(_) => Bounce::Heap(vec![0u8; len]),
+        }
+    }
+}
+
+impl std::ops::Deref for Bounce {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bounce::None => &[],
+            Bounce::Mapped(region) => region.as_slice(),
+            Bounce::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Bounce {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Bounce::None => &mut [],
+            // Never read-only (nothing protects it): writable.
+            Bounce::Mapped(region) => region.as_mut_slice().unwrap_or_default(),
+            Bounce::Heap(v) => v,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The buffer is a mapping of its own (the kernel's list of mappings,
+    /// /proc/self/maps: one mapping whose span holds the buffer), page-aligned and
+    /// zeroed; not a heap block.
+    #[test]
+    fn the_bounce_buffer_is_a_mapping_of_its_own() {
+        let mut scratch = Scratch::new(4096, 4096);
+        assert!(matches!(scratch.buf, Bounce::Mapped(_)));
+        let bounce = scratch.get();
+        assert!(bounce.len() >= BOUNCE);
+        assert!(bounce.iter().all(|&b| b == 0));
+        bounce[0] = 1;
+        let (at, len) = (bounce.as_ptr() as usize, bounce.len());
+        assert_eq!(at % 4096, 0);
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let holder = maps
+            .lines()
+            .find(|l| {
+                let (a, b) = l
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .split_once('-')
+                    .unwrap();
+                let a = usize::from_str_radix(a, 16).unwrap();
+                let b = usize::from_str_radix(b, 16).unwrap();
+                a <= at && at + len <= b
+            })
+            .expect("a mapping holds the bounce buffer");
+        // Anonymous (no path, not the heap).
+        assert_eq!(holder.split_whitespace().count(), 5, "{holder}");
+        assert_eq!(scratch.get()[0], 1);
     }
 }
