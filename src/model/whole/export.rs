@@ -319,7 +319,11 @@ impl PlacedModel {
             tensors.push(wire::placed_tensor(t, body.dense.len())?);
         }
         let expert_plan = match &body.expert_plan {
-            Some(p) => Some(wire::expert_plan(p, tensors.len())?),
+            Some(p) => Some(wire::expert_plan(
+                p,
+                tensors.len(),
+                &body.identity.file_lengths(),
+            )?),
             None => None,
         };
         let mut stores = Vec::with_capacity(body.dense.len());

@@ -59,6 +59,12 @@ impl Identity {
             files,
         })
     }
+    /// Each file's length, in the checkpoint's file order (what an attached plan's pieces
+    /// are checked against).
+    pub(crate) fn file_lengths(&self) -> Vec<u64> {
+        self.files.iter().map(|f| f.0).collect()
+    }
+
     /// Whether `checkpoint` has this identity (the same tensor count, file lengths and
     /// header hashes).
     ///

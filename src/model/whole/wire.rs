@@ -420,24 +420,26 @@ pub(super) fn plan_part(plan: &ExpertPlan) -> PlanPart {
     }
 }
 
-/// The plan from its part: every piece names a tensor of the `tensors` placed, a
-/// share's ids are one per slot and increasing.
-pub(super) fn expert_plan(p: &PlanPart, tensors: usize) -> Result<ExpertPlan> {
+/// The plan from its part: every piece names a tensor of the `tensors` placed and a range
+/// of one of the checkpoint's files (`files`: their lengths), a share's ids are one per
+/// slot and increasing.
+pub(super) fn expert_plan(p: &PlanPart, tensors: usize, files: &[u64]) -> Result<ExpertPlan> {
     Ok(ExpertPlan {
         naming: p.naming.clone(),
         layers: p
             .layers
             .iter()
-            .map(|l| layer_plan(l, tensors))
+            .map(|l| layer_plan(l, tensors, files))
             .collect::<Result<_>>()?,
         engine_tensors: p.engine_tensors,
         engine_bytes: p.engine_bytes,
     })
 }
 
-/// One layer's plan from its part: its pieces checked against the `tensors` placed, one
-/// canonical name and orientation per role, its share checked.
-fn layer_plan(l: &LayerPlanPart, tensors: usize) -> Result<LayerPlan> {
+/// One layer's plan from its part: its pieces checked against the `tensors` placed and
+/// the checkpoint's `files` (lengths), one canonical name and orientation per role, its
+/// share checked.
+fn layer_plan(l: &LayerPlanPart, tensors: usize, files: &[u64]) -> Result<LayerPlan> {
     let piece = |&(tensor, file, offset, len): &PiecePart| {
         if tensor >= tensors {
             return Err(Error::OutOfRange {
@@ -446,6 +448,24 @@ fn layer_plan(l: &LayerPlanPart, tensors: usize) -> Result<LayerPlan> {
                 index: tensor,
                 len: tensors,
             });
+        }
+        // Checked here, not only by the u32 cast in TensorPiece::new: a forged index
+        // past the checkpoint's file table (below 2^32 or not) is refused by this call.
+        let Some(&file_len) = files.get(file) else {
+            return Err(Error::OutOfRange {
+                op: ATTACH,
+                what: "file of an expert piece".to_owned(),
+                index: file,
+                len: files.len(),
+            });
+        };
+        if offset.checked_add(len).is_none_or(|end| end > file_len) {
+            return Err(Error::bad_value(
+                ATTACH,
+                "range of an expert piece",
+                format!("offset {offset} len {len}"),
+                format!("past the end of file {file} ({file_len} bytes)"),
+            ));
         }
         TensorPiece::new(tensor, file, offset, len)
     };
