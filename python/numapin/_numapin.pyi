@@ -327,11 +327,12 @@ class WholeModel:
     def stats(self) -> dict[str, Any]:
         """{"experts": store stats or None, "dense": [store stats + "class"]}."""
     def report(self) -> str: ...
-    def report_dict(self) -> dict[str, Any]:
+    def report_dict(self) -> dict[str, Any] | None:
         """WholeReport as a dict; each "measured" class also has in_place_bytes,
         bounced_bytes, uring_reads, blocking_reads, uring_depth, blocking_depth (the
         CLI JSON's names), and "direct_io" says how the experts' direct reads were
-        issued (io_uring or read threads and why; None)."""
+        issued (io_uring or read threads and why; None). None for a model made by
+        numapin.attach (it read nothing: no report)."""
     def verify(self) -> dict[str, Any]:
         """Every copy of every tensor re-read from the files: "verified", "mismatched".
         InvalidArgument for a model attached by name (no checkpoint)."""
