@@ -184,6 +184,30 @@ pub fn max_map_count() -> Result<usize> {
     })
 }
 
+/// Address space a new thread may take at most: its stack (Rust's default 2 MiB, up to
+/// 8 MiB where `RUST_MIN_STACK` or a builder asks), its signal stack, and the malloc
+/// arena glibc may make for it at its first allocation, which maps 128 MiB (twice its
+/// 64 MiB heap, to align it) before it trims the excess.
+pub(crate) const THREAD_ADDRESS_SPACE: u64 = 136 << 20;
+
+/// How many more threads fit under the process's `RLIMIT_AS` (its soft limit less
+/// `VmSize`, [`THREAD_ADDRESS_SPACE`] each), or `usize::MAX` where the limit is infinite or
+/// the figures cannot be read. A thread that gets its stack but not its signal stack
+/// aborts the process inside Rust's runtime (nothing can catch it), so the loaders and
+/// read threads are not spawned where the address space has no room for them: the
+/// calling thread does their work.
+pub(crate) fn threads_in_address_space() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::As).current;
+    let Some(limit) = limit else {
+        return usize::MAX;
+    };
+    let Ok(Some(size_kib)) = status_kib("VmSize") else {
+        return usize::MAX;
+    };
+    let room = limit.saturating_sub(size_kib.saturating_mul(1024));
+    usize::try_from(room / THREAD_ADDRESS_SPACE).unwrap_or(usize::MAX)
+}
+
 /// A `kB` field of `/proc/self/status` (`VmLck`, `VmRSS`, ...), in KiB.
 ///
 /// # Errors

@@ -154,7 +154,9 @@ pub(crate) fn compare(
     let key = |f: &File| f as *const File as usize;
     parts.sort_by_key(|p| (key(p.file), p.offset));
     let windows = windows(&parts, &|f| key(f));
-    let threads = threads.clamp(1, windows.len().max(1));
+    let threads = threads
+        .clamp(1, windows.len().max(1))
+        .min(crate::diag::threads_in_address_space().saturating_add(1));
     let shared = Shared {
         next: AtomicUsize::new(0),
         stop: AtomicBool::new(false),

@@ -188,6 +188,9 @@ impl<'j, 'r, 'a> Fill<'j, 'r, 'a> {
         permit: impl Fn(usize) -> Option<P>,
     ) {
         for spawned in 0..helpers {
+            if crate::diag::threads_in_address_space() == 0 {
+                break;
+            }
             let Some(permit) = permit(spawned) else {
                 break;
             };

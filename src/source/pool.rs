@@ -210,7 +210,10 @@ impl Pool {
             peak: AtomicUsize::new(0),
             calls: AtomicU64::new(0),
         };
-        let helpers = POOL_DEPTH.min(count).saturating_sub(1);
+        let helpers = POOL_DEPTH
+            .min(count)
+            .saturating_sub(1)
+            .min(crate::diag::threads_in_address_space());
         std::thread::scope(|scope| {
             for _ in 0..helpers {
                 let shared = &shared;

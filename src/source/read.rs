@@ -304,9 +304,10 @@ impl<'a> Reader<'a> {
     /// ([`Pool`]) when they do not.
     ///
     /// # Errors
-    /// `io_uring_setup` failed with an errno other than `EPERM` or `ENOSYS`.
+    /// `io_uring_setup` failed with an errno other than `EPERM` or `ENOSYS`, or the
+    /// address space has no room for the bounce buffer.
     pub(crate) fn scratch(&self) -> Result<Scratch> {
-        let scratch = self.bounce();
+        let scratch = self.bounce()?;
         let pool = || {
             Queue::Pool(Pool {
                 _claim: self.room.as_ref().map(|room| room.claim(POOL_MAPS)),
@@ -348,11 +349,14 @@ impl<'a> Reader<'a> {
 
     /// A bounce buffer without a ring or read threads: direct reads one blocking call at
     /// a time, for a loader whose map budget has no room for more ([`Reader::scratch`]).
-    pub(crate) fn scratch_alone(&self) -> Scratch {
+    ///
+    /// # Errors
+    /// No room in the address space for the bounce buffer.
+    pub(crate) fn scratch_alone(&self) -> Result<Scratch> {
         self.bounce()
     }
 
-    fn bounce(&self) -> Scratch {
+    fn bounce(&self) -> Result<Scratch> {
         let align = self
             .files
             .iter()
@@ -364,7 +368,7 @@ impl<'a> Reader<'a> {
                 Some(acc.map_or((m, o), |(am, ao)| (am.max(m), ao.max(o))))
             });
         match align {
-            None => Scratch::default(),
+            None => Ok(Scratch::default()),
             Some((mem, offset)) => Scratch::new(mem.max(crate::page::page_size()), offset),
         }
     }

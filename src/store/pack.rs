@@ -434,7 +434,7 @@ impl PinStore {
         } else {
             // No room for the read threads (without io_uring): one read at a time.
             let _reservation = self.maps.reserve(what, reader.scratch_maps_alone())?;
-            reader.scratch_alone()
+            reader.scratch_alone()?
         };
         let bytes: u64 = lengths.iter().flatten().map(|&n| n as u64).sum();
         let meter = self

@@ -40,7 +40,7 @@ impl GateUpLayout {
 ///
 /// 24 bytes: a column cut has one per sliced row of each expert (8 layers × 32 experts ×
 /// 1024 rows of `down_proj` are 262,144 of them, kept for the views, the verification and
-/// the export), so the indices are `u32` ([`TensorPiece::new`] refuses larger ones).
+/// the export), so the indices are `u32` (a larger one is refused by name where a piece is made).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorPiece {
     pub(crate) offset: u64,

@@ -59,6 +59,7 @@ impl Identity {
             files,
         })
     }
+
     /// Each file's length, in the checkpoint's file order (what an attached plan's pieces
     /// are checked against).
     pub(crate) fn file_lengths(&self) -> Vec<u64> {

@@ -31,11 +31,17 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    pub(crate) fn new(mem_align: usize, offset_align: usize) -> Self {
+    /// A bounce buffer of 8 MiB (or two `offset_align` units), at a multiple of
+    /// `mem_align`.
+    ///
+    /// # Errors
+    /// Neither a mapping nor the heap has room for it (a tight `RLIMIT_AS`): the
+    /// mapping's error, naming the call and the length.
+    pub(crate) fn new(mem_align: usize, offset_align: usize) -> crate::Result<Self> {
         let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
-        let buf = Bounce::new(len + mem_align);
+        let buf = Bounce::new(len + mem_align)?;
         let start = buf.as_ptr().align_offset(mem_align);
-        Scratch {
+        Ok(Scratch {
             buf,
             start,
             len,
@@ -43,7 +49,7 @@ impl Scratch {
             bounced: 0,
             in_place: 0,
             blocking: 0,
-        }
+        })
     }
 
     /// Slot bytes this thread's direct reads copied out of the bounce buffer.
@@ -118,10 +124,21 @@ pub(crate) enum Bounce {
 
 impl Bounce {
     /// `len` zeroed bytes (`len` > 0).
-    fn new(len: usize) -> Self {
+    ///
+    /// # Errors
+    /// The mapping was refused and the heap has no room either: the mapping's error (an
+    /// allocation that fails must not abort the process, as `vec!` would).
+    fn new(len: usize) -> crate::Result<Self> {
         match Region::anonymous(len) {
-            Ok(region) => Bounce::Mapped(region),
-            Err(_) => Bounce::Heap(vec![0u8; len]),
+            Ok(region) => Ok(Bounce::Mapped(region)),
+            Err(e) => {
+                let mut heap = Vec::new();
+                if heap.try_reserve_exact(len).is_err() {
+                    return Err(e);
+                }
+                heap.resize(len, 0);
+                Ok(Bounce::Heap(heap))
+            }
         }
     }
 }
@@ -158,7 +175,7 @@ mod tests {
     /// zeroed; not a heap block.
     #[test]
     fn the_bounce_buffer_is_a_mapping_of_its_own() {
-        let mut scratch = Scratch::new(4096, 4096);
+        let mut scratch = Scratch::new(4096, 4096).unwrap();
         assert!(matches!(scratch.buf, Bounce::Mapped(_)));
         let bounce = scratch.get();
         assert!(bounce.len() >= BOUNCE);
