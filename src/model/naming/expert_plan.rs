@@ -54,10 +54,15 @@ impl TensorPiece {
     ///
     /// # Errors
     /// An index above `u32::MAX` (no checkpoint has that many tensors or files).
-    pub(crate) fn new(tensor: usize, file: usize, offset: u64, len: u64) -> crate::Result<Self> {
+    pub(crate) fn new(
+        tensor: usize,
+        file: usize,
+        offset: u64,
+        len: u64,
+    ) -> crate::error::Result<Self> {
         let index = |what: &str, i: usize| {
             u32::try_from(i).map_err(|_| {
-                crate::Error::overflow(
+                crate::error::Error::overflow(
                     "TensorPiece::new",
                     format!("{what} index {i} of a piece at offset {offset} as a u32"),
                 )

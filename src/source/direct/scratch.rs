@@ -37,7 +37,7 @@ impl Scratch {
     /// # Errors
     /// Neither a mapping nor the heap has room for it (a tight `RLIMIT_AS`): the
     /// mapping's error, naming the call and the length.
-    pub(crate) fn new(mem_align: usize, offset_align: usize) -> crate::Result<Self> {
+    pub(crate) fn new(mem_align: usize, offset_align: usize) -> crate::error::Result<Self> {
         let len = BOUNCE.max(2 * offset_align).next_multiple_of(offset_align);
         let buf = Bounce::new(len + mem_align)?;
         let start = buf.as_ptr().align_offset(mem_align);
@@ -128,7 +128,7 @@ impl Bounce {
     /// # Errors
     /// The mapping was refused and the heap has no room either: the mapping's error (an
     /// allocation that fails must not abort the process, as `vec!` would).
-    fn new(len: usize) -> crate::Result<Self> {
+    fn new(len: usize) -> crate::error::Result<Self> {
         match Region::anonymous(len) {
             Ok(region) => Ok(Bounce::Mapped(region)),
             Err(e) => {
