@@ -10,6 +10,8 @@
 //! `NUMAPIN_TEST_NODES` says how many memory nodes a multi-node test may count on.
 #![allow(dead_code)]
 
+pub mod dbrx_files;
+
 use numapin::{Errno, MempolicySupport, NodeHistogram, NodeSet, PagesSource};
 
 use numapin::policy::DegradeReason;
