@@ -95,9 +95,11 @@ fn hugetlb_memfd_without_reserved_pages_says_how_to_reserve_them() {
     }
 }
 
-/// Held by a test that forks and by one that reads smaps: `Locked` and `Private_*` are
-/// proportional (PSS) figures, and a fork shares every private page with the child until
-/// it execs, halving them (the CI's 4-node VM saw `Locked` at 32 of 64 pages).
+/// Held by a test that forks and by those that read smaps or move pages: `Locked` and
+/// `Private_*` are proportional (PSS) figures, and a fork shares every private page with the
+/// child until it execs, halving them (the CI's 4-node VM saw `Locked` at 32 of 64 pages);
+/// `move_pages` refuses a page mapped by two processes with EACCES (the VM saw all 32 pages
+/// refused while the uid test forked).
 static FORKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
@@ -130,6 +132,7 @@ fn memory_breakdown_tells_anonymous_from_shared() {
 
 #[test]
 fn migrate_and_move_pages_report_what_moved() {
+    let _no_fork = FORKING.lock().unwrap_or_else(|e| e.into_inner());
     let nodes = NodeSet::allowed().unwrap();
     let target = nodes.iter().last().unwrap();
     // Base pages (with THP `always`, the VM, move_pages refuses a huge page with EACCES)
