@@ -154,7 +154,8 @@ impl<'a> Reader<'a> {
             match self.shared.as_deref().and_then(|s| s.stream(file)) {
                 Some(shared) => shared.begin(ranges),
                 None => {
-                    self.streams.insert(k, Stream::new(ranges));
+                    self.streams
+                        .insert(k, Stream::new(ranges).with_reach(behind::readahead_reach(file)));
                 }
             }
         }
