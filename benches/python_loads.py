@@ -8,8 +8,13 @@ the same files (caches dropped before every cold run; root). Per round:
   the page cache the two leave (`fincore` of the files after the process exits);
 - cold `place()` (the default mode, `auto`);
 - cold `place(read_mode="drop-behind")`: the bytes the process read from the device
-  (`/proc/self/io` `read_bytes`) over the files' bytes;
-- warm (files cached by `cat` first) `place(read_mode="buffered")` and `place()`.
+  (`/proc/self/io` `read_bytes` from before the checkpoint is opened, after the imports)
+  over the files' bytes;
+- for a safetensors directory, cold `safetensors.numpy.load_file` of every shard (the
+  peer), right after the direct place;
+
+then, warm (files cached by `cat` first), 2 x ROUNDS pairs of `place(read_mode=
+"buffered")` and `place()` in one process (the speed of auto over buffered's).
 
 The cold place contenders run in a rotating order after dd, the warm ones alternate.
 Ratios are within a round (the machine may be shared); the summary prints medians
@@ -27,24 +32,59 @@ CHILD = r"""
 import json, sys, time
 import numapin
 path, mode, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+
+
+def read_bytes():
+    with open("/proc/self/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["read_bytes"])
+
+
+# The interpreter's and the extension's own reads (cold after drop_caches) come before.
+before = read_bytes()
 start = time.monotonic()
 model = numapin.Checkpoint(path).place(read_mode=mode, progress=False)
 placed = time.monotonic()
 checked = model.verify() if verify else None
 done = time.monotonic()
-with open("/proc/self/io") as f:
-    io = dict(line.split(": ") for line in f.read().splitlines())
+read = read_bytes() - before
 report = model.report_dict()
 print(json.dumps({
     "place": placed - start,
     "verify": done - placed if verify else None,
-    "read_bytes": int(io["read_bytes"]),
+    "read_bytes": read,
     "direct_io": report.get("direct_io"),
     "classes": {c["class"]: {"modes": sorted({f["mode"] for f in c["files"]}),
                              **{k: c[k] for k in ("in_place_bytes", "bounced_bytes",
                                                   "uring_reads", "blocking_reads")}}
                 for c in report["measured"]},
 }))
+"""
+
+
+# Warm pairs in one process (the checkpoint opened once, each model dropped before the
+# next place): a warm place takes 0.1-0.3 s, where a new process's start and first touch
+# of memory vary as much; buffered and auto alternate, after one untimed place of each.
+WARM = r"""
+import gc, json, sys, time
+import numapin
+checkpoint, pairs = numapin.Checkpoint(sys.argv[1]), int(sys.argv[2])
+
+
+def timed(mode):
+    start = time.monotonic()
+    model = checkpoint.place(read_mode=mode, progress=False)
+    seconds = time.monotonic() - start
+    del model
+    gc.collect()
+    return seconds
+
+
+timed("buffered"), timed("auto")
+ratios = []
+for i in range(pairs):
+    t = {m: timed(m) for m in (["buffered", "auto"] if i % 2 == 0 else ["auto", "buffered"])}
+    ratios.append(t["buffered"] / t["auto"])
+print(json.dumps(ratios))
 """
 
 
@@ -89,6 +129,23 @@ def place(path, mode, verify=False, cold=True):
     return json.loads(out)
 
 
+PEER = r"""
+import glob, os, sys, time
+from safetensors.numpy import load_file
+start = time.monotonic()
+held = [load_file(f) for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors")))]
+print(time.monotonic() - start)
+"""
+
+
+def peer(path):
+    """Cold safetensors `load_file` of every shard into numpy arrays (its own copies)."""
+    drop()
+    out = subprocess.run([sys.executable, "-c", PEER, path], check=True, capture_output=True,
+                         text=True).stdout
+    return float(out)
+
+
 def med(xs):
     return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
 
@@ -103,6 +160,9 @@ def main():
                                "cache after direct+verify", "drop-behind device/file",
                                "warm auto/buffered")}
     cold = ["direct", "auto", "drop-behind"]
+    if os.path.isdir(path):
+        figures["safetensors load_file"] = []
+        figures["direct / load_file"] = []
     for r in range(rounds):
         base = dd(files)
         line = [f"round {r + 1}: dd {base:.2f} s ({size / base / 1e9:.2f} GB/s)"]
@@ -120,16 +180,19 @@ def main():
                 figures["cache after direct+verify"].append(cache)
                 line.append(f"verify/load {got['verify'] / got['place']:.2f} "
                             f"cache {100 * cache:.2f}%")
+                if "safetensors load_file" in figures:
+                    seconds = peer(path)
+                    figures["safetensors load_file"].append(base / seconds)
+                    figures["direct / load_file"].append(seconds / got["place"])
+                    line.append(f"load_file {base / seconds:.2f}x")
             if mode == "drop-behind":
                 figures["drop-behind device/file"].append(got["read_bytes"] / size)
                 line.append(f"device/file {got['read_bytes'] / size:.3f}")
-        warm(files)
-        pair = {}
-        for mode in (["buffered", "auto"] if r % 2 == 0 else ["auto", "buffered"]):
-            pair[mode] = place(path, mode, cold=False)["place"]
-        figures["warm auto/buffered"].append(pair["buffered"] / pair["auto"])
-        line.append(f"warm auto {pair['auto']:.2f} s buffered {pair['buffered']:.2f} s")
         print("; ".join(line), flush=True)
+    warm(files)
+    out = subprocess.run([sys.executable, "-c", WARM, path, str(2 * rounds)], check=True,
+                         capture_output=True, text=True).stdout
+    figures["warm auto/buffered"] = json.loads(out)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     for k, xs in figures.items():
         if k.startswith("cache"):

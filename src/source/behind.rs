@@ -105,7 +105,10 @@ impl Stream {
     /// Holds back what the kernel's readahead could still reach from a range that is
     /// still to be read below it: `reach` bytes past its end ([`readahead_reach`]).
     pub(crate) fn with_reach(mut self, reach: u64) -> Stream {
-        self.state.get_mut().unwrap_or_else(|e| e.into_inner()).reach = reach;
+        self.state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .reach = reach;
         self
     }
 
@@ -587,7 +590,11 @@ mod tests {
         // Gate 7 read: nothing is unread below the held up pieces any more.
         let last = s.after_read(21 * MIB, 24 * MIB);
         assert!(covers(&last, 24 * MIB, 34 * MIB), "{last:?}");
-        assert!(covers(&s.after_read(45 * MIB, 48 * MIB), 45 * MIB, 48 * MIB));
+        assert!(covers(
+            &s.after_read(45 * MIB, 48 * MIB),
+            45 * MIB,
+            48 * MIB
+        ));
     }
 
     /// Whether the ranges together cover `[lo, hi)`.
@@ -607,7 +614,10 @@ mod tests {
     fn no_reach_advises_as_before_and_a_huge_one_holds_without_overflow() {
         let plain = Stream::new([(0, 8 * MIB), (16 * MIB, 8 * MIB)]);
         // The gap between the ranges goes with what was read.
-        assert_eq!(plain.after_read(16 * MIB, 19 * MIB), vec![(8 * MIB, 19 * MIB)]);
+        assert_eq!(
+            plain.after_read(16 * MIB, 19 * MIB),
+            vec![(8 * MIB, 19 * MIB)]
+        );
         let huge = Stream::new([(0, 8 * MIB), (16 * MIB, 8 * MIB)]).with_reach(u64::MAX);
         assert_eq!(huge.after_read(16 * MIB, 19 * MIB), vec![]);
         // All read: everything goes, held or not.

@@ -58,9 +58,13 @@ pub enum ReadMode {
     /// of each layer on the file up to the end of what the layer read, or of what an
     /// earlier layer of the same store read when that is further (what the kernel read
     /// ahead past it stays for the next layer, which reads it: the file is read from the
-    /// device once; layers loaded backwards leave nothing behind them). The cache holds
-    /// about that much of the file at a time, with the reads in flight and the kernel's
-    /// readahead past them (twice `read_ahead_kb` at most); after a load, at most that
+    /// device once; layers loaded backwards leave nothing behind them). What was read
+    /// within the kernel's readahead reach (twice `read_ahead_kb` and a 2 MiB folio) above
+    /// a range still to be read stays until that range is read: the readahead from it
+    /// would read it from the device again (a GGUF layer's gate, up and down experts,
+    /// read side by side). The cache holds about that much of the file at a time, with
+    /// the reads in flight and the kernel's readahead past them (twice `read_ahead_kb` at
+    /// most); after a load, at most that
     /// readahead past the furthest byte a store's layers read stays cached. A whole
     /// placement ([`Checkpoint::place`](crate::model::Checkpoint::place)) shares one
     /// record per file among all its stores, and runs its fills in file order. The

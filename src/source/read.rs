@@ -154,8 +154,10 @@ impl<'a> Reader<'a> {
             match self.shared.as_deref().and_then(|s| s.stream(file)) {
                 Some(shared) => shared.begin(ranges),
                 None => {
-                    self.streams
-                        .insert(k, Stream::new(ranges).with_reach(behind::readahead_reach(file)));
+                    self.streams.insert(
+                        k,
+                        Stream::new(ranges).with_reach(behind::readahead_reach(file)),
+                    );
                 }
             }
         }

@@ -94,7 +94,8 @@ fn a_whole_drop_behind_placement_reads_each_byte_once() {
     read_once(TEST, &warm, &path);
 }
 
-const GGUF_TEST: &str = "drop_behind::a_whole_drop_behind_placement_of_merged_experts_reads_each_byte_once";
+const GGUF_TEST: &str =
+    "drop_behind::a_whole_drop_behind_placement_of_merged_experts_reads_each_byte_once";
 
 /// The same on a GGUF file in llama.cpp's merged-expert form: each layer's gate, up and
 /// down tensors (8 experts of 2.2 MB each: regions of 17.6 MB, larger than a readahead
@@ -135,16 +136,40 @@ fn merged_gguf(path: &Path, layers: u64, experts: u64, hidden: u64, ffn: u64) {
         let p = format!("blk.{l}");
         tensors.push((format!("{p}.attn_norm.weight"), vec![hidden], F32));
         tensors.push((format!("{p}.attn_q.weight"), vec![hidden, hidden], F16));
-        tensors.push((format!("{p}.ffn_gate_inp.weight"), vec![hidden, experts], F16));
-        tensors.push((format!("{p}.ffn_gate_exps.weight"), vec![hidden, ffn, experts], F16));
-        tensors.push((format!("{p}.ffn_up_exps.weight"), vec![hidden, ffn, experts], F16));
-        tensors.push((format!("{p}.ffn_down_exps.weight"), vec![ffn, hidden, experts], F16));
+        tensors.push((
+            format!("{p}.ffn_gate_inp.weight"),
+            vec![hidden, experts],
+            F16,
+        ));
+        tensors.push((
+            format!("{p}.ffn_gate_exps.weight"),
+            vec![hidden, ffn, experts],
+            F16,
+        ));
+        tensors.push((
+            format!("{p}.ffn_up_exps.weight"),
+            vec![hidden, ffn, experts],
+            F16,
+        ));
+        tensors.push((
+            format!("{p}.ffn_down_exps.weight"),
+            vec![ffn, hidden, experts],
+            F16,
+        ));
     }
     tensors.push(("output.weight".into(), vec![hidden, 3001], F16));
     let kvs: Vec<(&str, u32, Vec<u8>)> = vec![
         ("general.architecture", 8, gstr("qwen2moe")),
-        ("qwen2moe.block_count", 4, (layers as u32).to_le_bytes().to_vec()),
-        ("qwen2moe.expert_count", 4, (experts as u32).to_le_bytes().to_vec()),
+        (
+            "qwen2moe.block_count",
+            4,
+            (layers as u32).to_le_bytes().to_vec(),
+        ),
+        (
+            "qwen2moe.expert_count",
+            4,
+            (experts as u32).to_le_bytes().to_vec(),
+        ),
     ];
     let mut out = b"GGUF".to_vec();
     out.extend_from_slice(&3u32.to_le_bytes());
@@ -228,14 +253,23 @@ fn read_once(test: &str, warm: &Path, path: &Path) {
         let Some(held) = view.bytes() else {
             // Merged experts (`blk.L.ffn_*_exps`, `[E, …]`): expert e holds the e-th
             // of E equal runs of the tensor's bytes.
-            let layer: usize = t.name()["blk.".len()..].split('.').next().unwrap().parse().unwrap();
+            let layer: usize = t.name()["blk.".len()..]
+                .split('.')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
             // GGUF states the shape innermost first: the experts are the last.
             let experts = *t.shape().last().unwrap() as usize;
             let each = want.len() / experts;
             for e in 0..experts {
                 let pieces = model.expert(layer, e).unwrap();
                 let piece = pieces.iter().find(|p| p.tensor == t.name()).unwrap();
-                assert!(piece.bytes == &want[e * each..][..each], "{} expert {e}", t.name());
+                assert!(
+                    piece.bytes == &want[e * each..][..each],
+                    "{} expert {e}",
+                    t.name()
+                );
                 compared += 1;
             }
             continue;
