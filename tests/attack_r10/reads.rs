@@ -199,23 +199,41 @@ fn a_tight_address_space_limit_falls_back_or_errors_by_name() {
         .map(|s| s << 21)
         .chain([150u64, 300, 1200].map(|m| m << 20));
     for extra in extras {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+        // Output to files, polled with a deadline: a child that hangs at the limit (one
+        // did, with the thread check turned off) is a failure, not a stalled suite.
+        let (out_path, err_path) = (dir.join("child.out"), dir.join("child.err"));
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "reads::child_rlimit", "--nocapture", "--ignored"])
             .args(["--test-threads", "1"])
             .env("ATTACK_R10_FILE", &path)
             .env("ATTACK_R10_EXTRA", extra.to_string())
             .env("NUMAPIN_IO_URING", "off")
-            .output()
+            .stdout(File::create(&out_path).unwrap())
+            .stderr(File::create(&err_path).unwrap())
+            .spawn()
             .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+        let err = std::fs::read_to_string(&err_path).unwrap_or_default();
         if text.contains("CHILD ok") {
             ok += 1;
         } else if text.contains("CHILD refused") {
             refused += 1;
         } else {
             let tail = err.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
-            aborted.push(format!("+{} MiB: {:?} {tail}", extra >> 20, out.status));
+            let how = status.map_or("hung for 120 s, killed".to_string(), |s| format!("{s:?}"));
+            aborted.push(format!("+{} MiB: {how} {tail}", extra >> 20));
         }
     }
     println!("ok {ok} refused {refused} aborted {aborted:#?}");
