@@ -123,10 +123,16 @@ impl Stream {
     }
 
     /// At the end of a fill of a shared record: what it read and did not advise yet (the
-    /// advice [`Stream::after_read`] gives, whatever was read since the last one).
+    /// advice [`Stream::after_read`] gives, whatever was read since the last one). At the
+    /// end of the last fill (every fill has begun), also what the readahead guard still
+    /// holds: no read follows, even where a range announced was never read.
     pub(crate) fn flush(&self) -> Vec<(u64, u64)> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.advice()
+        let mut out = state.advice();
+        if state.future.as_ref().is_some_and(BTreeMap::is_empty) {
+            out.append(&mut state.held);
+        }
+        out
     }
 }
 
@@ -634,6 +640,22 @@ mod tests {
         assert!(reach >= 2 * 4096 + FOLIO_MAX, "{reach}");
         assert_eq!(reach % 2048, 0, "{reach}");
         assert!(reach < (1 << 40), "{reach}");
+    }
+
+    #[test]
+    fn the_last_fill_of_a_shared_record_lets_go_of_what_it_held() {
+        // Two fills: [0, 8) and [16, 24) MiB; the first never reads [0, 1) MiB (announced,
+        // not read: a piece another path read), so its reads above stay held.
+        let s = Stream::shared([(0, 8 * MIB), (16 * MIB, 8 * MIB)]).with_reach(64 * MIB);
+        s.begin([(0, 8 * MIB)]);
+        assert_eq!(s.after_read(MIB, 8 * MIB), vec![]);
+        assert_eq!(s.flush(), vec![]);
+        s.begin([(16 * MIB, 8 * MIB)]);
+        assert_eq!(s.after_read(16 * MIB, 24 * MIB), vec![]);
+        // The last fill ends: everything read goes, the unread [0, 1) MiB stays.
+        let last = s.flush();
+        assert!(covers(&last, MIB, 24 * MIB), "{last:?}");
+        assert!(!last.iter().any(|&(a, _)| a < MIB), "{last:?}");
     }
 
     #[test]
