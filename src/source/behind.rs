@@ -475,11 +475,11 @@ impl Advised {
     }
 }
 
-/// The readahead window assumed where the file's backing device does not say
-/// (`/sys/class/bdi/MAJ:MIN/read_ahead_kb` missing: a file system on no block device
-/// of its own, such as overlayfs or btrfs): 8 MiB, a common cloud disk's, larger than
-/// the kernel's default 128 KiB, so a guess errs on caching a little more, not on
-/// reading twice.
+/// The readahead window assumed where the file's backing device does not say (no
+/// `read_ahead_kb` in sysfs for the file's device, or for its disk's when it is a
+/// partition: a file system on no block device of its own, such as overlayfs, tmpfs or
+/// btrfs): 8 MiB, a common cloud disk's, larger than the kernel's default 128 KiB, so a
+/// guess errs on caching a little more, not on reading twice.
 const READ_AHEAD_GUESS: u64 = 8 << 20;
 
 /// How far past the end of a read the kernel's readahead may read `file`: twice the
@@ -495,12 +495,37 @@ pub(crate) fn readahead_reach(file: &File) -> u64 {
         .ok()
         .and_then(|stat| {
             let dev = stat.st_dev;
-            let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
-            std::fs::read_to_string(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb")).ok()
+            device_read_ahead(rustix::fs::major(dev), rustix::fs::minor(dev))
         })
-        .and_then(|kb| kb.trim().parse::<u64>().ok())
-        .map_or(READ_AHEAD_GUESS, |kb| kb.saturating_mul(1024));
+        .unwrap_or(READ_AHEAD_GUESS);
     window.saturating_mul(2).saturating_add(FOLIO_MAX)
+}
+
+/// The readahead window of the block device `major:minor`, in bytes: its
+/// `read_ahead_kb`, or `None` where sysfs has none for it. A partition (`sda1`,
+/// `nvme0n1p2`: where most file systems live) has no bdi of its own in
+/// `/sys/class/bdi`, only its disk: its window is the disk's (`queue/read_ahead_kb` of
+/// the device above it in `/sys/dev/block`), where the 8 MiB guess was taken before.
+fn device_read_ahead(major: u32, minor: u32) -> Option<u64> {
+    let read = |path: String| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|kb| kb.trim().parse::<u64>().ok())
+            .map(|kb| kb.saturating_mul(1024))
+    };
+    read(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb"))
+        .or_else(|| {
+            read(format!(
+                "/sys/dev/block/{major}:{minor}/queue/read_ahead_kb"
+            ))
+        })
+        .or_else(|| {
+            let dev = format!("/sys/dev/block/{major}:{minor}");
+            std::path::Path::new(&format!("{dev}/partition"))
+                .exists()
+                .then(|| read(format!("{dev}/../queue/read_ahead_kb")))
+                .flatten()
+        })
 }
 
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` over `len` bytes at `offset` (0: to the end).

@@ -1,6 +1,7 @@
 //! The drop-behind records' advice, range by range.
 
 use super::*;
+use std::path::Path;
 
 const MIB: u64 = 1 << 20;
 
@@ -363,4 +364,102 @@ fn a_shared_record_dropped_before_everything_was_read_lets_go_of_what_it_held() 
         "{left} of {pages} pages left cached after the record went"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_partition_is_read_ahead_as_its_disk() {
+    // Partitions (sda1, nvme0n1p2: where most file systems live) have no bdi of their
+    // own: /sys/class/bdi holds the whole disk's. A loop device with one partition,
+    // made here where this runs as root with losetup and partx.
+    let Some(loop_dev) = partitioned_loop() else {
+        return;
+    };
+    let name = loop_dev.0.trim_start_matches("/dev/");
+    let dev = std::fs::read_to_string(format!("/sys/class/block/{name}p1/dev")).unwrap();
+    let (major, minor) = dev.trim().split_once(':').unwrap();
+    let (major, minor): (u32, u32) = (major.parse().unwrap(), minor.parse().unwrap());
+    // A window no guess would give, set on the disk.
+    let queue = format!("/sys/block/{name}/queue/read_ahead_kb");
+    let _restore = Restore(queue.clone(), std::fs::read_to_string(&queue).unwrap());
+    std::fs::write(&queue, "3072").unwrap();
+    let kb: u64 = std::fs::read_to_string(&queue)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(kb, 3072);
+    assert_eq!(device_read_ahead(major, minor), Some(3072 * 1024));
+    // The disk itself, as before.
+    let disk = std::fs::read_to_string(format!("/sys/block/{name}/dev")).unwrap();
+    let (dmaj, dmin) = disk.trim().split_once(':').unwrap();
+    assert_eq!(
+        device_read_ahead(dmaj.parse().unwrap(), dmin.parse().unwrap()),
+        Some(3072 * 1024)
+    );
+    // No such device: no window.
+    assert_eq!(device_read_ahead(0, u32::MAX >> 12), None);
+}
+
+/// A loop device over a 16 MiB image with one partition (`/dev/loopNp1`), detached when
+/// dropped; `None` (and a NOT RUN line) where that cannot be made.
+fn partitioned_loop() -> Option<LoopDev> {
+    let not_run = |why: &str| {
+        println!("NOT RUN: a_partition_is_read_ahead_as_its_disk: {why}");
+        None
+    };
+    if !rustix::process::geteuid().is_root() {
+        return not_run("not root");
+    }
+    let image = std::env::temp_dir().join(format!("numapin-part-{}.img", std::process::id()));
+    let mut bytes = vec![0u8; 16 << 20];
+    // An MBR with one Linux partition: sectors 2048 to 2048 + 16384.
+    bytes[446 + 4] = 0x83;
+    bytes[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+    bytes[446 + 12..446 + 16].copy_from_slice(&16384u32.to_le_bytes());
+    bytes[510] = 0x55;
+    bytes[511] = 0xAA;
+    std::fs::write(&image, &bytes).unwrap();
+    let out = std::process::Command::new("losetup")
+        .args(["-f", "-P", "--show"])
+        .arg(&image)
+        .output();
+    std::fs::remove_file(&image).unwrap();
+    let out = match out {
+        Ok(out) if out.status.success() => out,
+        Ok(out) => return not_run(&String::from_utf8_lossy(&out.stderr)),
+        Err(e) => return not_run(&format!("losetup: {e}")),
+    };
+    let dev = LoopDev(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    let name = dev.0.trim_start_matches("/dev/").to_string();
+    let part = format!("/sys/class/block/{name}p1");
+    if !Path::new(&part).exists() {
+        // The kernel did not scan it (a container's loop devices): ask partx.
+        let _ = std::process::Command::new("partx")
+            .args(["-a", &dev.0])
+            .output();
+    }
+    if !Path::new(&part).exists() {
+        return not_run(&format!("{} has no partition in sysfs", dev.0));
+    }
+    Some(dev)
+}
+
+/// A sysfs file's value, written back when dropped.
+struct Restore(String, String);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, self.1.trim());
+    }
+}
+
+/// A loop device this test attached.
+struct LoopDev(String);
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .args(["-d", &self.0])
+            .status();
+    }
 }
