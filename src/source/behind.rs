@@ -370,10 +370,12 @@ impl Drop for Shared {
     }
 }
 
-/// `POSIX_FADV_DONTNEED` on each range, stopping at the first that fails.
+/// `POSIX_FADV_DONTNEED` on each range (one ending at `u64::MAX`: to the end of the
+/// file), stopping at the first that fails.
 fn advise_all(file: &File, ranges: Vec<(u64, u64)>) -> Result<()> {
     for (start, end) in ranges {
-        dont_need(file, start, end - start)?;
+        let len = if end == u64::MAX { 0 } else { end - start };
+        dont_need(file, start, len)?;
     }
     Ok(())
 }
