@@ -49,6 +49,13 @@ pub const DROP_BEHIND_EVERY: u64 = 2 << 20;
 /// here.
 pub(crate) const FOLIO_MAX: u64 = 2 << 20;
 
+/// The most bytes the readahead guard holds for one file, in reaches
+/// ([`readahead_reach`]): the lowest held ranges stay, the rest goes. Uncapped, a slot
+/// order that is not the file's (the even pieces read first, every odd one then unread
+/// just below one read) held half the file; merged experts (gate, up and down regions
+/// read side by side) hold two reaches.
+pub(crate) const HELD_REACHES: u64 = 4;
+
 /// What one file of a fill still has to read, and what was advised away.
 pub(crate) struct Stream {
     state: Mutex<State>,
@@ -178,28 +185,29 @@ impl State {
     /// kernel read ahead up to `reach` bytes past `e`, so a page read and advised away
     /// there is read from the device again. Only the nearest unread range below a range
     /// matters (the others end lower). The held parts go to `held`, looked at again at
-    /// every advice; once nothing is unread below them, they go.
+    /// every advice; once nothing is unread below them, they go. At most
+    /// [`HELD_REACHES`] reaches are held, the lowest: past that, the rest goes now.
     fn guard(&mut self, ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
         if self.reach == 0 {
             return ranges;
         }
         let mut candidates = ranges;
         candidates.append(&mut self.held);
-        candidates.sort_unstable();
+        let cap = self.reach.saturating_mul(HELD_REACHES);
+        let mut total = 0u64;
         let mut out = Vec::new();
         let mut held: Vec<(u64, u64)> = Vec::new();
-        for (start, end) in candidates {
+        for (start, end) in coalesce(candidates) {
             let guarded = self
                 .unread
                 .range(..start)
                 .next_back()
                 .map_or(0, |(_, &e)| e.saturating_add(self.reach));
-            let split = guarded.clamp(start, end);
+            let room = cap - total;
+            let split = guarded.clamp(start, end).min(start.saturating_add(room));
             if split > start {
-                match held.last_mut() {
-                    Some(last) if start <= last.1 => last.1 = last.1.max(split),
-                    _ => held.push((start, split)),
-                }
+                held.push((start, split));
+                total += split - start;
             }
             if split < end {
                 out.push((split, end));
@@ -207,6 +215,11 @@ impl State {
         }
         self.held = held;
         out
+    }
+
+    /// What [`State::guard`] holds, taken: to be advised now, whatever is still unread.
+    fn release(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.held)
     }
 
     /// The ranges to advise now (see [`Stream::after_read`]), and the cursor moved past
@@ -226,11 +239,21 @@ impl State {
             self.high.min(limit)
         };
         let mut out = Vec::new();
-        for (start, stop) in std::mem::take(&mut self.late) {
-            let wide = (
-                start.saturating_sub(FOLIO_MAX),
-                stop.saturating_add(FOLIO_MAX).min(limit.max(stop)),
-            );
+        // The late ranges' windows, merged first: complemented one by one, windows that
+        // overlap (many small pieces read late) gave each gap between them once per
+        // window, 110 million ranges for 100,000 pieces of 100 bytes.
+        let windows = coalesce(
+            std::mem::take(&mut self.late)
+                .into_iter()
+                .map(|(start, stop)| {
+                    (
+                        start.saturating_sub(FOLIO_MAX),
+                        stop.saturating_add(FOLIO_MAX).min(limit.max(stop)),
+                    )
+                })
+                .collect(),
+        );
+        for wide in windows {
             out.extend(outside(&self.unread, wide));
         }
         if mark > self.cursor {
@@ -293,6 +316,11 @@ impl Stream {
 pub(crate) struct Shared {
     /// File address → its record.
     streams: HashMap<usize, Stream>,
+    /// File address → a descriptor of the file (`dup`), to advise what the records
+    /// still hold when the placement ends without reading everything ([`Drop`]). A file
+    /// that cannot be duplicated (no descriptor left) has none: its held ranges stay
+    /// cached, as ranges read past a later fill's first piece do.
+    files: HashMap<usize, File>,
 }
 
 impl Shared {
@@ -300,14 +328,21 @@ impl Shared {
     /// placement's fills read.
     pub(crate) fn new<'f>(pieces: impl IntoIterator<Item = (&'f File, u64, usize)>) -> Shared {
         let mut ranges: HashMap<usize, (u64, Vec<(u64, u64)>)> = HashMap::new();
+        let mut files = HashMap::new();
         for (file, offset, len) in pieces {
             ranges
                 .entry(file as *const File as usize)
-                .or_insert_with(|| (readahead_reach(file), Vec::new()))
+                .or_insert_with(|| {
+                    if let Ok(dup) = file.try_clone() {
+                        files.insert(file as *const File as usize, dup);
+                    }
+                    (readahead_reach(file), Vec::new())
+                })
                 .1
                 .push((offset, len as u64));
         }
         Shared {
+            files,
             streams: ranges
                 .into_iter()
                 .map(|(file, (reach, ranges))| (file, Stream::shared(ranges).with_reach(reach)))
@@ -321,12 +356,55 @@ impl Shared {
     }
 }
 
+/// A placement that ends before every piece was read (an error, a cancelled layer, a
+/// panic): what the readahead guard held for pieces no fill reads now goes. Before the
+/// guard, such a placement left only what it had not read; a cancelled one left up to
+/// [`HELD_REACHES`] reaches per file cached besides.
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for (key, stream) in &self.streams {
+            let held = stream
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .release();
+            if let Some(file) = self.files.get(key) {
+                // Best effort: a drop has no caller to report a failed advice to.
+                let _ = advise_all(file, held);
+            }
+        }
+    }
+}
+
+/// `POSIX_FADV_DONTNEED` on each range (one ending at `u64::MAX`: to the end of the
+/// file), stopping at the first that fails.
+fn advise_all(file: &File, ranges: Vec<(u64, u64)>) -> Result<()> {
+    for (start, end) in ranges {
+        let len = if end == u64::MAX { 0 } else { end - start };
+        dont_need(file, start, len)?;
+    }
+    Ok(())
+}
+
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
             .field("files", &self.streams.len())
             .finish()
     }
+}
+
+/// `ranges` sorted, those that overlap or touch merged.
+fn coalesce(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
 }
 
 /// The parts of `[start, end)` outside a set of disjoint ranges.
@@ -405,11 +483,11 @@ impl Advised {
     }
 }
 
-/// The readahead window assumed where the file's backing device does not say
-/// (`/sys/class/bdi/MAJ:MIN/read_ahead_kb` missing: a file system on no block device
-/// of its own, such as overlayfs or btrfs): 8 MiB, a common cloud disk's, larger than
-/// the kernel's default 128 KiB, so a guess errs on caching a little more, not on
-/// reading twice.
+/// The readahead window assumed where the file's backing device does not say (no
+/// `read_ahead_kb` in sysfs for the file's device, or for its disk's when it is a
+/// partition: a file system on no block device of its own, such as overlayfs, tmpfs or
+/// btrfs): 8 MiB, a common cloud disk's, larger than the kernel's default 128 KiB, so a
+/// guess errs on caching a little more, not on reading twice.
 const READ_AHEAD_GUESS: u64 = 8 << 20;
 
 /// How far past the end of a read the kernel's readahead may read `file`: twice the
@@ -425,12 +503,37 @@ pub(crate) fn readahead_reach(file: &File) -> u64 {
         .ok()
         .and_then(|stat| {
             let dev = stat.st_dev;
-            let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
-            std::fs::read_to_string(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb")).ok()
+            device_read_ahead(rustix::fs::major(dev), rustix::fs::minor(dev))
         })
-        .and_then(|kb| kb.trim().parse::<u64>().ok())
-        .map_or(READ_AHEAD_GUESS, |kb| kb.saturating_mul(1024));
+        .unwrap_or(READ_AHEAD_GUESS);
     window.saturating_mul(2).saturating_add(FOLIO_MAX)
+}
+
+/// The readahead window of the block device `major:minor`, in bytes: its
+/// `read_ahead_kb`, or `None` where sysfs has none for it. A partition (`sda1`,
+/// `nvme0n1p2`: where most file systems live) has no bdi of its own in
+/// `/sys/class/bdi`, only its disk: its window is the disk's (`queue/read_ahead_kb` of
+/// the device above it in `/sys/dev/block`), where the 8 MiB guess was taken before.
+fn device_read_ahead(major: u32, minor: u32) -> Option<u64> {
+    let read = |path: String| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|kb| kb.trim().parse::<u64>().ok())
+            .map(|kb| kb.saturating_mul(1024))
+    };
+    read(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb"))
+        .or_else(|| {
+            read(format!(
+                "/sys/dev/block/{major}:{minor}/queue/read_ahead_kb"
+            ))
+        })
+        .or_else(|| {
+            let dev = format!("/sys/dev/block/{major}:{minor}");
+            std::path::Path::new(&format!("{dev}/partition"))
+                .exists()
+                .then(|| read(format!("{dev}/../queue/read_ahead_kb")))
+                .flatten()
+        })
 }
 
 /// `posix_fadvise(POSIX_FADV_DONTNEED)` over `len` bytes at `offset` (0: to the end).
@@ -448,222 +551,4 @@ pub(crate) fn dont_need(file: &File, offset: u64, len: u64) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    // The steps below count in 2 MiB advices.
-    const _: () = assert!(DROP_BEHIND_EVERY == 2 * MIB && FOLIO_MAX == 2 * MIB);
-
-    #[test]
-    fn a_stalled_loader_keeps_only_its_own_range_cached() {
-        let s = Stream::new([(0, 64 * MIB)]);
-        // One loader is on [0, 1 MiB) for a long time; the other reads on.
-        assert_eq!(s.after_read(MIB, 4 * MIB), vec![(MIB, 4 * MIB)]);
-        // The stalled range finishes: it goes at the next advice, widened by a folio
-        // on each side (clipped at nothing unread), with the next stretch.
-        assert_eq!(s.after_read(0, MIB), vec![]);
-        assert_eq!(
-            s.after_read(4 * MIB, 7 * MIB),
-            vec![(0, 3 * MIB), (4 * MIB, 7 * MIB)]
-        );
-        // The next advice starts again at the folio the last one ended in.
-        assert_eq!(s.after_read(7 * MIB, 9 * MIB), vec![(6 * MIB, 9 * MIB)]);
-    }
-
-    #[test]
-    fn nothing_a_loader_still_has_to_read_is_advised() {
-        let s = Stream::new([(0, 64 * MIB)]);
-        // Read out of order: [8, 9) and [30, 40) MiB read, the rest not.
-        assert_eq!(s.after_read(8 * MIB, 9 * MIB), vec![]);
-        assert_eq!(
-            s.after_read(30 * MIB, 40 * MIB),
-            vec![(8 * MIB, 9 * MIB), (30 * MIB, 40 * MIB)]
-        );
-        // The gaps, read late, go widened, but not into what is still unread.
-        assert_eq!(s.after_read(0, 8 * MIB), vec![(0, 9 * MIB)]);
-        assert_eq!(s.after_read(9 * MIB, 30 * MIB), vec![(7 * MIB, 32 * MIB)]);
-        // Everything read: the rest of what was announced goes, and nothing past it
-        // (the kernel's readahead for the next fill).
-        assert_eq!(s.after_read(40 * MIB, 64 * MIB), vec![(40 * MIB, 64 * MIB)]);
-        assert_eq!(s.end(), 64 * MIB);
-    }
-
-    #[test]
-    fn gaps_between_the_ranges_read_are_advised_with_them() {
-        let s = Stream::new([(10 * MIB, 4 * MIB), (0, 4 * MIB), (40 * MIB, 30 * MIB)]);
-        assert_eq!(s.after_read(0, MIB), vec![]);
-        assert_eq!(s.after_read(MIB, 4 * MIB), vec![(0, 4 * MIB)]);
-        assert_eq!(s.after_read(10 * MIB, 14 * MIB), vec![(4 * MIB, 14 * MIB)]);
-    }
-
-    #[test]
-    fn empty_and_overflowing_ranges_are_harmless() {
-        let s = Stream::new([(u64::MAX - 5, 100), (7, 0)]);
-        assert_eq!(
-            s.after_read(u64::MAX - 5, u64::MAX),
-            vec![(u64::MAX - 5, u64::MAX)]
-        );
-        // Nothing announced: the first read lets itself go, and a read after that lets
-        // its own pages go again.
-        let none = Stream::new([]);
-        assert_eq!(none.after_read(0, 10), vec![(0, 10)]);
-        assert_eq!(none.after_read(0, 10), vec![(0, 10 + FOLIO_MAX)]);
-        assert_eq!(none.end(), 10);
-    }
-
-    #[test]
-    fn a_shared_record_keeps_what_a_later_fill_reads_and_what_lies_past_it() {
-        // A placement: a dense fill reads [0, 1) and [20, 24) MiB, the experts' fill
-        // [1, 20) MiB, then a second layer's dense fill [24, 40) MiB.
-        let s = Stream::shared([
-            (0, MIB),
-            (20 * MIB, 4 * MIB),
-            (MIB, 19 * MIB),
-            (24 * MIB, 16 * MIB),
-        ]);
-        s.begin([(0, MIB), (20 * MIB, 4 * MIB)]);
-        assert_eq!(s.after_read(0, MIB), vec![]);
-        // Nothing at or past the experts' first byte goes: the kernel's readahead from
-        // their reads runs over [20, 24), which must still be cached then. The end of the
-        // fill advises the folio the mark fell in again.
-        assert_eq!(s.after_read(20 * MIB, 24 * MIB), vec![(0, MIB)]);
-        assert_eq!(s.flush(), vec![(0, MIB)]);
-        // The experts' fill: up to the next fill's first byte, but what it still reads.
-        s.begin([(MIB, 19 * MIB)]);
-        assert_eq!(
-            s.after_read(MIB, 4 * MIB),
-            vec![(0, 4 * MIB), (20 * MIB, 24 * MIB)]
-        );
-        // Read behind that mark: it goes, widened by a folio each side.
-        assert_eq!(s.after_read(4 * MIB, 20 * MIB), vec![(2 * MIB, 22 * MIB)]);
-        // The last fill: everything read, up to the end of what was announced.
-        s.begin([(24 * MIB, 16 * MIB)]);
-        assert_eq!(s.after_read(24 * MIB, 40 * MIB), vec![(24 * MIB, 40 * MIB)]);
-        assert_eq!(s.flush(), vec![]);
-        // A record for one fill is not limited by any other.
-        let own = Stream::new([(0, 8 * MIB)]);
-        assert_eq!(own.after_read(2 * MIB, 5 * MIB), vec![(2 * MIB, 5 * MIB)]);
-    }
-
-    #[test]
-    fn the_furthest_end_is_kept_per_file_not_per_descriptor() {
-        let dir = std::env::temp_dir().join(format!("numapin-advised-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (dir.join("a"), dir.join("b"));
-        std::fs::write(&a, b"a").unwrap();
-        std::fs::write(&b, b"b").unwrap();
-        let advised = Advised::default();
-        let (a1, a2, b1) = (
-            File::open(&a).unwrap(),
-            File::open(&a).unwrap(),
-            File::open(&b).unwrap(),
-        );
-        // Backwards through `a`: the later, lower ends reach the first one's.
-        assert_eq!(advised.reach(&a1, 64 * MIB), 64 * MIB);
-        assert_eq!(advised.reach(&a2, 60 * MIB), 64 * MIB);
-        // Forwards: each end its own.
-        assert_eq!(advised.reach(&a1, 68 * MIB), 68 * MIB);
-        // Another file keeps its own.
-        assert_eq!(advised.reach(&b1, 4 * MIB), 4 * MIB);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn what_readahead_from_an_unread_range_reaches_is_held_until_it_is_read() {
-        // Merged experts, one loader: gate pieces [0, 24) MiB, up pieces [24, 48) MiB,
-        // read side by side (gate 0, up 0, gate 1, up 1, ...), 3 MiB each; readahead
-        // reaches 10 MiB past a read.
-        let s = Stream::new([(0, 48 * MIB)]).with_reach(10 * MIB);
-        assert_eq!(s.after_read(0, 3 * MIB), vec![(0, 3 * MIB)]);
-        // Up 0 is within 10 MiB of gate 1..7's end (24 MiB): held, not advised (the
-        // folio below the last mark goes again).
-        assert_eq!(s.after_read(24 * MIB, 27 * MIB), vec![(2 * MIB, 3 * MIB)]);
-        let mut advised = Vec::new();
-        for k in 1..7 {
-            advised.extend(s.after_read(3 * k * MIB, 3 * (k + 1) * MIB));
-            advised.extend(s.after_read((24 + 3 * k) * MIB, (27 + 3 * k) * MIB));
-        }
-        // Gate pieces go as read (the unread ones above them are not below them); of the
-        // up pieces only what lies 10 MiB past gate 7's end or further.
-        assert!(covers(&advised, 3 * MIB, 21 * MIB), "{advised:?}");
-        assert!(covers(&advised, 34 * MIB, 45 * MIB), "{advised:?}");
-        assert!(
-            !advised.iter().any(|&(a, b)| a < 34 * MIB && b > 24 * MIB),
-            "{advised:?}"
-        );
-        // Gate 7 read: nothing is unread below the held up pieces any more.
-        let last = s.after_read(21 * MIB, 24 * MIB);
-        assert!(covers(&last, 24 * MIB, 34 * MIB), "{last:?}");
-        assert!(covers(
-            &s.after_read(45 * MIB, 48 * MIB),
-            45 * MIB,
-            48 * MIB
-        ));
-    }
-
-    /// Whether the ranges together cover `[lo, hi)`.
-    fn covers(ranges: &[(u64, u64)], lo: u64, hi: u64) -> bool {
-        let mut sorted = ranges.to_vec();
-        sorted.sort_unstable();
-        let mut at = lo;
-        for (a, b) in sorted {
-            if a <= at {
-                at = at.max(b);
-            }
-        }
-        at >= hi
-    }
-
-    #[test]
-    fn no_reach_advises_as_before_and_a_huge_one_holds_without_overflow() {
-        let plain = Stream::new([(0, 8 * MIB), (16 * MIB, 8 * MIB)]);
-        // The gap between the ranges goes with what was read.
-        assert_eq!(
-            plain.after_read(16 * MIB, 19 * MIB),
-            vec![(8 * MIB, 19 * MIB)]
-        );
-        let huge = Stream::new([(0, 8 * MIB), (16 * MIB, 8 * MIB)]).with_reach(u64::MAX);
-        assert_eq!(huge.after_read(16 * MIB, 19 * MIB), vec![]);
-        // All read: everything goes, held or not.
-        let all = huge.after_read(0, 8 * MIB);
-        assert!(covers(&all, 8 * MIB, 19 * MIB), "{all:?}");
-    }
-
-    #[test]
-    fn the_reach_is_twice_the_devices_readahead_and_a_folio() {
-        let file = File::open(std::env::current_exe().unwrap()).unwrap();
-        let reach = readahead_reach(&file);
-        // Whatever the device: at least twice the kernel's smallest sensible window
-        // (4 KiB) and a folio, a multiple of 2 KiB, and not absurd.
-        assert!(reach >= 2 * 4096 + FOLIO_MAX, "{reach}");
-        assert_eq!(reach % 2048, 0, "{reach}");
-        assert!(reach < (1 << 40), "{reach}");
-    }
-
-    #[test]
-    fn the_last_fill_of_a_shared_record_lets_go_of_what_it_held() {
-        // Two fills: [0, 8) and [16, 24) MiB; the first never reads [0, 1) MiB (announced,
-        // not read: a piece another path read), so its reads above stay held.
-        let s = Stream::shared([(0, 8 * MIB), (16 * MIB, 8 * MIB)]).with_reach(64 * MIB);
-        s.begin([(0, 8 * MIB)]);
-        assert_eq!(s.after_read(MIB, 8 * MIB), vec![]);
-        assert_eq!(s.flush(), vec![]);
-        s.begin([(16 * MIB, 8 * MIB)]);
-        assert_eq!(s.after_read(16 * MIB, 24 * MIB), vec![]);
-        // The last fill ends: everything read goes, the unread [0, 1) MiB stays.
-        let last = s.flush();
-        assert!(covers(&last, MIB, 24 * MIB), "{last:?}");
-        assert!(!last.iter().any(|&(a, _)| a < MIB), "{last:?}");
-    }
-
-    #[test]
-    fn range_sets_split_and_complement_exactly() {
-        let mut set: BTreeMap<u64, u64> = [(0, 10), (20, 30)].into_iter().collect();
-        assert_eq!(outside(&set, (5, 35)), vec![(10, 20), (30, 35)]);
-        assert_eq!(outside(&set, (0, 10)), vec![]);
-        remove(&mut set, 5, 25);
-        assert_eq!(set.into_iter().collect::<Vec<_>>(), vec![(0, 5), (25, 30)]);
-    }
-}
+mod tests;

@@ -62,7 +62,10 @@ pub enum ReadMode {
     /// within the kernel's readahead reach (twice `read_ahead_kb` and a 2 MiB folio) above
     /// a range still to be read stays until that range is read: the readahead from it
     /// would read it from the device again (a GGUF layer's gate, up and down experts,
-    /// read side by side). The cache holds about that much of the file at a time, with
+    /// read side by side). At most four such reaches per file are held, the lowest; what
+    /// lies past them goes (a slot order unlike the file's no longer holds half the file),
+    /// and what a placement that fails or is cancelled still held goes when it ends. The
+    /// cache holds about that much of the file at a time, with
     /// the reads in flight and the kernel's readahead past them (twice `read_ahead_kb` at
     /// most); after a load, at most that
     /// readahead past the furthest byte a store's layers read stays cached. A whole

@@ -123,7 +123,7 @@ fn a_whole_drop_behind_placement_of_merged_experts_reads_each_byte_once() {
 /// `hidden`, down the transpose), then the head; tensor data 32-aligned after the
 /// header, so few pieces start on a 512-byte boundary. Every tensor holds its own byte
 /// pattern. Written here by hand (no numapin code).
-fn merged_gguf(path: &Path, layers: u64, experts: u64, hidden: u64, ffn: u64) {
+pub(super) fn merged_gguf(path: &Path, layers: u64, experts: u64, hidden: u64, ffn: u64) {
     fn gstr(s: &str) -> Vec<u8> {
         let mut out = (s.len() as u64).to_le_bytes().to_vec();
         out.extend_from_slice(s.as_bytes());

@@ -7,6 +7,7 @@
 //! replica wholly on its node, each expert on its home node) run in the VM.
 #![cfg(feature = "model")]
 
+mod attack_r11;
 #[path = "../common/mod.rs"]
 mod common;
 mod drop_behind;
